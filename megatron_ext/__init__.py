@@ -1,0 +1,10 @@
+"""megatron_ext: train LLaVA-style vision-language models on megatron-core.
+
+Folders: `hf/` (Hugging Face checkpoints: tiny test models, LLaVA assembly), `model/` (the
+megatron-core LLaVAModel built from an HF config), `convert/` (HF <-> Megatron converters),
+`checkpoint/` (checkpoint directory layout and metadata), `data/` (energon datasets and the task
+encoder), `train/` (the trainer), `launch/` (torchrun / Singularity / SLURM command building),
+`eval/` (generation, chat, evaluation).
+"""
+
+__version__ = "0.1.0"

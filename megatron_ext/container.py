@@ -1,0 +1,86 @@
+"""Running a command inside a Singularity/Apptainer image (`--sif-path`).
+
+The launcher and the converters build their container command here, so both bind the same
+directories and pick the runtime the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_ext.errors import UserError
+
+RUNTIMES = ("singularity", "apptainer")
+
+
+def container_runtime() -> str:
+    """`singularity`, or `apptainer` where that is the installed name."""
+    for name in RUNTIMES:
+        if shutil.which(name):
+            return name
+    raise UserError("--sif-path needs singularity or apptainer on PATH; neither was found")
+
+
+def check_sif(sif: str | Path, flag: str = "--sif-path") -> Path:
+    sif = Path(sif).expanduser().resolve()
+    if not sif.is_file():
+        raise UserError(f"{flag} {sif} does not exist; build it with: singularity build --nv --fakeroot {sif} environments/recipe_latest.def")
+    return sif
+
+
+def bind_args(paths) -> list[str]:
+    """`--bind p:p` for every existing directory in `paths` (files bind their parent), deduplicated."""
+    seen: list[str] = []
+    for path in paths:
+        if path is None:
+            continue
+        path = Path(path).expanduser().resolve()
+        target = path if path.is_dir() else path.parent
+        if target.exists() and str(target) not in seen:
+            seen.append(str(target))
+    args = []
+    for target in seen:
+        args += ["--bind", f"{target}:{target}"]
+    return args
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def container_command(sif: str | Path, command: list[str], binds=(), env: dict[str, str] | None = None,
+                      runtime: str | None = None) -> list[str]:
+    """`<runtime> exec --nv [--bind ...] [--env ...] SIF command...`.
+
+    The working directory and this checkout are bound, and the checkout goes first on PYTHONPATH,
+    so the code you are editing runs, not the copy installed when the image was built.
+    """
+    runtime = runtime or container_runtime()
+    env = {"PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    env_args = [arg for key, value in env.items() for arg in ("--env", f"{key}={value}")]
+    return [runtime, "exec", "--nv", *bind_args([Path.cwd(), REPO_ROOT, *binds]), *env_args, str(sif), *command]
+
+
+def strip_option(argv: list[str], option: str) -> list[str]:
+    """argv without `option VALUE` / `option=VALUE` (to re-run a CLI inside the image)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
+
+
+def rerun_in_container(sif: str | Path, binds=()) -> None:
+    """Re-run this very script inside the image without `--sif-path`, and exit with its status."""
+    sif = check_sif(sif)
+    argv = strip_option(sys.argv[1:], "--sif-path")
+    command = container_command(sif, ["python", os.path.abspath(sys.argv[0]), *argv], binds)
+    print("+ " + " ".join(command), file=sys.stderr, flush=True)
+    sys.exit(subprocess.call(command))

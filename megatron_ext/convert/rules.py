@@ -1,0 +1,151 @@
+"""Split rules: how one Megatron tensor relates to its Hugging Face tensor(s) and to its TP shards.
+
+Every rule has three symmetric pieces:
+  hf_to_megatron(hf tensors) -> the full Megatron tensor (the layout a TP=1 model holds)
+  megatron_to_hf(full)       -> the HF tensors, exactly as they were
+  shard(full, rank, size)    -> what tensor-parallel rank `rank` of `size` holds
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class Rule:
+    num_hf: int = 1
+
+    def hf_to_megatron(self, hf: list[torch.Tensor]) -> torch.Tensor:
+        return hf[0]
+
+    def megatron_to_hf(self, full: torch.Tensor) -> list[torch.Tensor]:
+        return [full]
+
+    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Replicated(Rule):
+    """Every rank holds the whole tensor (norms, biases after a row-parallel matmul, embeddings of the ViT)."""
+
+    def shard(self, full, rank, size):
+        return full
+
+
+@dataclass(frozen=True)
+class Reshaped(Replicated):
+    """Replicated, stored with another shape in Megatron (CLIP's class token: (h,) vs (1, 1, h))."""
+
+    megatron_shape: tuple[int, ...]
+
+    def hf_to_megatron(self, hf):
+        return hf[0].reshape(self.megatron_shape)
+
+    def megatron_to_hf(self, full):
+        return [full.reshape(-1)]
+
+
+class Column(Rule):
+    """Output features split across ranks (ColumnParallelLinear weight and bias).
+
+        full [out, in]  ->  rank r: rows [r*out/size, (r+1)*out/size)
+    """
+
+    def shard(self, full, rank, size):
+        return full.chunk(size, dim=0)[rank]
+
+
+class Row(Rule):
+    """Input features split across ranks (RowParallelLinear weight).
+
+        full [out, in]  ->  rank r: columns [r*in/size, (r+1)*in/size)
+    """
+
+    def shard(self, full, rank, size):
+        return full.chunk(size, dim=1)[rank]
+
+
+@dataclass(frozen=True)
+class VocabParallel(Column):
+    """Embedding / output rows: padded with zero rows to Megatron's vocab, then split by rows."""
+
+    vocab_size: int
+    padded_vocab_size: int
+
+    def hf_to_megatron(self, hf):
+        (table,) = hf
+        if table.shape[0] != self.vocab_size:
+            raise ValueError(f"expected {self.vocab_size} vocabulary rows, found {table.shape[0]}")
+        pad = table.new_zeros((self.padded_vocab_size - self.vocab_size, *table.shape[1:]))
+        return torch.cat([table, pad])
+
+    def megatron_to_hf(self, full):
+        return [full[: self.vocab_size]]
+
+
+@dataclass(frozen=True)
+class QKV(Rule):
+    """q, k, v projections fused the way megatron-core's linear_qkv holds them.
+
+    Megatron groups the heads by key/value group; each group stores its query heads, then its
+    key head, then its value head:
+
+        [ q(g0) k(g0) v(g0) | q(g1) k(g1) v(g1) | ... ]   each q(g) = heads_per_group x head_dim rows
+
+    Tensor parallelism gives each rank whole groups (a contiguous block of rows). Works for the
+    weight [rows, hidden] and the bias [rows] alike. With grouped-query attention
+    (num_query_groups < num_heads) q and k/v have different row counts.
+    """
+
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+    num_hf: int = 3
+
+    def _sizes(self):
+        per_group = self.num_heads // self.num_query_groups
+        return [per_group * self.head_dim, self.head_dim, self.head_dim]
+
+    def hf_to_megatron(self, hf):
+        q, k, v = hf
+        g = self.num_query_groups
+        grouped = [t.reshape(g, -1, *t.shape[1:]) for t in (q, k, v)]
+        return torch.cat(grouped, dim=1).reshape(-1, *q.shape[1:])
+
+    def megatron_to_hf(self, full):
+        g = self.num_query_groups
+        grouped = full.reshape(g, -1, *full.shape[1:])
+        q, k, v = torch.split(grouped, self._sizes(), dim=1)
+        return [t.reshape(-1, *full.shape[1:]).contiguous() for t in (q, k, v)]
+
+    def shard(self, full, rank, size):
+        return full.chunk(size, dim=0)[rank]
+
+
+class GatedMLP(Rule):
+    """SwiGLU gate and up projections fused into linear_fc1.
+
+        full = [gate ; up]       rank r = [gate rows of r ; up rows of r]
+
+    Each rank needs its slice of both halves, so it is not a plain column split.
+    """
+
+    num_hf = 2
+
+    def hf_to_megatron(self, hf):
+        gate, up = hf
+        return torch.cat([gate, up], dim=0)
+
+    def megatron_to_hf(self, full):
+        return [t.contiguous() for t in full.chunk(2, dim=0)]
+
+    def shard(self, full, rank, size):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+
+
+REPLICATED = Replicated()
+COLUMN = Column()
+ROW = Row()
+GATED_MLP = GatedMLP()

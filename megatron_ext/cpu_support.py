@@ -1,0 +1,198 @@
+"""The one place that lets megatron-core run on a machine without CUDA.
+
+megatron-core 0.16 assumes a GPU throughout. On a CPU-only torch each patch below works around
+one measured failure (see ../shared/notes/megatron-core-on-cpu.md). `apply()` is a no-op when
+CUDA is available, so GPU runs never touch any of this.
+
+Patches, each with the failure it fixes:
+
+1. Device redirection (`_CudaToCpuMode`, a TorchFunctionMode entered once per process):
+   ~90 places ask for CUDA tensors (`.cuda()`, `device="cuda"`, `device=torch.cuda.current_device()`)
+   -> "Torch not compiled with CUDA enabled". The mode rewrites CUDA device requests to CPU and
+   makes `Tensor.cuda()` return the tensor. It also reports CPU float tensors' `type()` as
+   `torch.cuda.*Tensor`, because clip_grads.py / optimizer.py assert on that string.
+2. `torch.cuda` functions that have no CPU meaning (`current_device`, `synchronize`, `set_device`,
+   streams, events, memory statistics): replaced with CPU-safe stand-ins so callers such as the
+   torch_dist async writer, timers and pipeline p2p proceed.
+3. RNG: `model_parallel_cuda_manual_seed` uses CUDA generators. `_CpuRNGStatesTracker` keeps
+   named states of the CPU generator instead, and `_get/_set_cuda_rng_state` read/write the CPU
+   generator. (Callers must still `torch.manual_seed(seed)`: on a CPU torch megatron never seeds
+   the CPU generator.)
+4. Norms without Transformer Engine/Apex: CLIPViTModel defaults `ln_pre_impl`/`ln_post_impl` to
+   `torch.nn.LayerNorm` and passes `config=` to it -> TypeError. LLaVAModel cannot pass other
+   implementations, so the defaults become megatron's `WrappedTorchNorm`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+_APPLIED = False
+_MODE: TorchFunctionMode | None = None
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare integer is what torch.cuda.current_device() returns: CUDA ordinal semantics.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device requests to CPU for every torch call made while it is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = _CUDA_TYPE_NAMES.get(args[0].dtype)
+            if name is not None:
+                return name
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func in (torch.Tensor.to, torch.Tensor.new_empty) or getattr(func, "__name__", "") == "to":
+            args = tuple("cpu" if i > 0 and _is_cuda_device(a) else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream / Event on CPU: everything is already synchronous."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NullStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.synchronize = lambda *a, **k: None
+    cuda.set_device = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.Stream = _NullStream
+    cuda.Event = _NullStream
+    cuda.current_stream = lambda *a, **k: _NullStream()
+    cuda.default_stream = lambda *a, **k: _NullStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.memory_reserved = lambda *a, **k: 0
+    cuda.max_memory_reserved = lambda *a, **k: 0
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mp_random
+
+    class _CpuRNGStatesTracker(mp_random.CudaRNGStatesTracker):
+        """Named RNG states of the CPU generator, with the CUDA tracker's interface."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    mp_random._CUDA_RNG_STATE_TRACKER = _CpuRNGStatesTracker()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def _patch_vision_norm_defaults() -> None:
+    from megatron.core.models.vision import clip_vit_model
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if clip_vit_model.NORM_IMPL is torch.nn.LayerNorm:
+        defaults = list(clip_vit_model.CLIPViTModel.__init__.__defaults__)
+        defaults = [WrappedTorchNorm if d is torch.nn.LayerNorm else d for d in defaults]
+        clip_vit_model.CLIPViTModel.__init__.__defaults__ = tuple(defaults)
+
+
+def cpu_mode_active() -> bool:
+    return _APPLIED
+
+
+def apply() -> bool:
+    """Make megatron-core usable without CUDA. Returns True when the patches are active.
+
+    Idempotent; does nothing (and returns False) when CUDA is available.
+    """
+    global _APPLIED, _MODE
+    if _APPLIED:
+        return True
+    if torch.cuda.is_available():
+        return False
+    # One intra-op thread per process: two threads on a 2-core machine gave erratic 40x slower steps.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    _patch_torch_cuda()
+    _patch_rng()
+    _patch_vision_norm_defaults()
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
+    _APPLIED = True
+    log.info("CUDA not available: megatron-core runs on CPU through megatron_ext.cpu_support")
+    return True

@@ -1,0 +1,70 @@
+"""Process-group setup shared by the trainer, the converters and evaluation.
+
+One call, `init_parallel(tp, pp)`, gives a process megatron-core's parallel state on either
+NCCL + CUDA or gloo + CPU (with `cpu_support` applied), and seeds every generator the same way
+Megatron-LM does, so TP/PP/DP layouts start from identical weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+
+import torch
+
+from megatron_ext import cpu_support
+from megatron_ext.errors import UserError
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str | None = None, timeout_min: int = 30) -> None:
+    """Initialise torch.distributed (env:// as set by torchrun, or a 1-process group) and megatron's
+    parallel state with `tp` x `pp` model parallelism; data parallel takes the remaining ranks."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    on_cpu = cpu_support.apply()
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(free_port())
+        if not on_cpu:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(
+            backend=backend or ("gloo" if on_cpu else "nccl"),
+            timeout=datetime.timedelta(minutes=timeout_min),
+        )
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise UserError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the number of processes ({world})")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    # On a CPU torch megatron never seeds the CPU generator; Megatron-LM's trainer seeds both.
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,170 @@
+"""Assemble a Hugging Face `LlavaForConditionalGeneration` from a text model and a vision tower.
+
+What it does, in order:
+1. loads the text model's config and tokenizer, and the vision tower's config and image processor;
+2. adds `<image>` (and `<pad>` when the tokenizer has no pad token) as special tokens;
+3. builds the LLaVA skeleton on the meta device and moves the pretrained text and vision weights
+   into it (so the big text model is held in memory once), with a freshly initialised 2-layer GELU
+   projector mapping the vision hidden size to the text hidden size;
+4. resizes the embedding and LM head to the tokenizer (to a multiple of 128 with vocab padding);
+5. writes model, tokenizer and processor through a temporary directory.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_ext.errors import UserError
+from megatron_ext.fsutil import atomic_output_dir, check_output_dir
+from megatron_ext.hf import loading
+
+log = logging.getLogger(__name__)
+
+# LLaVA-1.5's vision tower, also the original toolkit's default.
+DEFAULT_VISION_MODEL = "openai/clip-vit-large-patch14-336"
+IMAGE_TOKEN = "<image>"
+PAD_TOKEN = "<pad>"
+VOCAB_PAD_MULTIPLE = 128
+
+
+@dataclass(frozen=True)
+class VisionRecipe:
+    """How LLaVA reads features from a given tower family (as LLaVA-1.5 / LLaVA-NeXT-SigLIP do)."""
+
+    feature_layer: int  # index into hidden_states; -2 = penultimate layer's output
+    select_strategy: str  # "default" drops the CLS token, "full" keeps every position
+    extra_tokens: int  # class tokens the tower puts in front of the patches
+
+
+VISION_RECIPES = {
+    "clip_vision_model": VisionRecipe(feature_layer=-2, select_strategy="default", extra_tokens=1),
+    "siglip_vision_model": VisionRecipe(feature_layer=-1, select_strategy="full", extra_tokens=0),
+}
+# Full two-tower checkpoints (e.g. openai/clip-*) carry the vision config inside.
+_FULL_TO_VISION = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
+
+
+def vision_config_of(config, flag: str = "--vision-model"):
+    """The vision-tower config inside `config`, with its model_type checked."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in _FULL_TO_VISION:
+        config = config.vision_config
+        model_type = config.model_type
+    if model_type not in VISION_RECIPES:
+        supported = ", ".join(sorted(set(VISION_RECIPES) | set(_FULL_TO_VISION)))
+        raise UserError(f"{flag}: vision model_type {model_type!r} is not supported (supported: {supported})")
+    return config
+
+
+def _vision_model_class(vision_config):
+    from transformers import CLIPVisionModel, SiglipVisionModel
+
+    return {"clip_vision_model": CLIPVisionModel, "siglip_vision_model": SiglipVisionModel}[vision_config.model_type]
+
+
+def add_special_tokens(tokenizer) -> tuple[int, int]:
+    """Add `<image>` and, if the tokenizer has none, a `<pad>` token. Returns (image_id, pad_id)."""
+    if IMAGE_TOKEN not in tokenizer.get_vocab():
+        tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]}, replace_extra_special_tokens=False)
+    if tokenizer.pad_token is None:
+        if PAD_TOKEN not in tokenizer.get_vocab():
+            tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+        else:
+            tokenizer.pad_token = PAD_TOKEN
+    return tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), tokenizer.pad_token_id
+
+
+def _resolve_dtype(dtype: str, text_config) -> torch.dtype:
+    if dtype == "auto":
+        stored = getattr(text_config, "dtype", None) or getattr(text_config, "torch_dtype", None)
+        if isinstance(stored, torch.dtype):
+            return stored
+        return getattr(torch, stored) if isinstance(stored, str) else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def build_llava(
+    save_dir: str | Path,
+    text_model: str,
+    vision_model: str = DEFAULT_VISION_MODEL,
+    vocab_size_padding: bool = False,
+    force: bool = False,
+    dtype: str = "auto",
+    seed: int = 0,
+) -> Path:
+    """Write a LLaVA checkpoint + tokenizer + processor to `save_dir`; returns its path."""
+    from transformers import AutoModelForCausalLM, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+    save_dir = check_output_dir(save_dir, force, "--save-dir")
+
+    text_config = loading.load_config(text_model, "--text-model")
+    tokenizer = loading.load_tokenizer(text_model, "--text-model")
+    vision_config = vision_config_of(loading.load_config(vision_model, "--vision-model"))
+    image_processor = loading.load_image_processor(vision_model, "--vision-model")
+    recipe = VISION_RECIPES[vision_config.model_type]
+    torch_dtype = _resolve_dtype(dtype, text_config)
+
+    image_token_id, pad_token_id = add_special_tokens(tokenizer)
+    num_patches = (vision_config.image_size // vision_config.patch_size) ** 2
+    image_seq_length = num_patches + (recipe.extra_tokens if recipe.select_strategy == "full" else 0)
+
+    text = loading.load_pretrained(AutoModelForCausalLM, text_model, "--text-model", dtype=torch_dtype)
+    vision = loading.load_pretrained(_vision_model_class(vision_config), vision_model, "--vision-model", dtype=torch_dtype)
+
+    config = LlavaConfig(
+        text_config=text.config.to_dict(),
+        vision_config=vision.config.to_dict(),
+        image_token_index=image_token_id,
+        image_seq_length=image_seq_length,
+        projector_hidden_act="gelu",
+        vision_feature_layer=recipe.feature_layer,
+        vision_feature_select_strategy=recipe.select_strategy,
+        multimodal_projector_bias=True,
+        tie_word_embeddings=bool(text.config.tie_word_embeddings),
+    )
+
+    with torch.device("meta"):
+        llava = LlavaForConditionalGeneration(config)
+    llava.model.language_model.load_state_dict(text.model.state_dict(), assign=True)
+    llava.lm_head.load_state_dict(text.lm_head.state_dict(), assign=True)
+    llava.model.vision_tower.load_state_dict(vision.state_dict(), assign=True)
+    torch.manual_seed(seed)
+    llava.model.multi_modal_projector = LlavaMultiModalProjector(config).to(torch_dtype)
+    if config.tie_word_embeddings:
+        llava.lm_head.weight = llava.model.language_model.embed_tokens.weight
+    del text, vision
+
+    llava.resize_token_embeddings(
+        len(tokenizer), pad_to_multiple_of=VOCAB_PAD_MULTIPLE if vocab_size_padding else None, mean_resizing=True
+    )
+    # Only now is the pad id inside the (resized) vocabulary.
+    llava.config.pad_token_id = pad_token_id
+    llava.config.text_config.pad_token_id = pad_token_id
+    llava.generation_config.pad_token_id = pad_token_id
+    llava.generation_config.eos_token_id = tokenizer.eos_token_id
+    llava.generation_config.bos_token_id = tokenizer.bos_token_id
+
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=vision_config.patch_size,
+        vision_feature_select_strategy=recipe.select_strategy,
+        num_additional_image_tokens=recipe.extra_tokens,
+        image_token=IMAGE_TOKEN,
+        chat_template=tokenizer.chat_template,
+    )
+
+    with atomic_output_dir(save_dir) as tmp:
+        llava.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+    log.info(
+        "wrote %s: vocab %d (tokenizer %d), <image>=%d, <pad>=%d, vision %s, feature layer %d (%s)",
+        save_dir, llava.config.text_config.vocab_size, len(tokenizer), image_token_id, pad_token_id,
+        vision_config.model_type, recipe.feature_layer, recipe.select_strategy,
+    )
+    return save_dir

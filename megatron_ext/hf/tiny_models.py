@@ -1,0 +1,204 @@
+"""Tiny random Hugging Face models for tests and the CPU demo; nothing is downloaded.
+
+The weights are random, but everything else is what a real checkpoint has: configs, safetensors,
+a BPE tokenizer trained here with `tokenizers` (with a chat template), and image processors. They
+load with the ordinary `from_pretrained` calls, so the code under test is the real loading code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Role markers and end-of-turn are single special tokens, as in current chat models.
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+# Renders string content, or HF multimodal content lists ({"type": "image"} / {"type": "text"}).
+# `{% generation %}` marks assistant text so HF can return assistant-token masks.
+CHAT_TEMPLATE = (
+    "{% macro render(content) %}"
+    "{% if content is string %}{{ content }}"
+    "{% else %}{% for part in content %}"
+    "{% if part['type'] == 'image' %}{{ '<image>\n' }}{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% endmacro %}"
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ render(message['content']) + '<|end|>' }}{% endgeneration %}"
+    "{% else %}{{ render(message['content']) + '<|end|>' }}{% endif %}"
+    "{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "A photo of a cat sitting on a red sofa next to a window.",
+    "Two dogs are running across a green field under a blue sky.",
+    "What is in this image? Describe the picture in detail.",
+    "The image shows a bowl of fruit with apples, bananas and oranges.",
+    "A man is riding a bicycle down a busy street in the city.",
+    "Question: how many people are in the picture? Answer: three.",
+    "The quick brown fox jumps over the lazy dog.",
+    "この画像には何が写っていますか？",
+    "赤いソファの上に猫が座っています。",
+    "青い空の下で二匹の犬が走っています。",
+    "画像を詳しく説明してください。",
+    "これは果物の入ったボウルの写真です。",
+    "colors: red green blue yellow black white purple orange brown gray",
+    "shapes: circle square triangle rectangle star line dot",
+    "numbers: zero one two three four five six seven eight nine ten",
+]
+
+
+def _corpus() -> list[str]:
+    """The fixed sentences plus every word pair of them, enough text for ~1000 BPE merges."""
+    words = sorted({w for line in _CORPUS for w in line.split()})
+    pairs = [f"{a} {b}" for a in words for b in words[:40]]
+    return _CORPUS * 4 + pairs
+
+
+@dataclass(frozen=True)
+class TinyTextSpec:
+    """Shape of the tiny text model. Defaults give GQA (4 query heads, 2 KV heads)."""
+
+    arch: str = "llama"  # "llama" or "qwen2" (attention bias on q/k/v)
+    vocab_size: int = 1000
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    # Larger than the usual 0.02 so logits differ visibly and parity tests can tell models apart.
+    initializer_range: float = 0.1
+
+
+@dataclass(frozen=True)
+class TinyVisionSpec:
+    hidden_size: int = 32
+    num_layers: int = 3
+    num_heads: int = 4
+    intermediate_size: int = 64
+    image_size: int = 56
+    patch_size: int = 14
+
+
+def train_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained on a small English/Japanese corpus, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    bos_id = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="<|end|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _seeded(seed: int):
+    torch.manual_seed(seed)
+
+
+def make_text_model(save_dir: Path, spec: TinyTextSpec = TinyTextSpec(), seed: int = 0) -> Path:
+    """Write a random causal LM (Llama or Qwen2 architecture) and its tokenizer to `save_dir`."""
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+
+    tokenizer = train_tokenizer(spec.vocab_size)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        initializer_range=spec.initializer_range,
+    )
+    if spec.arch == "llama":
+        config = LlamaConfig(**common, rms_norm_eps=1e-5)
+    elif spec.arch == "qwen2":
+        config = Qwen2Config(**common, rms_norm_eps=1e-6)
+    else:
+        raise ValueError(f"unknown tiny text architecture {spec.arch!r} (llama, qwen2)")
+    _seeded(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    model.save_pretrained(save_dir)
+    tokenizer.save_pretrained(save_dir)
+    return save_dir
+
+
+def make_vision_model(save_dir: Path, kind: str, spec: TinyVisionSpec = TinyVisionSpec(), seed: int = 0) -> Path:
+    """Write a random CLIP or SigLIP vision tower and its image processor to `save_dir`."""
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        CLIPVisionModel,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+    )
+
+    common = dict(
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        image_size=spec.image_size,
+        patch_size=spec.patch_size,
+    )
+    _seeded(seed)
+    if kind == "clip":
+        model = CLIPVisionModel(CLIPVisionConfig(**common, hidden_act="quick_gelu"))
+        processor = CLIPImageProcessor(
+            size={"shortest_edge": spec.image_size},
+            crop_size={"height": spec.image_size, "width": spec.image_size},
+        )
+    elif kind == "siglip":
+        model = SiglipVisionModel(SiglipVisionConfig(**common))
+        processor = SiglipImageProcessor(size={"height": spec.image_size, "width": spec.image_size})
+    else:
+        raise ValueError(f"unknown tiny vision tower {kind!r} (clip, siglip)")
+    model.save_pretrained(save_dir)
+    processor.save_pretrained(save_dir)
+    return save_dir
+
+
+def make_all(save_dir: Path, text_spec: TinyTextSpec = TinyTextSpec(), seed: int = 0) -> dict[str, Path]:
+    """The three folders the demo and tests use: text, vision-clip, vision-siglip."""
+    save_dir = Path(save_dir)
+    return {
+        "text": make_text_model(save_dir / "text", text_spec, seed),
+        "vision-clip": make_vision_model(save_dir / "vision-clip", "clip", seed=seed + 1),
+        "vision-siglip": make_vision_model(save_dir / "vision-siglip", "siglip", seed=seed + 2),
+    }

@@ -1,0 +1,238 @@
+"""What a Hugging Face LLaVA config means for megatron-core, checked once.
+
+`LlavaArch.from_hf_config` reads an HF `LlavaConfig` (object or config.json dict) and derives every
+number the Megatron model needs, refusing what megatron-core cannot compute exactly. Everything
+downstream (model provider, converters, trainer) reads these dataclasses, never the HF config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from megatron_ext.errors import UserError
+
+SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
+SUPPORTED_VISION_MODELS = ("clip_vision_model", "siglip_vision_model")
+# Megatron's vocab is padded to a TP-independent multiple so checkpoints reshard across TP sizes.
+VOCAB_MULTIPLE = 128
+# megatron-core's RotaryEmbedding implements llama3 scaling with these constants only.
+_LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def _as_dict(cfg: Any) -> dict:
+    return cfg if isinstance(cfg, dict) else cfg.to_dict()
+
+
+def padded_vocab_size(vocab_size: int) -> int:
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+@dataclass(frozen=True)
+class TextArch:
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int  # rows of the HF embedding
+    padded_vocab_size: int  # rows of the Megatron embedding
+    norm_eps: float
+    rope_theta: float
+    rope_scaling_factor: float | None  # llama3-style scaling, None when absent
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    init_std: float
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> "TextArch":
+        model_type = _get(cfg, "model_type")
+        if model_type not in SUPPORTED_TEXT_MODELS:
+            raise UserError(
+                f"text model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_TEXT_MODELS)})"
+            )
+        if _get(cfg, "hidden_act", "silu") != "silu":
+            raise UserError(f"text hidden_act {_get(cfg, 'hidden_act')!r} is not supported (only silu / SwiGLU)")
+        if _get(cfg, "mlp_bias", False):
+            raise UserError("text models with mlp_bias=true are not supported")
+        if model_type == "llama" and _get(cfg, "attention_bias", False):
+            raise UserError("llama models with attention_bias=true (bias on o_proj too) are not supported")
+        sliding = _get(cfg, "sliding_window")
+        if sliding is not None and _get(cfg, "use_sliding_window", model_type == "mistral"):
+            if sliding < _get(cfg, "max_position_embeddings"):
+                raise UserError(f"sliding-window attention (sliding_window={sliding}) is not supported")
+        heads = _get(cfg, "num_attention_heads")
+        hidden = _get(cfg, "hidden_size")
+        vocab = _get(cfg, "vocab_size")
+        theta, scaling = _rope(cfg)
+        return cls(
+            model_type=model_type,
+            num_layers=_get(cfg, "num_hidden_layers"),
+            hidden_size=hidden,
+            ffn_hidden_size=_get(cfg, "intermediate_size"),
+            num_attention_heads=heads,
+            num_query_groups=_get(cfg, "num_key_value_heads") or heads,
+            kv_channels=_get(cfg, "head_dim") or hidden // heads,
+            vocab_size=vocab,
+            padded_vocab_size=padded_vocab_size(vocab),
+            norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling_factor=scaling,
+            qkv_bias=model_type == "qwen2",
+            tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
+            max_position_embeddings=_get(cfg, "max_position_embeddings"),
+            init_std=float(_get(cfg, "initializer_range", 0.02)),
+        )
+
+
+def _rope(cfg: Any) -> tuple[float, float | None]:
+    """(theta, llama3 scaling factor or None) from transformers 5 `rope_parameters` or older keys."""
+    params = _get(cfg, "rope_parameters") or {}
+    legacy = _get(cfg, "rope_scaling") or {}
+    theta = float(params.get("rope_theta", _get(cfg, "rope_theta", 10000.0)))
+    rope_type = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise UserError(f"RoPE scaling type {rope_type!r} is not supported (supported: default, llama3)")
+    source = params if params.get("rope_type") == "llama3" else legacy
+    for key, expected in _LLAMA3_ROPE_CONSTANTS.items():
+        if float(source.get(key, expected)) != expected:
+            raise UserError(f"llama3 RoPE scaling with {key}={source[key]} is not supported (megatron-core uses {expected})")
+    return theta, float(source["factor"])
+
+
+@dataclass(frozen=True)
+class VisionArch:
+    model_type: str
+    subtype: str  # megatron-core CLIPViTModel subtype: "clip" or "siglip"
+    hf_num_layers: int
+    num_layers: int  # layers up to the feature layer; the ones after it are never used by LLaVA
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    norm_eps: float
+    activation: str  # key of megatron_ext.model.activations.ACTIVATIONS
+    class_token: bool
+    init_std: float
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @classmethod
+    def from_hf(cls, cfg: Any, feature_layer: int) -> "VisionArch":
+        model_type = _get(cfg, "model_type")
+        if model_type not in SUPPORTED_VISION_MODELS:
+            raise UserError(
+                f"vision model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_VISION_MODELS)})"
+            )
+        from megatron_ext.model.activations import hf_activation
+
+        hf_layers = _get(cfg, "num_hidden_layers")
+        # hidden_states[0] is the embedding output, hidden_states[i] the output of layer i.
+        used = feature_layer if feature_layer >= 0 else hf_layers + 1 + feature_layer
+        if not 1 <= used <= hf_layers:
+            raise UserError(
+                f"vision_feature_layer {feature_layer} selects no transformer layer of a {hf_layers}-layer tower"
+            )
+        clip = model_type == "clip_vision_model"
+        return cls(
+            model_type=model_type,
+            subtype="clip" if clip else "siglip",
+            hf_num_layers=hf_layers,
+            num_layers=used,
+            hidden_size=_get(cfg, "hidden_size"),
+            ffn_hidden_size=_get(cfg, "intermediate_size"),
+            num_attention_heads=_get(cfg, "num_attention_heads"),
+            image_size=_get(cfg, "image_size"),
+            patch_size=_get(cfg, "patch_size"),
+            norm_eps=float(_get(cfg, "layer_norm_eps", 1e-5)),
+            activation=hf_activation(_get(cfg, "hidden_act")),
+            class_token=clip,
+            init_std=float(_get(cfg, "initializer_range", 0.02)),
+        )
+
+
+@dataclass(frozen=True)
+class LlavaArch:
+    text: TextArch
+    vision: VisionArch
+    projector_activation: str
+    projector_bias: bool
+    image_token_index: int
+    pad_token_id: int | None
+    drop_class_token: bool
+
+    @property
+    def img_seq_len(self) -> int:
+        """Image embeddings the language model sees per image."""
+        keep_cls = self.vision.class_token and not self.drop_class_token
+        return self.vision.num_patches + int(keep_cls)
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> "LlavaArch":
+        from megatron_ext.model.activations import hf_activation
+
+        cfg = _as_dict(cfg)
+        if cfg.get("model_type") != "llava":
+            raise UserError(f"model_type {cfg.get('model_type')!r} is not supported (supported: llava)")
+        feature_layer = cfg.get("vision_feature_layer", -2)
+        if not isinstance(feature_layer, int):
+            raise UserError(f"vision_feature_layer {feature_layer} (several layers) is not supported")
+        strategy = cfg.get("vision_feature_select_strategy", "default")
+        vision = VisionArch.from_hf(cfg["vision_config"], feature_layer)
+        if strategy == "default" and not vision.class_token:
+            raise UserError("vision_feature_select_strategy 'default' drops a class token, but SigLIP has none; use 'full'")
+        image_token = cfg.get("image_token_index", cfg.get("image_token_id"))
+        return cls(
+            text=TextArch.from_hf(cfg["text_config"]),
+            vision=vision,
+            projector_activation=hf_activation(cfg.get("projector_hidden_act", "gelu")),
+            projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
+            image_token_index=image_token,
+            pad_token_id=cfg.get("pad_token_id", cfg["text_config"].get("pad_token_id")),
+            drop_class_token=strategy == "default",
+        )
+
+    def parallel_problems(self, tp: int, pp: int) -> list[str]:
+        """Every reason this model cannot be split `tp` x `pp` ways (empty when it can)."""
+        t, v = self.text, self.vision
+        checks = [
+            ("text attention heads", t.num_attention_heads, tp),
+            ("text KV heads (num_key_value_heads)", t.num_query_groups, tp),
+            ("text FFN size (intermediate_size)", t.ffn_hidden_size, tp),
+            ("padded vocabulary", t.padded_vocab_size, tp),
+            ("vision attention heads", v.num_attention_heads, tp),
+            ("vision FFN size", v.ffn_hidden_size, tp),
+            ("text hidden size (projector)", t.hidden_size, tp),
+            ("text layers", t.num_layers, pp),
+        ]
+        problems = []
+        for what, value, size in checks:
+            if size < 1:
+                problems.append(f"parallel size must be >= 1, got {size}")
+            elif value % size:
+                flag = "--pp" if what == "text layers" else "--tp"
+                problems.append(f"{flag} {size} does not divide the {what} ({value})")
+        return problems
+
+    def check_parallel(self, tp: int, pp: int) -> None:
+        problems = self.parallel_problems(tp, pp)
+        if problems:
+            raise UserError("; ".join(problems))
+
+    def summary(self) -> dict:
+        return {"text": asdict(self.text), "vision": asdict(self.vision), "img_seq_len": self.img_seq_len}

@@ -1,0 +1,171 @@
+"""Build megatron-core's `LLaVAModel` for this rank from a `LlavaArch`.
+
+The three TransformerConfigs (language model, ViT, projector) are derived here and nowhere else.
+Pipeline parallelism follows Megatron-LM's multimodal layout: the ViT and projector live on the
+first stage, the language model's layers are split across stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron_ext.model.activations import ACTIVATIONS
+from megatron_ext.model.arch import LlavaArch
+from megatron_ext.model.specs import llava_specs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Runtime choices that are not part of the weights."""
+
+    seq_length: int = 1024  # language-model sequence length (text + image embeddings)
+    dtype: str = "float32"  # params / compute dtype: float32, bfloat16, float16
+    use_te: bool | None = None  # None: Transformer Engine when available on CUDA
+    init_weights: bool = True  # False when a checkpoint will overwrite every weight anyway
+    parallel_output: bool = True  # False gathers full-vocab logits (inference, comparisons)
+    fp8: str | None = None  # Transformer Engine FP8 format ("hybrid", "e4m3"), TE only
+    sequence_parallel: bool = False
+    recompute: bool = False  # full activation recomputation of every layer
+
+
+def _common(opts: ModelOptions, tp: int, init_std: float) -> dict:
+    dtype = DTYPES[opts.dtype]
+    on_gpu = torch.cuda.is_available()
+    return dict(
+        tensor_model_parallel_size=tp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        # Full weights built then sliced: identical initial weights at every TP size.
+        use_cpu_initialization=True,
+        perform_initialization=opts.init_weights,
+        init_method_std=init_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        # Fused kernels exist only on GPU; on CPU they would only add torch.compile time.
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        sequence_parallel=opts.sequence_parallel,
+        # Pipeline p2p must not wait on CUDA streams that do not exist on CPU.
+        batch_p2p_sync=on_gpu,
+    )
+
+
+def transformer_configs(arch: LlavaArch, opts: ModelOptions, tp: int, pp: int):
+    """(language, vision, projector) TransformerConfigs for a `tp` x `pp` layout."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    t, v = arch.text, arch.vision
+    fp8 = dict(fp8=opts.fp8, fp8_recipe="delayed") if opts.fp8 else {}
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if opts.recompute else {}
+    language = TransformerConfig(
+        **_common(opts, tp, t.init_std),
+        **fp8,
+        **recompute,
+        pipeline_model_parallel_size=pp,
+        num_layers=t.num_layers,
+        hidden_size=t.hidden_size,
+        ffn_hidden_size=t.ffn_hidden_size,
+        num_attention_heads=t.num_attention_heads,
+        num_query_groups=t.num_query_groups,
+        kv_channels=t.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=t.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=t.qkv_bias,
+    )
+    vision = TransformerConfig(
+        **_common(opts, tp, v.init_std),
+        # The ViT lives whole on the first pipeline stage; a PP size here would drop layers.
+        pipeline_model_parallel_size=1,
+        num_layers=v.num_layers,
+        hidden_size=v.hidden_size,
+        ffn_hidden_size=v.ffn_hidden_size,
+        num_attention_heads=v.num_attention_heads,
+        kv_channels=v.hidden_size // v.num_attention_heads,
+        normalization="LayerNorm",
+        layernorm_epsilon=v.norm_eps,
+        gated_linear_unit=False,
+        activation_func=ACTIVATIONS[v.activation],
+        add_bias_linear=True,
+        add_qkv_bias=True,
+    )
+    vision.vision_model_type = v.subtype
+    projector = TransformerConfig(
+        **_common(opts, tp, t.init_std),
+        pipeline_model_parallel_size=1,
+        num_layers=1,
+        hidden_size=t.hidden_size,
+        ffn_hidden_size=t.hidden_size,
+        num_attention_heads=t.num_attention_heads,
+        gated_linear_unit=False,
+        activation_func=ACTIVATIONS[arch.projector_activation],
+        add_bias_linear=arch.projector_bias,
+    )
+    return language, vision, projector
+
+
+def build_model(arch: LlavaArch, opts: ModelOptions = ModelOptions(), vp_stage: int | None = None):
+    """This rank's LLaVAModel under the current megatron parallel state."""
+    from megatron.core import parallel_state
+    from megatron.core.enums import ModelType
+    from megatron.core.models.multimodal.llava_model import LLaVAModel
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    arch.check_parallel(tp, pp)
+    language_cfg, vision_cfg, projector_cfg = transformer_configs(arch, opts, tp, pp)
+    specs = llava_specs(opts.use_te)
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    t = arch.text
+    model = LLaVAModel(
+        language_transformer_config=language_cfg,
+        language_transformer_layer_spec=specs.language,
+        language_vocab_size=t.padded_vocab_size,
+        language_max_sequence_length=opts.seq_length,
+        vision_transformer_config=vision_cfg,
+        vision_transformer_layer_spec=specs.vision,
+        drop_vision_class_token=arch.drop_class_token,
+        vision_projection_config=projector_cfg,
+        vision_projection_layer_spec=specs.projector,
+        vision_projection_type="mlp",
+        parallel_output=opts.parallel_output,
+        share_embeddings_and_output_weights=t.tie_word_embeddings,
+        language_position_embedding_type="rope",
+        language_rotary_base=t.rope_theta,
+        language_rope_scaling=t.rope_scaling_factor is not None,
+        language_rope_scaling_factor=t.rope_scaling_factor or 8.0,
+        pre_process=first,
+        post_process=last,
+        add_encoder=first,
+        add_decoder=True,
+        img_h=arch.vision.image_size,
+        img_w=arch.vision.image_size,
+        patch_dim=arch.vision.patch_size,
+        image_token_index=arch.image_token_index,
+        vp_stage=vp_stage,
+    )
+    if model.vision_model is not None and arch.vision.subtype == "siglip":
+        # HF LLaVA reads SigLIP features from hidden_states, before post_layernorm; megatron's
+        # siglip subtype applies it. Dropping it here makes both compute the same features.
+        model.vision_model.ln_post = None
+    model.model_type = ModelType.encoder_or_decoder
+    return model
+
+
+def with_options(opts: ModelOptions, **changes) -> ModelOptions:
+    return dataclasses.replace(opts, **changes)

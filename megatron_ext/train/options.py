@@ -1,0 +1,131 @@
+"""Every trainer option, declared once.
+
+`TrainConfig` is the trainer's resolved configuration (printed at start, stored in every
+checkpoint). The trainer's command line is generated from its fields, and the launcher
+(`scripts/train/run.py`) passes its flags through by the same names, so the two cannot drift.
+This module imports no torch: the launcher's --dry-run must stay fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+def opt(default, help: str, **extra):
+    """A config field with its --help text (and click extras such as `choices`)."""
+    factory = {"default_factory": default} if callable(default) else {"default": default}
+    return field(metadata={"help": help, **extra}, **factory)
+
+
+# LLaVA-1.5's recipes: stage 1 = projector pre-training, stage 2 = visual instruction tuning.
+STAGE_DEFAULTS = {
+    1: {"global_batch_size": 256, "lr": 1e-3, "freeze_lm": True},
+    2: {"global_batch_size": 128, "lr": 2e-5, "freeze_lm": False},
+}
+
+
+@dataclass
+class TrainConfig:
+    # --- model and checkpoints -------------------------------------------------------------
+    megatron_load_dir: str | None = opt(None, "Checkpoint to start from (converted or trained, any saved TP/PP).")
+    tokenizer_load_dir: str | None = opt(None, "HF directory with tokenizer + processor (default: the checkpoint's copy).")
+    init: bool = opt(False, "Initialise weights randomly (architecture from the load dir or the tokenizer dir's config.json).")
+    save: bool = opt(False, "Save checkpoints to --save-dir.")
+    save_dir: str | None = opt(None, "Checkpoint directory; re-running with the same directory resumes from its latest checkpoint.")
+    save_interval: int | None = opt(None, "Save every N iterations (and always at the end).")
+    save_optim: bool = opt(False, "Include optimizer state in checkpoints.")
+    load_optim: bool = opt(False, "Load optimizer state when resuming.")
+    keep_last: int = opt(3, "Keep the newest K checkpoints (0 keeps all).")
+    exit_interval: int | None = opt(None, "Save and exit after iteration N.")
+    # --- parallelism -----------------------------------------------------------------------
+    tp: int = opt(1, "Tensor model parallel size.")
+    pp: int = opt(1, "Pipeline model parallel size.")
+    dist_optim: bool = opt(False, "Shard optimizer state across data-parallel ranks.")
+    distributed_backend: str | None = opt(None, "torch.distributed backend (default: nccl on GPU, gloo on CPU).",
+                                          choices=["nccl", "gloo", "mpi"])
+    sequence_parallel: bool = opt(False, "Sequence parallelism (GPU with Transformer Engine).")
+    recompute: bool = opt(False, "Recompute activations of every layer in the backward pass.")
+    # --- batches and schedule --------------------------------------------------------------
+    micro_batch_size: int = opt(1, "Samples (packed sequences) per micro batch per data-parallel rank.")
+    global_batch_size: int | None = opt(None, "Samples per optimizer step (stage default: 256 / 128).")
+    train_iters: int | None = opt(None, "Optimizer steps to train.")
+    epochs: float | None = opt(None, "Train length in passes over the training split (instead of --train-iters).")
+    lr: float | None = opt(None, "Peak learning rate (stage default: 1e-3 / 2e-5).")
+    min_lr: float = opt(0.0, "Learning rate at the end of the decay.")
+    lr_warmup_fraction: float = opt(0.03, "Fraction of the steps spent in linear warm-up.")
+    lr_decay_style: str = opt("cosine", "Learning-rate decay.", choices=["cosine", "linear", "constant"])
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    clip_grad: float = opt(1.0, "Gradient clipping by global norm (0 disables).")
+    adam_beta1: float = opt(0.9, "Adam beta1.")
+    adam_beta2: float = opt(0.999, "Adam beta2.")
+    adam_eps: float = opt(1e-8, "Adam epsilon.")
+    seed: int = opt(1234, "Random seed.")
+    skip_train_iteration_range: list[str] = opt(list, "Iterations START-END whose data is consumed without an update (repeatable).")
+    max_nonfinite_steps: int = opt(10, "Stop after this many consecutive non-finite losses.")
+    # --- stage -----------------------------------------------------------------------------
+    stage: int = opt(1, "1: train the projector (LM and ViT frozen); 2: train projector + LM (ViT frozen).", choices=[1, 2])
+    freeze_lm: bool = opt(False, "Freeze the language model (implied by --stage 1).")
+    unfreeze_vit: bool = opt(False, "Also train the vision tower.")
+    # --- data ------------------------------------------------------------------------------
+    data_path: str | None = opt(None, "Prepared energon dataset directory or metadataset YAML (blend).")
+    seq_length: int | None = opt(None, "Language-model sequence length incl. image embeddings (default: min(2048, model max)).")
+    packing_seq_length: int | None = opt(None, "Pack several samples into sequences of this length.")
+    num_workers: int = opt(2, "Data loader worker processes per rank.")
+    lang: str = opt("en", "Main language; selects the default chat template.", choices=["en", "ja", "jp"])
+    chat_template: str | None = opt(None, "Chat template: 'tokenizer' or a name from configs/chat_templates.")
+    image_token_id: int | None = opt(None, "Image token id (default: from the tokenizer).")
+    pad_token_id: int | None = opt(None, "Padding token id (default: from the tokenizer).")
+    no_add_class_token: bool = opt(False, "Do not pass the vision class token to the language model.")
+    # --- precision -------------------------------------------------------------------------
+    dtype: str = opt("auto", "Compute dtype (auto: bfloat16 on GPU, float32 on CPU).", choices=["auto", "bfloat16", "float32"])
+    fp8: bool = opt(False, "FP8 (Transformer Engine hybrid recipe).")
+    # --- logging and evaluation ------------------------------------------------------------
+    name: str | None = opt(None, "Run name (logs, W&B).")
+    log_interval: int = opt(1, "Log every N iterations.")
+    wandb: bool = opt(False, "Log to Weights & Biases (offline when WANDB_MODE=offline).")
+    wandb_project: str = opt("megatron-ext", "W&B project.")
+    eval_interval: int | None = opt(None, "Validation loss every N iterations.")
+    eval_iters: int = opt(10, "Validation batches per evaluation.")
+    # --- debugging -------------------------------------------------------------------------
+    debug: bool = opt(False, "Verbose logging.")
+    deterministic: bool = opt(False, "Deterministic algorithms (slower).")
+
+    def resolved(self) -> "TrainConfig":
+        """A copy with the stage's defaults filled in for everything left unset."""
+        defaults = STAGE_DEFAULTS[self.stage]
+        changes = {k: v for k, v in defaults.items() if k != "freeze_lm" and getattr(self, k) is None}
+        if defaults["freeze_lm"]:
+            changes["freeze_lm"] = True
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def option_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def fields() -> list[dataclasses.Field]:
+    return list(dataclasses.fields(TrainConfig))
+
+
+def to_argv(values: dict) -> list[str]:
+    """Trainer command-line arguments for the given field values (unset / False ones omitted)."""
+    argv: list[str] = []
+    by_name = {f.name: f for f in fields()}
+    for name, value in values.items():
+        if name not in by_name:
+            raise KeyError(f"unknown trainer option {name}")
+        if value is None or value is False or value == []:
+            continue
+        flag = option_name(name)
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, str(value)]
+    return argv

@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random HF models and LLaVA checkpoints built locally once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# One intra-op thread per process: the CI machine has 2 cores and tests run torchrun children.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory) -> dict[str, Path]:
+    """DIR/text (GQA Llama + tokenizer with chat template), DIR/vision-clip, DIR/vision-siglip."""
+    from megatron_ext.hf.tiny_models import make_all
+
+    return make_all(tmp_path_factory.mktemp("tiny_hf"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_tied(tmp_path_factory) -> Path:
+    """A Qwen2-style text model (q/k/v bias) with tied embeddings."""
+    from megatron_ext.hf.tiny_models import TinyTextSpec, make_text_model
+
+    return make_text_model(tmp_path_factory.mktemp("tiny_qwen2") / "text", TinyTextSpec(arch="qwen2", tie_word_embeddings=True))
+
+
+def _build(tmp_path_factory, name, text, vision, padding=False) -> Path:
+    from megatron_ext.hf.build_llava import build_llava
+
+    return build_llava(tmp_path_factory.mktemp(name) / "hf", str(text), str(vision), vocab_size_padding=padding)
+
+
+@pytest.fixture(scope="session")
+def llava_clip(tmp_path_factory, tiny_hf) -> Path:
+    """LLaVA: GQA Llama + CLIP (feature layer -2, CLS dropped). Vocab 718 (Megatron pads to 768)."""
+    return _build(tmp_path_factory, "llava_clip", tiny_hf["text"], tiny_hf["vision-clip"])
+
+
+@pytest.fixture(scope="session")
+def llava_qwen2_siglip(tmp_path_factory, tiny_qwen2_tied, tiny_hf) -> Path:
+    """LLaVA: Qwen2-style (qkv bias, tied embeddings) + SigLIP (all patches, no post-norm)."""
+    return _build(tmp_path_factory, "llava_qwen2_siglip", tiny_qwen2_tied, tiny_hf["vision-siglip"])
+
+
+@pytest.fixture(scope="session")
+def llava_padded(tmp_path_factory, tiny_hf) -> Path:
+    """LLaVA built with --vocab-size-padding (vocab 768, a multiple of 128)."""
+    return _build(tmp_path_factory, "llava_padded", tiny_hf["text"], tiny_hf["vision-clip"], padding=True)
