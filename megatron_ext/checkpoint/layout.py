@@ -118,6 +118,16 @@ def list_snapshots(root: Path) -> list[int]:
     return sorted(found)
 
 
+def latest_complete_snapshot(root: Path, flag: str = "--save-dir") -> Snapshot | None:
+    """The newest complete `iter_*` snapshot under `root` (None when there is none).
+
+    Snapshots become visible by rename only when complete, so this is right even if a crash came
+    between the rename and the update of latest_checkpointed_iteration.txt.
+    """
+    iterations = list_snapshots(root)
+    return find_snapshot(Path(root) / snapshot_name(iterations[-1]), flag) if iterations else None
+
+
 def _latest_name(root: Path) -> str | None:
     latest = root / LATEST_FILE
     if not latest.is_file():

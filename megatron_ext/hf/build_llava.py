@@ -139,9 +139,11 @@ def build_llava(
         llava.lm_head.weight = llava.model.language_model.embed_tokens.weight
     del text, vision
 
-    llava.resize_token_embeddings(
-        len(tokenizer), pad_to_multiple_of=VOCAB_PAD_MULTIPLE if vocab_size_padding else None, mean_resizing=True
-    )
+    # Rows for the added tokens start from the mean of the existing ones; padding rows are added
+    # in a second step so they never change the rows (and logits) of tokens the tokenizer has.
+    llava.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    if vocab_size_padding:
+        llava.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=VOCAB_PAD_MULTIPLE, mean_resizing=False)
     # Only now is the pad id inside the (resized) vocabulary.
     llava.config.pad_token_id = pad_token_id
     llava.config.text_config.pad_token_id = pad_token_id

@@ -1,0 +1,152 @@
+"""build_llava_jp.py: a LLaVA checkpoint transformers loads and runs, for CLIP and SigLIP towers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from megatron_ext.errors import UserError
+from megatron_ext.hf.build_llava import build_llava
+from tests.helpers import run_script
+
+
+def _image(seed=0, size=(70, 60)):
+    rng = np.random.RandomState(seed)
+    return Image.fromarray((rng.rand(size[1], size[0], 3) * 255).astype("uint8"))
+
+
+def _load(path):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path)
+
+
+def _batch(processor, text="What is in this picture?"):
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    return processor(images=_image(), text=prompt, return_tensors="pt")
+
+
+@pytest.mark.parametrize("fixture,num_patches", [("llava_clip", 16), ("llava_qwen2_siglip", 16)])
+def test_checkpoint_loads_generates_and_expands_image_tokens(request, fixture, num_patches):
+    path = request.getfixturevalue(fixture)
+    model, processor = _load(path)
+    config = model.config
+    tokenizer = processor.tokenizer
+
+    assert config.image_token_id == tokenizer.convert_tokens_to_ids("<image>")
+    assert config.pad_token_id == tokenizer.pad_token_id == tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
+    assert config.text_config.vocab_size == len(tokenizer)
+    assert processor.image_token_id == config.image_token_id
+    assert config.text_config.num_key_value_heads < config.text_config.num_attention_heads
+
+    batch = _batch(processor)
+    # 56x56 image, 14x14 patches: 16 image tokens (CLIP's class token is dropped by the "default" strategy).
+    assert int((batch["input_ids"] == config.image_token_id).sum()) == num_patches == config.image_seq_length
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert logits.shape == (1, batch["input_ids"].shape[1], config.text_config.vocab_size)
+    assert torch.isfinite(logits).all()
+    out = model.generate(**batch, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == batch["input_ids"].shape[1] + 4
+
+
+def test_vision_features_follow_each_tower_family(llava_clip, llava_qwen2_siglip):
+    clip = json.loads((llava_clip / "config.json").read_text())
+    siglip = json.loads((llava_qwen2_siglip / "config.json").read_text())
+    assert (clip["vision_feature_layer"], clip["vision_feature_select_strategy"]) == (-2, "default")
+    assert (siglip["vision_feature_layer"], siglip["vision_feature_select_strategy"]) == (-1, "full")
+    assert siglip["tie_word_embeddings"] is True and siglip["text_config"]["model_type"] == "qwen2"
+
+
+def test_projector_maps_vision_width_to_text_width(llava_clip):
+    model, _ = _load(llava_clip)
+    projector = model.model.multi_modal_projector
+    vision_width, text_width = model.config.vision_config.hidden_size, model.config.text_config.hidden_size
+    assert vision_width != text_width
+    assert projector.linear_1.weight.shape == (text_width, vision_width)
+    assert projector.linear_2.weight.shape == (text_width, text_width)
+    assert model.config.projector_hidden_act == "gelu" and projector.linear_1.bias is not None
+
+
+def test_vocab_padding_keeps_real_token_logits(llava_clip, llava_padded):
+    plain, processor = _load(llava_clip)
+    padded, _ = _load(llava_padded)
+    vocab = plain.config.text_config.vocab_size
+    assert padded.config.text_config.vocab_size % 128 == 0 and padded.config.text_config.vocab_size > vocab
+    assert padded.lm_head.weight.shape[0] == padded.config.text_config.vocab_size
+    batch = _batch(processor)
+    with torch.no_grad():
+        reference = plain(**batch).logits
+        logits = padded(**batch).logits
+    torch.testing.assert_close(logits[..., :vocab], reference, rtol=0, atol=1e-6)
+
+
+def test_refuses_non_empty_save_dir_unless_force(tmp_path, tiny_hf):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("x")
+    with pytest.raises(UserError, match="--save-dir .* is not empty.*--force"):
+        build_llava(target, str(tiny_hf["text"]), str(tiny_hf["vision-clip"]))
+    build_llava(target, str(tiny_hf["text"]), str(tiny_hf["vision-clip"]), force=True)
+    assert not (target / "keep.txt").exists() and (target / "config.json").is_file()
+
+
+def test_failure_midway_leaves_nothing(tmp_path, tiny_hf, monkeypatch):
+    from transformers import LlavaProcessor
+
+    def broken_save(self, *args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(LlavaProcessor, "save_pretrained", broken_save)
+    with pytest.raises(RuntimeError, match="disk full"):
+        build_llava(tmp_path / "out", str(tiny_hf["text"]), str(tiny_hf["vision-clip"]))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_tokenizer_is_one_clear_error(tmp_path, tiny_hf):
+    import shutil
+
+    text = tmp_path / "text-no-tokenizer"
+    shutil.copytree(tiny_hf["text"], text)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (text / name).unlink()
+    with pytest.raises(UserError, match="--text-model: cannot load the tokenizer"):
+        build_llava(tmp_path / "out", str(text), str(tiny_hf["vision-clip"]))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_cli_errors_are_one_line(tmp_path, tiny_hf):
+    missing = run_script("convert/build_llava_jp.py", "--save-dir", tmp_path / "a", "--text-model", tmp_path / "nope",
+                         "--vision-model", tiny_hf["vision-clip"], check=False, timeout=120)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines()[-1].startswith("error: --text-model")
+    assert "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+
+    wrong_tower = run_script("convert/build_llava_jp.py", "--save-dir", tmp_path / "b", "--text-model", tiny_hf["text"],
+                             "--vision-model", tiny_hf["text"], check=False, timeout=120)
+    assert wrong_tower.returncode == 2
+    assert "vision model_type 'llama' is not supported" in wrong_tower.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.timeout(180)
+def test_cli_makes_tiny_models_then_llava(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    run_script("demo/make_tiny_hf_models.py", "--save-dir", tmp_path / "tiny", "--text-arch", "qwen2",
+               "--tie-word-embeddings", timeout=180)
+    text = AutoConfig.from_pretrained(tmp_path / "tiny" / "text")
+    assert text.model_type == "qwen2" and text.tie_word_embeddings
+    assert AutoTokenizer.from_pretrained(tmp_path / "tiny" / "text").chat_template
+    assert AutoConfig.from_pretrained(tmp_path / "tiny" / "vision-siglip").model_type == "siglip_vision_model"
+
+    run_script("convert/build_llava_jp.py", "--save-dir", tmp_path / "llava", "--text-model", tmp_path / "tiny" / "text",
+               "--vision-model", tmp_path / "tiny" / "vision-siglip", "--vocab-size-padding", timeout=180)
+    config = json.loads((tmp_path / "llava" / "config.json").read_text())
+    assert config["text_config"]["vocab_size"] % 128 == 0
