@@ -21,6 +21,13 @@ Patches, each with the failure it fixes:
 4. Norms without Transformer Engine/Apex: CLIPViTModel defaults `ln_pre_impl`/`ln_post_impl` to
    `torch.nn.LayerNorm` and passes `config=` to it -> TypeError. LLaVAModel cannot pass other
    implementations, so the defaults become megatron's `WrappedTorchNorm`.
+5. Distributed optimizer without Transformer Engine/Apex: `sharded_state_dict(is_loading=True)` on a
+   fresh optimizer reads the torch Adam `step` of every parameter, which does not exist before the
+   first update -> `assert len(steps) == 1`. The state (zeros, step 0) is created first, as the
+   optimizer's own `init_state_fn` does for the non-distributed optimizers. Loading then copies
+   every state of torch Adam, including `step`, which the checkpoint keeps separately ->
+   `KeyError: 'step'`; `step` is left as the param-group load set it, one tensor per parameter (the
+   load shares one tensor among all, and Adam's in-place increment would then count N times).
 """
 
 from __future__ import annotations
@@ -171,6 +178,39 @@ def _patch_vision_norm_defaults() -> None:
         clip_vit_model.CLIPViTModel.__init__.__defaults__ = tuple(defaults)
 
 
+def _patch_distributed_optimizer_loading() -> None:
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    original = distrib_optimizer.DistributedOptimizer.sharded_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, **kwargs):
+        if is_loading and not self.optimizer.state:
+            self.init_state_fn(self.optimizer, self.config)
+            for group in self.optimizer.param_groups:
+                for param in group["params"]:
+                    self.optimizer.state[param]["step"] = torch.tensor(0.0)
+        return original(self, model_sharded_state_dict or {}, is_loading=is_loading, **kwargs)
+
+    set_states = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state.get(main_param, {})
+            if "step" in state:
+                # The param-group load gave every parameter the same step tensor, which torch Adam
+                # would then increment once per parameter: give each its own.
+                state["step"] = state["step"].clone()
+                tensors = {**tensors, "step": state["step"]}
+        return set_states(self, model_param, tensors)
+
+    distrib_optimizer.DistributedOptimizer.sharded_state_dict = sharded_state_dict
+    distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+
+
 def cpu_mode_active() -> bool:
     return _APPLIED
 
@@ -191,6 +231,7 @@ def apply() -> bool:
     _patch_torch_cuda()
     _patch_rng()
     _patch_vision_norm_defaults()
+    _patch_distributed_optimizer_loading()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _APPLIED = True

@@ -1,0 +1,188 @@
+"""Trainer snapshots: save under a temporary name, publish by rename, resume exactly.
+
+A snapshot (see megatron_ext/checkpoint/layout.py) holds the model through megatron-core
+dist_checkpointing (`{"model": ..., "optimizer": ...}`, torch_dist, reshardable across TP/PP) and
+`train_state/`: `common.pt` (iteration, LR schedule, counters), `data_dpNNNNN.pt` (the data
+loader position of each data-parallel rank) and `rng_rankNNNNN.pt` (every generator of each rank).
+The data position, iteration, schedule and RNG are always saved; optimizer state with --save-optim.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_ext.checkpoint import layout
+from megatron_ext.errors import UserError
+from megatron_ext.train.model_setup import TrainingModel
+from megatron_ext.train.plan import RunPlan
+
+log = logging.getLogger(__name__)
+
+# Reshardable across TP/PP/DP sizes (the other formats tie optimizer state to the DP layout).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+COMMON_FILE = "common.pt"
+
+
+def _ranks():
+    from megatron.core import parallel_state as ps
+
+    return {
+        "rank": torch.distributed.get_rank(),
+        "world": torch.distributed.get_world_size(),
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+        "dp_size": ps.get_data_parallel_world_size(),
+    }
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _model_and_optimizer_state(trained: TrainingModel, with_optimizer: bool, is_loading: bool) -> dict:
+    model_sd = trained.model.sharded_state_dict()
+    state = {"model": model_sd}
+    if with_optimizer:
+        state["optimizer"] = trained.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                                  metadata=OPTIMIZER_METADATA)
+    return state
+
+
+def prepare_save_dir(plan: RunPlan) -> None:
+    """Rank 0: create --save-dir with the tokenizer and HF-only tensors of the starting checkpoint,
+    and remove temporary snapshots a crashed save left behind."""
+    root = Path(plan.config.save_dir)
+    if torch.distributed.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-iter_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tokenizer = root / layout.TOKENIZER_DIR
+        if not tokenizer.exists():
+            shutil.copytree(plan.tokenizer_dir, tokenizer)
+        source = plan.start or plan.resume
+        if source is not None and source.hf_extra_file.is_file() and not (root / layout.HF_EXTRA_FILE).exists():
+            shutil.copy2(source.hf_extra_file, root / layout.HF_EXTRA_FILE)
+    torch.distributed.barrier()
+
+
+def save_snapshot(plan: RunPlan, trained: TrainingModel, iteration: int, common: dict, data_state) -> Path:
+    """Write snapshot `iteration` to --save-dir; it becomes visible only once complete."""
+    from megatron.core import dist_checkpointing
+
+    cfg = plan.config
+    root = Path(cfg.save_dir)
+    name = layout.snapshot_name(iteration)
+    tmp = root / f".tmp-{name}"
+    r = _ranks()
+    state_dir = tmp / layout.TRAIN_STATE_DIR
+    if r["rank"] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    torch.distributed.barrier()
+
+    dist_checkpointing.save(_model_and_optimizer_state(trained, cfg.save_optim, is_loading=False), str(tmp))
+    if r["rank"] == 0:
+        state_dir.mkdir()
+    torch.distributed.barrier()
+    torch.save(_rng_state(), state_dir / f"rng_rank{r['rank']:05d}.pt")
+    if r["tp"] == 0 and r["pp"] == 0:
+        torch.save(data_state, state_dir / f"data_dp{r['dp']:05d}.pt")
+    torch.distributed.barrier()
+
+    if r["rank"] == 0:
+        torch.save({**common, "iteration": iteration, "scheduler": trained.scheduler.state_dict(), "world_size": r["world"],
+                    "data_parallel_size": r["dp_size"]}, state_dir / COMMON_FILE)
+        layout.write_metadata(tmp, kind="trained", iteration=iteration, hf_config=plan.hf_config, tp=cfg.tp,
+                              pp=cfg.pp, dtype=plan.dtype, has_optimizer=cfg.save_optim, run_config=plan.summary())
+        final = root / name
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        layout.mark_latest(root, iteration)
+        _prune(root, cfg.keep_last)
+        log.info("saved checkpoint %s", final)
+    torch.distributed.barrier()
+    return root / name
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    if keep_last <= 0:
+        return
+    for iteration in layout.list_snapshots(root)[:-keep_last]:
+        shutil.rmtree(root / layout.snapshot_name(iteration), ignore_errors=True)
+
+
+def load_weights(trained: TrainingModel, snapshot: layout.Snapshot, with_optimizer: bool) -> bool:
+    """Load model weights (any saved TP/PP) and optionally optimizer state; True if the latter was loaded."""
+    from megatron.core import dist_checkpointing
+
+    if with_optimizer and not snapshot.meta.get("has_optimizer"):
+        log.warning("%s has no optimizer state (saved without --save-optim): starting Adam from zero", snapshot.path)
+        with_optimizer = False
+    request = _model_and_optimizer_state(trained, with_optimizer, is_loading=True)
+    try:
+        loaded = dist_checkpointing.load(request, str(snapshot.path))
+    except Exception as exc:
+        raise UserError(f"cannot load {snapshot.path}: {str(exc).splitlines()[0]}") from exc
+    trained.model.load_state_dict(loaded["model"])
+    if with_optimizer:
+        with torch.no_grad():
+            trained.optimizer.load_state_dict(loaded["optimizer"])
+    else:
+        # The optimizer's fp32 main copies were taken at construction: refresh them.
+        trained.optimizer.reload_model_params()
+    return with_optimizer
+
+
+def load_resume_state(plan: RunPlan, trained: TrainingModel) -> tuple[dict, object | None]:
+    """Restore a run from its latest snapshot: weights, optimizer (--load-optim), schedule, RNG.
+
+    Returns (common state, this rank's data loader state or None when the layout changed).
+    """
+    snapshot = plan.resume
+    load_weights(trained, snapshot, plan.config.load_optim)
+    state_dir = snapshot.train_state_dir
+    common = torch.load(state_dir / COMMON_FILE, weights_only=False)
+    trained.scheduler.load_state_dict(common["scheduler"])
+    r = _ranks()
+    same_layout = common["world_size"] == r["world"] and snapshot.tp == plan.config.tp and snapshot.pp == plan.config.pp
+    if same_layout:
+        _set_rng_state(torch.load(state_dir / f"rng_rank{r['rank']:05d}.pt", weights_only=False))
+    else:
+        log.warning("resuming %s with another layout: RNG streams restart", snapshot.path)
+    data_file = state_dir / f"data_dp{r['dp']:05d}.pt"
+    data_state = None
+    if common["data_parallel_size"] == r["dp_size"] and data_file.is_file():
+        data_state = torch.load(data_file, weights_only=False)
+    else:
+        log.warning("data-parallel size changed (%d -> %d): the data stream restarts", common["data_parallel_size"], r["dp_size"])
+    log.info("resumed from %s (iteration %d)", snapshot.path, common["iteration"])
+    return common, data_state

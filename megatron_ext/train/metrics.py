@@ -1,0 +1,70 @@
+"""Training records: one line to the console, JSON lines to metrics.jsonl, TensorBoard, W&B.
+
+Only global rank 0 writes. metrics.jsonl (under --save-dir) is appended to, so a resumed run
+continues the same file; each record carries its `iteration`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _fmt(key: str, value) -> str:
+    if isinstance(value, float):
+        if key == "lr":
+            return f"{key} {value:.3e}"
+        return f"{key} {value:.4f}" if abs(value) < 1e4 else f"{key} {value:.3e}"
+    return f"{key} {value}"
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: str | None, run_config: dict, *, wandb: bool, project: str, name: str | None):
+        import torch.distributed as dist
+
+        self.enabled = dist.get_rank() == 0
+        self.path = Path(out_dir) / METRICS_FILE if out_dir else None
+        self.tensorboard = None
+        self.wandb = None
+        if not self.enabled:
+            return
+        if out_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            self.tensorboard = SummaryWriter(log_dir=str(Path(out_dir) / "tensorboard"))
+        if wandb:
+            import wandb as wandb_lib
+
+            self.wandb = wandb_lib.init(project=project, name=name, config=run_config,
+                                        dir=out_dir or os.getcwd(), resume="allow")
+
+    def log(self, record: dict, prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        print(f"[{prefix}] " + " | ".join(_fmt(k, v) for k, v in record.items()), flush=True)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"split": prefix, **record}) + "\n")
+        step = record["iteration"]
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iteration"
+                   and math.isfinite(v)}
+        if self.tensorboard is not None:
+            for key, value in numbers.items():
+                self.tensorboard.add_scalar(f"{prefix}/{key}", value, step)
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log({f"{prefix}/{k}": v for k, v in numbers.items()}, step=step)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()

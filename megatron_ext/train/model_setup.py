@@ -1,0 +1,93 @@
+"""The model, its DDP wrapper, optimizer and LR schedule, all from megatron-core."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from megatron_ext.model.provider import DTYPES, ModelOptions, build_model
+from megatron_ext.train.plan import RunPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingModel:
+    model: torch.nn.Module  # the LLaVAModel itself (checkpoints use its sharded_state_dict)
+    ddp: torch.nn.Module  # what forward/backward runs: DDP(Float16Module?(model))
+    optimizer: object
+    scheduler: object
+
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+
+def freeze_for_stage(model, plan: RunPlan) -> None:
+    """Stage 1 trains the projector; stage 2 the projector and the LM; the ViT only with --unfreeze-vit."""
+    cfg = plan.config
+    model.freeze(freeze_language_model=cfg.freeze_lm, freeze_vision_model=not cfg.unfreeze_vit,
+                 freeze_vision_projection=False)
+
+
+def model_options(plan: RunPlan, *, init_weights: bool) -> ModelOptions:
+    cfg = plan.config
+    return ModelOptions(
+        seq_length=plan.seq_length,
+        dtype=plan.dtype,
+        use_te=True if cfg.fp8 else None,
+        init_weights=init_weights,
+        parallel_output=True,
+        fp8="hybrid" if cfg.fp8 else None,
+        sequence_parallel=cfg.sequence_parallel,
+        recompute=cfg.recompute,
+    )
+
+
+def build_training_model(plan: RunPlan) -> TrainingModel:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
+
+    cfg = plan.config
+    fresh_random = plan.start is None and plan.resume is None
+    model = build_model(plan.arch, model_options(plan, init_weights=fresh_random))
+    freeze_for_stage(model, plan)
+    config = model.config
+    # Token-weighted loss across micro batches and data-parallel ranks; must precede the DDP wrapper.
+    config.calculate_per_token_loss = True
+    wrapped = Float16Module(config, model) if plan.dtype == "bfloat16" else model
+    ddp = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.dist_optim),
+        module=wrapped,
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+
+    # Every rank gets an optimizer, also a pipeline stage whose layers are all frozen: megatron
+    # reduces gradient statistics over the model-parallel group inside optimizer.step().
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad, bf16=plan.dtype == "bfloat16", params_dtype=DTYPES[plan.dtype],
+            use_distributed_optimizer=cfg.dist_optim,
+        ),
+        [ddp],
+    )
+    config.grad_scale_func = optimizer.scale_loss
+    warmup = int(cfg.lr_warmup_fraction * plan.train_iters)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=plan.train_iters, lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=plan.train_iters,
+        wd_incr_style="constant",
+    )
+    trained = TrainingModel(model, ddp, optimizer, scheduler)
+    log.info("model built: %d parameters on this rank, %d trainable (stage %d%s)",
+             sum(p.numel() for p in model.parameters()), trained.trainable_parameters(), cfg.stage,
+             ", LM frozen" if cfg.freeze_lm else "")
+    return trained

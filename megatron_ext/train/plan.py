@@ -1,0 +1,185 @@
+"""Everything the trainer decides before it touches a GPU: defaults, derived sizes, and validation.
+
+`make_plan` turns the command line into a `RunPlan` or raises one UserError naming the flag, so a
+bad launch fails in a second instead of after model construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_ext.checkpoint import layout
+from megatron_ext.errors import UserError
+from megatron_ext.model.arch import LlavaArch
+from megatron_ext.train.options import TrainConfig
+
+DEFAULT_MAX_SEQ_LENGTH = 2048
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    config: TrainConfig  # with stage defaults resolved
+    arch: LlavaArch
+    hf_config: dict  # the LLaVA config the model is built from (stored in every checkpoint)
+    start: layout.Snapshot | None  # weights of a fresh run (--megatron-load-dir)
+    resume: layout.Snapshot | None  # latest snapshot of --save-dir: continue that run
+    tokenizer_dir: Path
+    world_size: int
+    data_parallel_size: int
+    num_microbatches: int
+    train_iters: int
+    seq_length: int
+    dtype: str
+    skip_ranges: tuple[tuple[int, int], ...]
+
+    def skipped(self, iteration: int) -> bool:
+        return any(a <= iteration <= b for a, b in self.skip_ranges)
+
+    def summary(self) -> dict:
+        return {
+            "config": self.config.to_dict(),
+            "world_size": self.world_size,
+            "data_parallel_size": self.data_parallel_size,
+            "num_microbatches": self.num_microbatches,
+            "train_iters": self.train_iters,
+            "seq_length": self.seq_length,
+            "dtype": self.dtype,
+            "start": str(self.start.path) if self.start else None,
+            "resume": str(self.resume.path) if self.resume else None,
+            "tokenizer_dir": str(self.tokenizer_dir),
+            "model": self.arch.summary(),
+        }
+
+
+def parse_skip_ranges(values: list[str]) -> tuple[tuple[int, int], ...]:
+    ranges = []
+    for value in values:
+        try:
+            start, end = (int(x) for x in value.split("-", 1))
+        except ValueError:
+            raise UserError(f"--skip-train-iteration-range {value!r}: expected START-END, e.g. 100-110") from None
+        if start > end or start < 1:
+            raise UserError(f"--skip-train-iteration-range {value!r}: START must be >= 1 and <= END")
+        ranges.append((start, end))
+    return tuple(ranges)
+
+
+def _hf_config(config: TrainConfig, start: layout.Snapshot | None, resume: layout.Snapshot | None) -> dict:
+    if resume is not None:
+        return resume.hf_config
+    if start is not None:
+        return start.hf_config
+    if config.init and config.tokenizer_load_dir:
+        path = Path(config.tokenizer_load_dir) / "config.json"
+        if not path.is_file():
+            raise UserError(f"--init: {path} not found; --init takes the architecture from --megatron-load-dir or "
+                            "from the HF LLaVA directory given as --tokenizer-load-dir")
+        return json.loads(path.read_text())
+    raise UserError("--megatron-load-dir is required (or --init with --tokenizer-load-dir pointing at an HF LLaVA directory)")
+
+
+def _apply_class_token_choice(hf_config: dict, no_add_class_token: bool) -> dict:
+    """--no-add-class-token: the CLIP class token is not passed to the language model."""
+    if not no_add_class_token or hf_config.get("vision_feature_select_strategy") == "default":
+        return hf_config
+    if hf_config["vision_config"].get("model_type") != "clip_vision_model":
+        return hf_config  # SigLIP has no class token to drop
+    return {**hf_config, "vision_feature_select_strategy": "default"}
+
+
+def _check_fp8(config: TrainConfig) -> None:
+    if not config.fp8:
+        return
+    from megatron_ext.model.specs import te_available
+
+    if not te_available():
+        raise UserError("--fp8 needs Transformer Engine on a CUDA GPU; install it with "
+                        "pip install 'megatron-ext[gpu]' or run inside the Singularity image (--sif-path)")
+
+
+def _train_iters(config: TrainConfig, samples_per_step: int) -> int:
+    if config.train_iters is not None:
+        if config.train_iters < 1:
+            raise UserError(f"--train-iters must be >= 1, got {config.train_iters}")
+        return config.train_iters
+    if config.epochs is None:
+        raise UserError("give the training length: --train-iters N or --epochs E")
+    from megatron_ext.data.prepared import sample_counts
+
+    train_samples = sample_counts(config.data_path).get("train", 0)
+    if train_samples == 0:
+        raise UserError(f"--data-path {config.data_path} has no training samples")
+    return max(1, math.ceil(config.epochs * train_samples / samples_per_step))
+
+
+def make_plan(config: TrainConfig, world_size: int, on_gpu: bool) -> RunPlan:
+    config = config.resolved()
+    if config.save and not config.save_dir:
+        raise UserError("--save needs --save-dir")
+    if config.data_path is None:
+        raise UserError("--data-path is required (a prepared energon dataset or a metadataset YAML)")
+    if not Path(config.data_path).exists():
+        raise UserError(f"--data-path {config.data_path} does not exist")
+    if config.tp < 1 or config.pp < 1 or world_size % (config.tp * config.pp):
+        raise UserError(f"--tp {config.tp} x --pp {config.pp} = {config.tp * config.pp} does not divide the "
+                        f"number of processes ({world_size})")
+    dp = world_size // (config.tp * config.pp)
+    per_step = config.micro_batch_size * dp
+    if config.micro_batch_size < 1 or config.global_batch_size < 1 or config.global_batch_size % per_step:
+        raise UserError(f"--global-batch-size {config.global_batch_size} must be a multiple of --micro-batch-size "
+                        f"{config.micro_batch_size} x data-parallel size {dp} = {per_step}")
+    _check_fp8(config)
+    skip_ranges = parse_skip_ranges(config.skip_train_iteration_range)
+
+    resume = layout.latest_complete_snapshot(Path(config.save_dir)) if config.save_dir else None
+    if resume is not None and config.load_optim and resume.meta.get("has_optimizer"):
+        saved = (resume.meta.get("run_config") or {}).get("config", {}).get("dist_optim")
+        if saved is not None and saved != config.dist_optim:
+            raise UserError(f"--save-dir {config.save_dir}: its optimizer state was saved "
+                            f"{'with' if saved else 'without'} --dist-optim; resume with the same setting "
+                            "or drop --load-optim")
+    start = None
+    if config.megatron_load_dir and not config.init:
+        start = layout.find_snapshot(config.megatron_load_dir, "--megatron-load-dir")
+    hf_config = _apply_class_token_choice(_hf_config(config, start, resume), config.no_add_class_token)
+    arch = LlavaArch.from_hf_config(hf_config)
+    arch.check_parallel(config.tp, config.pp)
+    for flag, given, expected in (("--image-token-id", config.image_token_id, arch.image_token_index),
+                                  ("--pad-token-id", config.pad_token_id, arch.pad_token_id)):
+        if given is not None and given != expected:
+            raise UserError(f"{flag} {given} differs from the checkpoint's ({expected}); the model was built with {expected}")
+
+    tokenizer_dir = Path(config.tokenizer_load_dir) if config.tokenizer_load_dir else None
+    if tokenizer_dir is None:
+        source = resume or start
+        tokenizer_dir = source.tokenizer_dir if source else None
+    if tokenizer_dir is None or not tokenizer_dir.is_dir():
+        raise UserError(f"--tokenizer-load-dir {tokenizer_dir}: no tokenizer directory found; pass the HF LLaVA directory")
+
+    seq_length = config.seq_length or min(DEFAULT_MAX_SEQ_LENGTH, arch.text.max_position_embeddings)
+    if seq_length <= arch.img_seq_len:
+        raise UserError(f"--seq-length {seq_length} leaves no room for text after {arch.img_seq_len} image embeddings")
+    if config.packing_seq_length and config.packing_seq_length > seq_length:
+        raise UserError(f"--packing-seq-length {config.packing_seq_length} exceeds --seq-length {seq_length}")
+
+    dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    config = dataclasses.replace(config, seq_length=seq_length)
+    return RunPlan(
+        config=config,
+        arch=arch,
+        hf_config=hf_config,
+        start=start,
+        resume=resume,
+        tokenizer_dir=tokenizer_dir.resolve(),
+        world_size=world_size,
+        data_parallel_size=dp,
+        num_microbatches=config.global_batch_size // per_step,
+        train_iters=_train_iters(config, config.global_batch_size),
+        seq_length=seq_length,
+        dtype=dtype,
+        skip_ranges=skip_ranges,
+    )

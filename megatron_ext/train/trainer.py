@@ -1,0 +1,242 @@
+"""The training loop: plan -> model -> data -> iterations -> checkpoints.
+
+Each iteration takes `num_microbatches` micro batches from this rank's data loader, runs
+megatron-core's forward/backward schedule and the optimizer step, then logs, evaluates and saves
+as configured. Faults: a non-finite loss skips the update (N in a row stop the run); SIGTERM
+(what SLURM sends before the time limit) saves a checkpoint and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+
+import torch
+
+from megatron_ext.errors import UserError
+from megatron_ext.train import checkpointing
+from megatron_ext.train.flops import iteration_flops
+from megatron_ext.train.metrics import MetricsLogger
+from megatron_ext.train.model_setup import TrainingModel, build_training_model
+from megatron_ext.train.options import TrainConfig
+from megatron_ext.train.plan import RunPlan, make_plan
+from megatron_ext.train.step import StepResult, eval_loss, make_forward_step, train_step
+
+log = logging.getLogger(__name__)
+
+
+class TrainingStopped(Exception):
+    """The run cannot continue (e.g. repeated non-finite losses); the message says what to do."""
+
+
+class _StopSignal:
+    """Remembers a SIGTERM/SIGUSR1 so the loop can save and exit between iterations."""
+
+    def __init__(self):
+        self.received = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def any_rank(self) -> bool:
+        from megatron_ext.distributed import device
+
+        flag = torch.tensor([int(self.received)], device=device())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _memory_gb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+def _batch_stats(micro_batches: list[dict]) -> torch.Tensor:
+    """[samples, tokens (non-padding), images, truncated, skipped] of this rank's micro batches."""
+    total = torch.zeros(5, dtype=torch.float64)
+    for b in micro_batches:
+        total += torch.tensor([b["num_samples"], int((b["segment_ids"] > 0).sum()), b["images"].shape[0],
+                               b["num_truncated"], b["num_skipped"]], dtype=torch.float64)
+    return total
+
+
+class Trainer:
+    def __init__(self, plan: RunPlan):
+        from megatron.core import parallel_state
+
+        from megatron_ext.train.data import build_train_data, build_val_data
+
+        self.plan = plan
+        self.cfg = plan.config
+        self.pipeline_parallel = self.cfg.pp > 1
+        self.trained: TrainingModel = build_training_model(plan)
+        self.train_data = build_train_data(plan)
+        self.val_data = build_val_data(plan) if self.cfg.eval_interval else None
+        self.iteration = 0
+        self.counters = {"skipped_iterations": 0, "nonfinite_iterations": 0, "samples": 0, "skipped_samples": 0,
+                         "truncated_samples": 0}
+        if plan.resume is not None:
+            common, data_state = checkpointing.load_resume_state(plan, self.trained)
+            self.iteration = common["iteration"]
+            self.counters.update(common.get("counters", {}))
+            if data_state is not None:
+                self.train_data.restore(data_state)
+        elif plan.start is not None:
+            checkpointing.load_weights(self.trained, plan.start, with_optimizer=False)
+            log.info("starting from %s", plan.start.path)
+        if self.cfg.save:
+            checkpointing.prepare_save_dir(plan)
+        self.metrics = MetricsLogger(self.cfg.save_dir if self.cfg.save else None, plan.summary(),
+                                     wandb=self.cfg.wandb, project=self.cfg.wandb_project, name=self.cfg.name)
+        self.forward_step = make_forward_step(plan.arch, plan.seq_length, self.pipeline_parallel)
+        self.stop = _StopSignal()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.last_saved = plan.resume.path if plan.resume else None
+
+    # --- one iteration ------------------------------------------------------------------------
+    def _lr(self) -> float:
+        groups = self.trained.optimizer.param_groups
+        return groups[0]["lr"] if groups else 0.0
+
+    def _iteration(self) -> tuple[StepResult | None, torch.Tensor]:
+        micro_batches = self.train_data.next_micro_batches(self.plan.num_microbatches)
+        stats = _batch_stats(micro_batches)
+        torch.distributed.all_reduce(stats, group=self.dp_group)
+        if self.plan.skipped(self.iteration):
+            # The data is consumed, no update is made; the schedule still advances with the iteration.
+            self.trained.scheduler.step(increment=1)
+            self.counters["skipped_iterations"] += 1
+            return None, stats
+        return train_step(self.trained, self.forward_step, micro_batches, self.plan.seq_length,
+                          self.cfg.micro_batch_size), stats
+
+    def _check_finite(self, result: StepResult | None) -> None:
+        if result is None or result.finite:
+            self.counters["consecutive_nonfinite"] = 0
+            return
+        self.counters["nonfinite_iterations"] += 1
+        self.counters["consecutive_nonfinite"] = self.counters.get("consecutive_nonfinite", 0) + 1
+        log.warning("iteration %d: loss is not finite; update skipped", self.iteration)
+        if self.counters["consecutive_nonfinite"] >= self.cfg.max_nonfinite_steps:
+            raise TrainingStopped(
+                f"loss was not finite for {self.cfg.max_nonfinite_steps} iterations in a row (last: iteration "
+                f"{self.iteration}); last good checkpoint: {self.last_saved or 'none'}. Lower --lr or check the data."
+            )
+
+    def _record(self, result: StepResult | None, stats: torch.Tensor, seconds: float, lr: float) -> dict:
+        samples, tokens, images, truncated, skipped = stats.tolist()
+        self.counters["samples"] += int(samples)
+        self.counters["truncated_samples"] += int(truncated)
+        self.counters["skipped_samples"] += int(skipped)
+        flops = iteration_flops(self.plan.arch, text_tokens=tokens + images * (self.plan.arch.img_seq_len - 1),
+                                images=images, seq_length=self.plan.seq_length, lm_trained=not self.cfg.freeze_lm,
+                                vit_trained=self.cfg.unfreeze_vit)
+        record = {
+            "iteration": self.iteration,
+            "loss": result.loss if result else float("nan"),
+            "lr": lr,
+            "grad_norm": float(result.grad_norm) if result and result.grad_norm is not None else None,
+            "loss_tokens": result.loss_tokens if result else 0,
+            "samples": int(samples),
+            "skipped_samples": self.counters["skipped_samples"],
+            "truncated_samples": self.counters["truncated_samples"],
+            "update": bool(result and result.updated),
+            "iteration_time_s": seconds,
+            "samples_per_s": samples / seconds,
+            "tokens_per_s": tokens / seconds,
+            "tflops_per_gpu": flops / seconds / self.plan.world_size / 1e12,
+            "memory_gb": _memory_gb(),
+        }
+        return record
+
+    # --- evaluation and saving ----------------------------------------------------------------
+    def evaluate(self) -> dict:
+        total, tokens = 0.0, 0
+        for _ in range(self.cfg.eval_iters):
+            micro_batches = self.val_data.next_micro_batches(self.plan.num_microbatches)
+            if not micro_batches:
+                break
+            loss, n = eval_loss(self.trained, self.forward_step, micro_batches, self.plan.seq_length,
+                                self.cfg.micro_batch_size)
+            total, tokens = total + loss * n, tokens + n
+        self.val_data.rewind()
+        loss = total / tokens if tokens else float("nan")
+        return {"iteration": self.iteration, "loss": loss, "perplexity": float(torch.tensor(loss).exp()),
+                "loss_tokens": tokens}
+
+    def save(self) -> None:
+        self.last_saved = checkpointing.save_snapshot(self.plan, self.trained, self.iteration,
+                                                      {"counters": self.counters}, self.train_data.state())
+
+    def _due(self, interval: int | None) -> bool:
+        return bool(interval) and self.iteration % interval == 0
+
+    # --- the loop -----------------------------------------------------------------------------
+    def train(self) -> None:
+        cfg = self.cfg
+        log.info("training iterations %d..%d, global batch %d = %d micro batches x %d x DP %d",
+                 self.iteration + 1, self.plan.train_iters, cfg.global_batch_size, self.plan.num_microbatches,
+                 cfg.micro_batch_size, self.plan.data_parallel_size)
+        while self.iteration < self.plan.train_iters:
+            self.iteration += 1
+            start, lr = time.perf_counter(), self._lr()
+            result, stats = self._iteration()
+            self._check_finite(result)
+            record = self._record(result, stats, time.perf_counter() - start, lr)
+            if self._due(cfg.log_interval) or self.iteration == self.plan.train_iters:
+                self.metrics.log(record)
+            if self.val_data is not None and self._due(cfg.eval_interval):
+                self.metrics.log(self.evaluate(), prefix="val")
+            stop = self.stop.any_rank()
+            exiting = stop or (cfg.exit_interval and self.iteration >= cfg.exit_interval)
+            if cfg.save and (self._due(cfg.save_interval) or exiting or self.iteration == self.plan.train_iters):
+                self.save()
+            if exiting:
+                log.info("%s at iteration %d: exiting", "signal received" if stop else "--exit-interval", self.iteration)
+                return
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.train_data.close()
+        if self.val_data is not None:
+            self.val_data.close()
+
+
+def run(config: TrainConfig) -> int:
+    """Entry point under torchrun. Returns the process exit status."""
+    from megatron_ext.distributed import init_parallel, shutdown
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        plan = make_plan(config, world, torch.cuda.is_available())
+    except UserError as exc:
+        if rank == 0:
+            print(f"error: {exc}", flush=True)
+        return 2
+    if plan.config.deterministic:
+        torch.use_deterministic_algorithms(True)
+    init_parallel(plan.config.tp, plan.config.pp, seed=plan.config.seed, backend=plan.config.distributed_backend)
+    if rank == 0:
+        print("resolved configuration:\n" + json.dumps(plan.summary(), indent=2, default=str), flush=True)
+    trainer = None
+    try:
+        trainer = Trainer(plan)
+        trainer.train()
+        return 0
+    except (UserError, TrainingStopped) as exc:
+        if rank == 0:
+            print(f"error: {exc}", flush=True)
+        return 2 if isinstance(exc, UserError) else 1
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutdown()

@@ -1,0 +1,27 @@
+"""The Megatron LLaVA trainer, started under torchrun (usually by scripts/train/run.py).
+
+    torchrun --nproc-per-node 2 scripts/train/pretrain_llava.py --megatron-load-dir CKPT \
+        --data-path DATA --save --save-dir OUT --tp 2 --stage 1 --train-iters 100
+
+Every option is a field of megatron_ext/train/options.py (see --help).
+"""
+
+import sys
+
+import click
+
+from megatron_ext.logs import setup_logging
+from megatron_ext.train.cli import trainer_options
+
+
+@click.command(context_settings={"max_content_width": 100})
+@trainer_options
+def main(config):
+    setup_logging(verbose=config.debug)
+    from megatron_ext.train.trainer import run
+
+    sys.exit(run(config))
+
+
+if __name__ == "__main__":
+    main()
