@@ -64,6 +64,12 @@ def container_command(sif: str | Path, command: list[str], binds=(), env: dict[s
     return [runtime, "exec", "--nv", *bind_args([Path.cwd(), REPO_ROOT, *binds]), *env_args, str(sif), *command]
 
 
+def container_env(env: dict[str, str], runtime: str) -> dict[str, str]:
+    """`env` as `<RUNTIME>ENV_NAME=value` host variables: set inside the image ahead of the image's own
+    environment, and, unlike `--env NAME=value`, kept whole when a value has commas (CUDA_VISIBLE_DEVICES=0,1)."""
+    return {f"{runtime.upper()}ENV_{key}": value for key, value in env.items()}
+
+
 def strip_option(argv: list[str], option: str) -> list[str]:
     """argv without `option VALUE` / `option=VALUE` (to re-run a CLI inside the image)."""
     out, skip = [], False

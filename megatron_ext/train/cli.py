@@ -8,7 +8,7 @@ import click
 
 from megatron_ext.train.options import TrainConfig, fields, option_name
 
-def _click_kwargs(field, hint) -> dict:
+def click_kwargs(field, hint) -> dict:
     kwargs = {"help": field.metadata["help"], "show_default": True}
     # `int | None` -> int; `list[str]` stays list[str].
     base = next(a for a in typing.get_args(hint) if a is not type(None)) if type(None) in typing.get_args(hint) else hint
@@ -35,5 +35,5 @@ def trainer_options(func):
     wrapper.__name__ = func.__name__
     wrapper.__doc__ = func.__doc__
     for f in reversed(fields()):
-        wrapper = click.option(option_name(f.name), f.name, **_click_kwargs(f, hints[f.name]))(wrapper)
+        wrapper = click.option(option_name(f.name), f.name, **click_kwargs(f, hints[f.name]))(wrapper)
     return wrapper

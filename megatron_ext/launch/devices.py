@@ -1,0 +1,45 @@
+"""How many CUDA GPUs this node has, found without importing torch (the launcher must start fast)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Mapping
+
+from megatron_ext.errors import UserError
+
+PROC_GPUS = Path("/proc/driver/nvidia/gpus")
+
+
+def physical_gpu_count() -> int:
+    """GPUs of the machine: `nvidia-smi -L`, else the NVIDIA driver's /proc entries, else 0."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+        if out.returncode == 0:
+            return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return len(list(PROC_GPUS.iterdir())) if PROC_GPUS.is_dir() else 0
+
+
+def visible_gpu_count(physical: int, env: Mapping[str, str]) -> int:
+    """Of the `physical` GPUs, those a process started with `env` can use: CUDA_VISIBLE_DEVICES narrows them ("" hides all)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if physical == 0 or visible is None:
+        return physical
+    return len([item for item in visible.split(",") if item.strip()])
+
+
+def parse_gpu_ids(gpu_ids: str, physical: int) -> list[str]:
+    """--gpu-ids `0,2,3` -> ["0", "2", "3"], checked against the GPUs present."""
+    ids = [item.strip() for item in gpu_ids.split(",")]
+    if not all(ids):
+        raise UserError(f"--gpu-ids {gpu_ids!r}: expected comma-separated GPU ids such as 0,1,2,3")
+    if len(set(ids)) != len(ids):
+        raise UserError(f"--gpu-ids {gpu_ids!r} lists a GPU twice")
+    if physical == 0:
+        raise UserError(f"--gpu-ids {gpu_ids}: no CUDA GPU found on this machine (nvidia-smi -L lists none)")
+    bad = [i for i in ids if i.isdigit() and int(i) >= physical]
+    if bad:
+        raise UserError(f"--gpu-ids {gpu_ids}: GPU {bad[0]} does not exist; this machine has GPUs 0-{physical - 1}")
+    return ids

@@ -1,0 +1,72 @@
+"""run.py's work: flags -> where to run (topology) -> trainer options -> command, then print or run it."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Mapping
+
+from megatron_ext.errors import UserError
+from megatron_ext.launch import runner
+from megatron_ext.launch.command import LaunchCommand, build_command
+from megatron_ext.launch.flags import TRAINER_FLAGS, passthrough_options
+from megatron_ext.launch.network import check_interface
+from megatron_ext.launch.slurm import slurm_job
+from megatron_ext.launch.topology import Topology, resolve_topology
+from megatron_ext.launch.trainer_args import TrainerSetup, trainer_setup
+
+
+@dataclass(frozen=True)
+class Launch:
+    topology: Topology
+    trainer: TrainerSetup
+    command: LaunchCommand
+
+    def summary(self) -> list[str]:
+        t, c = self.topology, self.trainer.config
+        dp = t.world_size // (c.tp * c.pp)
+        device = "GPU" if t.on_gpu else "CPU (gloo)"
+        lines = [f"{t.nnodes} node(s) x {t.nproc_per_node} {device} process(es): tp {c.tp} x pp {c.pp} x dp {dp}; "
+                 f"global batch {c.global_batch_size} = micro batch {c.micro_batch_size} x dp {dp} x "
+                 f"{c.global_batch_size // (c.micro_batch_size * dp)} micro-batches; stage {c.stage}"]
+        lines += t.notes + self.trainer.notes
+        if self.command.log_file:
+            lines.append(f"output also written to {self.command.log_file}")
+        return lines
+
+
+def _check_devices(topology: Topology, values: dict) -> None:
+    if topology.on_gpu:
+        return
+    if values["distributed_backend"] == "nccl":
+        raise UserError("--backend nccl needs CUDA GPUs and none were found; use --backend gloo (the CPU default)")
+    if values["fp8"]:
+        raise UserError("--fp8 needs CUDA GPUs (FP8 runs in Transformer Engine) and none were found")
+
+
+def prepare(values: dict, passthrough_argv: list[str], env: Mapping[str, str]) -> Launch:
+    """Everything decided and checked; nothing started. `values`: run.py's parsed flags."""
+    passthrough = passthrough_options(passthrough_argv)
+    slurm = slurm_job(env)
+    topology = resolve_topology(values, env, slurm, values["name"])
+    _check_devices(topology, values)
+    if values["interface"]:
+        check_interface(values["interface"])
+    flag_values = {field: list(values[field]) if isinstance(values[field], tuple) else values[field] for field in TRAINER_FLAGS}
+    setup = trainer_setup(flag_values, passthrough, topology.world_size)
+    output_name = values["slurm_output_name"]
+    command = build_command(topology, setup.config, setup.argv, setup.paths, values["sif_path"],
+                            values["interface"], output_name)
+    return Launch(topology=topology, trainer=setup, command=command)
+
+
+def main(values: dict, passthrough_argv: list[str]) -> int:
+    launch = prepare(values, passthrough_argv, os.environ)
+    for line in launch.summary():
+        print(f"run.py: {line}", file=sys.stderr)
+    if values["dry_run"]:
+        print(launch.command.shell(), flush=True)
+        return 0
+    print(f"+ {launch.command.shell()}", file=sys.stderr, flush=True)
+    return runner.run(launch.command.argv, launch.command.env, launch.command.log_file)

@@ -1,0 +1,54 @@
+"""Ports and network interfaces, checked on this node before anything is launched."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from megatron_ext.errors import UserError
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's
+
+
+def port_free(port: int) -> bool:
+    """Whether a server could listen on `port` here (as torchrun's TCPStore will, with SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def check_port(port: int, flag: str) -> None:
+    if not 0 < port < 65536:
+        raise UserError(f"{flag} {port} is not a TCP port (1-65535)")
+    if not port_free(port):
+        raise UserError(f"{flag} {port} is in use on this machine; choose another, e.g. {flag} {free_port()}")
+
+
+def is_this_host(host: str) -> bool:
+    """Whether `host` names this machine (then the rendezvous server is started here)."""
+    name = socket.gethostname()
+    return host in ("localhost", "127.0.0.1", "::1", name, name.split(".")[0])
+
+
+def check_interface(value: str) -> None:
+    """--interface must match a network interface of this machine, in NCCL_SOCKET_IFNAME's syntax
+    (comma-separated prefixes, `=name` for an exact name, `^name` to exclude)."""
+    net = Path("/sys/class/net")
+    interfaces = sorted(path.name for path in net.iterdir()) if net.is_dir() else []
+    wanted = [item for item in value.split(",") if item and not item.startswith("^")]
+    if not interfaces or not wanted:
+        return
+    for item in wanted:
+        if not any(name == item[1:] if item.startswith("=") else name.startswith(item) for name in interfaces):
+            raise UserError(f"--interface {value}: no network interface {item.lstrip('=')} on this machine "
+                            f"(it has: {', '.join(interfaces)})")

@@ -1,0 +1,182 @@
+"""Fixtures for the launcher tests: stand-in executables, a checkpoint, a tokenizer and a prepared dataset.
+
+The tests run the real scripts/train/run.py with PATH holding only stand-ins for torchrun,
+singularity, apptainer and nvidia-smi. The stand-ins record their argv and environment as JSON
+lines, so a test sees exactly what would have been started; nvidia-smi lists $STANDIN_GPUS GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.checkpoint import layout
+from tests.helpers import REPO_ROOT
+
+RUN_PY = REPO_ROOT / "scripts" / "train" / "run.py"
+STANDINS = ("torchrun", "singularity", "apptainer", "nvidia-smi")
+
+STANDIN_SOURCE = f"""#!{sys.executable}
+import json, os, signal, subprocess, sys, time
+name = os.path.basename(sys.argv[0])
+if name == "nvidia-smi":
+    gpus = int(os.environ.get("STANDIN_GPUS", "0"))
+    if not gpus:
+        sys.exit("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.")
+    for i in range(gpus):
+        print(f"GPU {{i}}: NVIDIA H100 80GB HBM3 (UUID: GPU-0000000{{i}})")
+    sys.exit(0)
+role = "child" if os.environ.get("STANDIN_ROLE") == "child" else name
+
+def record(**entry):
+    with open(os.environ["STANDIN_RECORD"], "a") as f:
+        f.write(json.dumps({{"name": role, **entry}}) + "\\n")
+
+if role != "child":
+    record(argv=sys.argv[1:], env=dict(os.environ), pgid=os.getpgid(0), ppid=os.getppid())
+print(f"{{role}} says hello on stdout", flush=True)
+print(f"{{role}} says hello on stderr", file=sys.stderr, flush=True)
+if os.environ.get("STANDIN_WAIT"):
+    def stop(signum, frame):
+        record(signal=signum)
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    if role != "child":
+        subprocess.Popen([sys.executable, __file__], env={{**os.environ, "STANDIN_ROLE": "child"}})
+    record(ready=True, pgid=os.getpgid(0))
+    time.sleep(120)
+code = int(os.environ.get("STANDIN_EXIT", "0"))
+if code < 0:
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
+def make_standins(directory: Path, names=STANDINS) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        path = directory / name
+        path.write_text(STANDIN_SOURCE)
+        path.chmod(0o755)
+    return directory
+
+
+@dataclass
+class Launcher:
+    """Runs run.py with the stand-ins first (and alone) on PATH; `records()` reads what they saw."""
+
+    bin_dir: Path
+    record_file: Path
+    cwd: Path
+
+    def env(self, gpus: int = 0, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CUDA_VISIBLE_DEVICES"))}
+        env.update(PATH=str(self.bin_dir), STANDIN_RECORD=str(self.record_file), STANDIN_GPUS=str(gpus))
+        if not gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU run even on a machine that has GPUs
+        env.update(extra)
+        return env
+
+    def popen(self, *args, gpus: int = 0, env: dict | None = None, **kwargs) -> subprocess.Popen:
+        self.record_file.unlink(missing_ok=True)
+        return subprocess.Popen([sys.executable, str(RUN_PY), *map(str, args)], cwd=self.cwd,
+                                env=env or self.env(gpus), text=True, **kwargs)
+
+    def run(self, *args, gpus: int = 0, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+        proc = self.popen(*args, gpus=gpus, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        finally:
+            proc.kill()
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def records(self) -> list[dict]:
+        if not self.record_file.exists():
+            return []
+        return [json.loads(line) for line in self.record_file.read_text().splitlines()]
+
+    def launched(self) -> dict:
+        """The one process run.py started, as its stand-in recorded it."""
+        starts = [r for r in self.records() if "argv" in r]
+        assert len(starts) == 1, starts
+        return starts[0]
+
+
+@pytest.fixture
+def launcher(tmp_path, launch_bin) -> Launcher:
+    return Launcher(bin_dir=launch_bin, record_file=tmp_path / "record.jsonl", cwd=tmp_path)
+
+
+@pytest.fixture(scope="session")
+def launch_bin(tmp_path_factory) -> Path:
+    return make_standins(tmp_path_factory.mktemp("standins"))
+
+
+def write_tokenizer(directory: Path, added: dict[str, int], pad: str | None = "<pad>") -> Path:
+    """A minimal tokenizer directory as transformers 5 writes it (tokenizer.json + tokenizer_config.json)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4}
+    tokenizer = {"version": "1.0", "added_tokens": [{"id": i, "content": c, "special": True} for c, i in added.items()],
+                 "model": {"type": "BPE", "vocab": vocab, "merges": []}}
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = {"tokenizer_class": "TokenizersBackend", "bos_token": "<s>", "eos_token": "</s>"}
+    if pad:
+        config["pad_token"] = pad
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def write_prepared_dataset(directory: Path, shard_counts: dict[str, int], split_parts: dict[str, list[str]]) -> Path:
+    """The metadata `energon prepare` writes (format checked against megatron-energon 7.4.1's output)."""
+    meta = directory / ".nv-meta"
+    meta.mkdir(parents=True, exist_ok=True)
+    (meta / ".info.json").write_text(json.dumps({"energon_version": "7.4.1", "shard_counts": shard_counts}, indent=2))
+    lines = ["split_parts:"]
+    for split, shards in split_parts.items():
+        lines.append(f"  {split}:" + ("" if shards else " []"))
+        lines += [f"  - {shard}" for shard in shards]
+    (meta / "split.yaml").write_text("\n".join(lines + ["exclude: []", ""]))
+    (meta / "dataset.yaml").write_text("sample_type:\n  __module__: megatron.energon\n  __class__: VQASample\n"
+                                       "field_map:\n  image: jpg\n  context: json[question]\n  answers: txt\n")
+    return directory
+
+
+@dataclass(frozen=True)
+class Inputs:
+    checkpoint: Path  # converted checkpoint root, with a tokenizer/ copy
+    tokenizer: Path
+    data: Path  # 1000 training samples
+    blend: Path  # metadataset YAML over data and data2
+    data2: Path
+    root: Path
+
+
+HF_CONFIG = {"model_type": "llava", "image_token_index": 32000, "pad_token_id": 32001,
+             "text_config": {"model_type": "llama"}, "vision_config": {"model_type": "clip_vision_model"}}
+
+
+@pytest.fixture(scope="session")
+def inputs(tmp_path_factory) -> Inputs:
+    root = tmp_path_factory.mktemp("launch_inputs")
+    tokenizer = write_tokenizer(root / "hf", {"<image>": 32000, "<pad>": 32001})
+    checkpoint = root / "ckpt"
+    (checkpoint / layout.RELEASE).mkdir(parents=True)
+    layout.write_metadata(checkpoint / layout.RELEASE, kind="converted", iteration=0, hf_config=HF_CONFIG, tp=1, pp=1,
+                          dtype="bfloat16")
+    layout.mark_latest(checkpoint, layout.RELEASE)
+    write_tokenizer(checkpoint / layout.TOKENIZER_DIR, {"<image>": 32000, "<pad>": 32001})
+    data = write_prepared_dataset(root / "data", {"part_0.tar": 600, "part_1.tar": 400, "part_2.tar": 50},
+                                  {"train": ["part_0.tar", "part_1.tar"], "val": ["part_2.tar"], "test": []})
+    data2 = write_prepared_dataset(root / "elsewhere" / "data2", {"a.tar": 300}, {"train": ["a.tar"], "val": [], "test": []})
+    blend = root / "blends" / "mix.yaml"
+    blend.parent.mkdir()
+    blend.write_text(f"__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+                     f"      - weight: 3\n        path: {data}\n      - weight: 1\n        path: {data2}\n")
+    return Inputs(checkpoint=checkpoint, tokenizer=tokenizer, data=data, blend=blend, data2=data2, root=root)

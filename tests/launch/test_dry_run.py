@@ -1,0 +1,43 @@
+"""--dry-run stays light: it imports no torch, megatron, transformers, energon or numpy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch.conftest import RUN_PY
+
+HEAVY = {"torch", "megatron", "transformers", "numpy", "safetensors", "tokenizers", "webdataset"}
+
+PROBE = f"""
+import json, runpy, sys
+sys.argv = ["run.py", *json.loads(sys.argv[1])]
+try:
+    runpy.run_path({str(RUN_PY)!r}, run_name="__main__")
+except SystemExit as exc:
+    status = exc.code
+loaded = sorted({{name.split(".")[0] for name in sys.modules}} & set({sorted(HEAVY)!r}))
+print(json.dumps({{"status": status, "heavy": loaded}}))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_readme_stage2_example_dry_run_imports_nothing_heavy(launcher, inputs, tmp_path):
+    sif = tmp_path / "demo.sif"
+    sif.write_text("image")
+    # The original README's stage-2 example, with the dataset it left implicit.
+    args = ["-g", "8", "--tp", "4", "--pp", "1", "--node", "1", "--name", "llavajp13b-tp4-pp1-dp2-stage2",
+            "--megatron-load-dir", str(inputs.checkpoint), "--save-dir", str(tmp_path / "save"),
+            "--tokenizer-load-dir", str(inputs.tokenizer), "--sif-path", str(sif), "--stage", "2",
+            "--save-interval", "2000", "--wandb", "--data-path", str(inputs.data), "--dry-run"]
+    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args)], capture_output=True, text=True, timeout=50,
+                          cwd=tmp_path, env=launcher.env(gpus=8))
+    assert proc.returncode == 0, proc.stderr
+    command, report = proc.stdout.strip().splitlines()
+    assert json.loads(report) == {"status": 0, "heavy": []}, proc.stderr
+    assert command.startswith("SINGULARITYENV_CUDA_DEVICE_MAX_CONNECTIONS=1 singularity exec --nv ") and " torchrun --nnodes 1 --nproc-per-node 8 " in command
+    assert launcher.records() == []

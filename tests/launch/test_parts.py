@@ -1,0 +1,98 @@
+"""The launcher's pure pieces: SLURM node lists, argv splitting, token ids from tokenizer files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_ext.errors import UserError
+from megatron_ext.launch.flags import FLAGS, split_argv
+from megatron_ext.launch.slurm import hostnames, slurm_job
+from megatron_ext.launch.tokens import IMAGE_TOKEN, TokenizerFiles
+from tests.helpers import REPO_ROOT
+from tests.launch.conftest import write_tokenizer
+
+
+@pytest.mark.parametrize("nodelist,expected", [
+    ("node[01-04],gpu7", ["node01", "node02", "node03", "node04", "gpu7"]),
+    ("solo", ["solo"]),
+    ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+    ("a[1-2]-ib[3,5],b[7]", ["a1-ib3", "a1-ib5", "a2-ib3", "a2-ib5", "b7"]),
+])
+def test_slurm_nodelist(nodelist, expected):
+    assert hostnames(nodelist) == expected
+
+
+def test_slurm_nodelist_unparsable_without_scontrol(monkeypatch):
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(UserError, match="-m/--master-addr"):
+        hostnames("node[1-2")
+
+
+def test_slurm_job_from_environment():
+    assert slurm_job({"SLURM_NNODES": "2"}) is None
+    job = slurm_job({"SLURM_JOB_ID": "9", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "x[3-4]"})
+    assert (job.job_id, job.nnodes, job.node_id, job.master_host, job.gpus_on_node) == ("9", 2, 1, "x3", None)
+    with pytest.raises(UserError, match="SLURM_NNODES='two'"):
+        slurm_job({"SLURM_JOB_ID": "9", "SLURM_NNODES": "two"})
+
+
+@pytest.mark.parametrize("argv,launcher,trainer", [
+    (["--skip-train-iteration-range", "1-2", "3-4", "--tp", "2"],
+     ["--skip-train-iteration-range", "1-2", "--skip-train-iteration-range", "3-4", "--tp", "2"], []),
+    (["--skip-train-iteration-range=1-2", "3-4"],
+     ["--skip-train-iteration-range=1-2", "--skip-train-iteration-range", "3-4"], []),
+    (["--skip-train-iteration-range", "1-2", "--", "--lr", "1", "x-y"],
+     ["--skip-train-iteration-range", "1-2"], ["--lr", "1", "x-y"]),
+    (["--name", "3-4", "-g", "2"], ["--name", "3-4", "-g", "2"], []),
+])
+def test_split_argv(argv, launcher, trainer):
+    assert split_argv(argv) == (launcher, trainer)
+
+
+@pytest.mark.parametrize("fixture", ["llava_clip", "llava_qwen2_siglip"])
+def test_token_ids_match_what_build_llava_wrote(request, fixture):
+    path = request.getfixturevalue(fixture)
+    config = json.loads((path / "config.json").read_text())
+    tokenizer = TokenizerFiles(path)
+    assert tokenizer.image_token_id() == config["image_token_index"]
+    assert tokenizer.pad_token_id() == config["pad_token_id"]
+
+
+def test_image_token_is_build_llavas():
+    from megatron_ext.hf.build_llava import IMAGE_TOKEN as BUILT
+
+    assert IMAGE_TOKEN == BUILT
+
+
+def test_token_ids_from_transformers_4_files_and_unigram_vocab(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"added_tokens_decoder": {"5": {"content": "<image>", "special": True}}}))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"pad_token": {"content": "[PAD]"}}))
+    (tmp_path / "tokenizer.json").write_text(json.dumps(
+        {"added_tokens": [], "model": {"type": "Unigram", "vocab": [["<unk>", 0.0], ["[PAD]", 0.0], ["a", -1.0]]}}))
+    tokenizer = TokenizerFiles(tmp_path)
+    assert (tokenizer.image_token_id(), tokenizer.pad_token_id()) == (5, 1)
+
+
+def test_missing_pad_token(tmp_path):
+    with pytest.raises(UserError, match="--pad-token-id"):
+        TokenizerFiles(write_tokenizer(tmp_path, {"<image>": 9}, pad=None)).pad_token_id()
+
+
+def test_docs_list_every_flag():
+    docs = (REPO_ROOT / "docs" / "launcher.md").read_text()
+    missing = [flag.name for flag in FLAGS if f"`{flag.name}`" not in docs and f"`{flag.short}, {flag.name}`" not in docs]
+    assert not missing
+
+
+def test_token_ids_when_the_vocabulary_comes_first(tmp_path):
+    """The fast path decodes only `added_tokens`; a file in another key order still gives the right ids."""
+    text = ('{"model": {"type": "BPE", "vocab": {"added_tokens": 0, "<pad>": 1}, "merges": ["a b"]}, '
+            '"added_tokens": [{"id": 7, "content": "<image>"}]}')
+    (tmp_path / "tokenizer.json").write_text(text)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<pad>"}))
+    tokenizer = TokenizerFiles(tmp_path)
+    assert (tokenizer.image_token_id(), tokenizer.pad_token_id()) == (7, 1)

@@ -1,0 +1,55 @@
+"""A real (non-dry) run: output streamed, exit status passed on, Ctrl-C / SIGTERM reach the whole process group."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+
+def _args(inputs):
+    return ["--megatron-load-dir", inputs.checkpoint, "--data-path", inputs.data]
+
+
+@pytest.mark.parametrize("standin_exit,status", [(0, 0), (3, 3), (-signal.SIGKILL, 128 + signal.SIGKILL)])
+def test_exit_status_and_streamed_output(launcher, inputs, standin_exit, status):
+    result = launcher.run(*_args(inputs), env=launcher.env(STANDIN_EXIT=str(standin_exit)))
+    assert result.returncode == status, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("+ torchrun ")]
+    assert "torchrun says hello on stdout" in result.stdout
+    assert "torchrun says hello on stderr" in result.stderr
+
+
+def _wait_ready(launcher, proc, count, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready = [r for r in launcher.records() if r.get("ready")]
+        if len(ready) == count:
+            return ready
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"stand-ins not ready: {launcher.records()}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("tee", [False, True])
+def test_signal_reaches_the_whole_group_and_sets_the_status(launcher, inputs, sig, tee):
+    extra = ["--slurm-output-name", "logs/run"] if tee else []
+    proc = launcher.popen(*_args(inputs), *extra, env=launcher.env(STANDIN_WAIT="1"),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        ready = _wait_ready(launcher, proc, 2)
+        assert ready[0]["pgid"] == ready[1]["pgid"] != proc.pid  # torchrun's group, not run.py's
+        proc.send_signal(sig)  # to run.py alone, as a terminal's Ctrl-C reaches only the foreground group
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, err
+    got = {r["name"]: r["signal"] for r in launcher.records() if "signal" in r}
+    assert got == {"torchrun": sig, "child": sig}
+    if tee:
+        assert "torchrun says hello on stdout" in (launcher.cwd / "logs" / "run.log").read_text()
