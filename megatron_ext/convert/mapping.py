@@ -26,14 +26,18 @@ class Mapping:
     megatron: str
     hf: tuple[str, ...]
     rule: Rule
+    # A second Megatron copy of an HF tensor another row already maps (the output layer of a model
+    # with tied embeddings, which exists only on the last pipeline stage): filled on the way in,
+    # never written back, and not counted when checking that each HF tensor is used once.
+    tied: bool = False
 
     def at_layer(self, index: int) -> "Mapping":
         put = lambda name: name.replace("*", str(index))  # noqa: E731
-        return Mapping(put(self.megatron), tuple(put(h) for h in self.hf), self.rule)
+        return Mapping(put(self.megatron), tuple(put(h) for h in self.hf), self.rule, self.tied)
 
 
-def _m(megatron: str, hf: str | tuple[str, ...], rule: Rule) -> Mapping:
-    return Mapping(megatron, (hf,) if isinstance(hf, str) else hf, rule)
+def _m(megatron: str, hf: str | tuple[str, ...], rule: Rule, tied: bool = False) -> Mapping:
+    return Mapping(megatron, (hf,) if isinstance(hf, str) else hf, rule, tied)
 
 
 def _language_rows(arch: LlavaArch) -> tuple[list[Mapping], list[Mapping]]:
@@ -56,7 +60,8 @@ def _language_rows(arch: LlavaArch) -> tuple[list[Mapping], list[Mapping]]:
         _m("language_model.embedding.word_embeddings.weight", embed, vocab),
         _m("language_model.decoder.final_layernorm.weight", "language_model.model.norm.weight", REPLICATED),
         # With tied embeddings only the last pipeline stage has its own copy of this tensor.
-        _m("language_model.output_layer.weight", embed if t.tie_word_embeddings else "language_model.lm_head.weight", vocab),
+        _m("language_model.output_layer.weight", embed if t.tie_word_embeddings else "language_model.lm_head.weight", vocab,
+           tied=t.tie_word_embeddings),
     ]
     return once, layer
 

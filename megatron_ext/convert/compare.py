@@ -1,0 +1,156 @@
+"""Run HF LLaVA and the Megatron model on the same processed inputs and compare their logits.
+
+The pieces are reusable by generation/evaluation code:
+- `process_inputs`: image + prompt -> HF processor output (chat template when the tokenizer has one);
+- `collapse_image_tokens`: HF's processor expands each `<image>` into one token per image
+  embedding, megatron-core's LLaVAModel expects one token per image and expands it itself;
+- `megatron_logits`: full-vocabulary logits of a TP/PP-split model, gathered over TP and sent
+  from the last pipeline stage to every stage;
+- `logit_stats`: max / mean |dlogit| and whether the next-token argmax agrees everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_PROMPT = "Describe this image."
+
+
+def synthetic_image(seed: int = 0, size: tuple[int, int] = (70, 60)):
+    """A fixed random-noise RGB image, for comparisons that need no image file."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.RandomState(seed).rand(size[1], size[0], 3) * 255
+    return Image.fromarray(pixels.astype("uint8"))
+
+
+def process_inputs(processor, image, prompt: str = DEFAULT_PROMPT):
+    """HF processor output for one image and one user turn (generation prompt appended)."""
+    if getattr(processor, "chat_template", None):
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    else:
+        text = f"{processor.image_token}\n{prompt}"
+    return processor(images=image, text=text, return_tensors="pt")
+
+
+def collapse_image_tokens(input_ids: torch.Tensor, image_token_index: int) -> torch.Tensor:
+    """[B, S] ids with runs of image tokens -> each run one token (every row must collapse to one length)."""
+    image = input_ids == image_token_index
+    keep = torch.ones_like(image)
+    keep[:, 1:] = ~(image[:, 1:] & image[:, :-1])
+    rows = [ids[k] for ids, k in zip(input_ids, keep)]
+    if len({len(row) for row in rows}) != 1:
+        raise ValueError("rows of the batch collapse to different lengths; pad them after collapsing instead")
+    return torch.stack(rows)
+
+
+def megatron_logits(model, images: torch.Tensor, input_ids: torch.Tensor, img_seq_len: int, vocab_size: int) -> torch.Tensor:
+    """Logits [B, S, vocab_size] (float32, on every rank) for HF-style `input_ids` [B, S] whose image
+    tokens are already expanded. Collective over the model-parallel group; the model must be built
+    with `parallel_output=False`, and is left in eval mode."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    image_token_index = model.image_token_index
+    ids = collapse_image_tokens(input_ids, image_token_index)
+    num_images = int((ids[0] == image_token_index).sum())
+    seq_length = ids.shape[1] + num_images * (img_seq_len - 1)
+    max_length = model.language_model.max_sequence_length
+    if seq_length > max_length:
+        raise ValueError(f"{seq_length} tokens (images expanded) exceed the model's seq_length {max_length}")
+    pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    # Under PP, LLaVAModel pads every sequence to the model's seq_length (fixed p2p shapes).
+    sent_length = max_length if pipelined else seq_length
+
+    def forward_step(data_iterator, module):
+        output, _ = module(images=images, input_ids=next(data_iterator), position_ids=None, attention_mask=None)
+        return output, None
+
+    model.eval()
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([ids]), model=[model], num_microbatches=1,
+            seq_length=sent_length, micro_batch_size=ids.shape[0], forward_only=True)
+    if parallel_state.is_pipeline_last_stage():
+        logits = outputs[0][:, :seq_length, :vocab_size].float().contiguous()
+    else:
+        logits = torch.empty(ids.shape[0], seq_length, vocab_size)
+    if pipelined:
+        dist.broadcast(logits, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+    return logits
+
+
+@dataclass(frozen=True)
+class LogitStats:
+    max_abs: float
+    mean_abs: float
+    argmax_agree: bool
+    positions: int
+    disagreeing: tuple[int, ...]  # positions whose argmax differs
+
+    def lines(self) -> list[str]:
+        agree = "yes" if self.argmax_agree else f"NO (positions {list(self.disagreeing)[:20]})"
+        return [f"max |dlogit|:  {self.max_abs:.3e}", f"mean |dlogit|: {self.mean_abs:.3e}",
+                f"next-token argmax agrees at all {self.positions} positions: {agree}"]
+
+
+def logit_stats(reference: torch.Tensor, logits: torch.Tensor) -> LogitStats:
+    if reference.shape != logits.shape:
+        raise ValueError(f"logits of shape {tuple(logits.shape)} cannot be compared with {tuple(reference.shape)}")
+    diff = (reference.float() - logits.float()).abs()
+    same = reference.argmax(-1) == logits.argmax(-1)
+    return LogitStats(max_abs=diff.max().item(), mean_abs=diff.mean().item(), argmax_agree=bool(same.all()),
+                      positions=same.numel(), disagreeing=tuple(torch.nonzero(~same.flatten()).flatten().tolist()))
+
+
+def hf_logits(hf_dir: Path, batch) -> torch.Tensor:
+    """HF LlavaForConditionalGeneration logits in float32."""
+    from transformers import LlavaForConditionalGeneration
+
+    from megatron_ext.hf import loading
+
+    model = loading.load_pretrained(LlavaForConditionalGeneration, str(hf_dir), "--hf-dir", dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(**batch).logits.float()
+
+
+def _megatron_logits_rank(snapshot_dir: Path, tp: int, pp: int, images: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    from megatron_ext.checkpoint.layout import find_snapshot
+    from megatron_ext.checkpoint.model_io import load_model_weights
+    from megatron_ext.distributed import init_parallel, shutdown
+    from megatron_ext.model.provider import ModelOptions, build_model
+
+    init_parallel(tp, pp)
+    try:
+        arch = find_snapshot(snapshot_dir, "--megatron-dir").arch
+        model = build_model(arch, ModelOptions(seq_length=input_ids.shape[1], dtype="float32", init_weights=False,
+                                               parallel_output=False))
+        load_model_weights(model, snapshot_dir)
+        return megatron_logits(model, images, input_ids, arch.img_seq_len, arch.text.vocab_size)
+    finally:
+        shutdown()
+
+
+def compare(hf_dir: str | Path, megatron_dir: str | Path, tp: int | None = None, pp: int | None = None,
+            image=None, prompt: str = DEFAULT_PROMPT) -> LogitStats:
+    """HF vs Megatron (loaded at `tp` x `pp`, default: the layout it was saved with) in float32 on CPU."""
+    from megatron_ext.checkpoint.layout import find_snapshot
+    from megatron_ext.convert.cpu_ranks import run_on_cpu_ranks
+    from megatron_ext.hf import loading
+
+    snapshot = find_snapshot(megatron_dir, "--megatron-dir")
+    tp, pp = tp or snapshot.tp, pp or snapshot.pp
+    snapshot.arch.check_parallel(tp, pp)
+    processor = loading.load_processor(str(hf_dir), "--hf-dir")
+    batch = process_inputs(processor, synthetic_image() if image is None else image, prompt)
+    reference = hf_logits(Path(hf_dir), batch)
+    logits = run_on_cpu_ranks(_megatron_logits_rank, tp * pp, snapshot.path, tp, pp, batch["pixel_values"],
+                              batch["input_ids"])
+    return logit_stats(reference, logits)

@@ -1,0 +1,82 @@
+"""Run one function on N CPU processes that form a gloo world (the converters' and comparer's workers).
+
+Conversion is I/O-bound and exactness is easiest to reason about on CPU, so the workers never see a
+GPU (`CUDA_VISIBLE_DEVICES=""`, which makes `init_parallel` apply `cpu_support`). Processes are
+started with `spawn`: the entry script must guard its `main()` with `if __name__ == "__main__":`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from megatron_ext.errors import UserError
+
+
+@contextlib.contextmanager
+def cpu_only_env():
+    """Hide GPUs (and default to one thread per process) for processes started inside the block."""
+    saved = {key: os.environ.get(key) for key in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def hide_gpus() -> None:
+    """Make this process CPU-only for good (before anything touched CUDA)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError("hide_gpus() must run before CUDA is initialised")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def _rank_main(rank: int, world_size: int, port: int, workdir: str, fn: Callable, args: tuple) -> None:
+    import torch
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from megatron_ext.logs import setup_logging
+
+    setup_logging(rank=rank)
+    try:
+        result = fn(*args)
+    except UserError as exc:
+        Path(workdir, f"error-{rank}.txt").write_text(str(exc))
+        raise
+    if rank == 0:
+        torch.save(result, Path(workdir, "result.pt"))
+
+
+def run_on_cpu_ranks(fn: Callable, world_size: int, *args) -> Any:
+    """Call `fn(*args)` on ranks 0..world_size-1 (env:// set for `init_parallel`); returns rank 0's result.
+
+    A UserError raised on any rank is raised here with its message; any other failure stops all
+    ranks and propagates (with the failing rank's traceback).
+    """
+    import torch
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    from megatron_ext.distributed import free_port
+
+    with tempfile.TemporaryDirectory(prefix="megatron_ext-ranks-") as workdir, cpu_only_env():
+        try:
+            mp.start_processes(_rank_main, args=(world_size, free_port(), workdir, fn, args), nprocs=world_size,
+                               join=True, start_method="spawn")
+        except ProcessException:
+            errors = sorted(Path(workdir).glob("error-*.txt"))
+            if errors:
+                raise UserError(errors[0].read_text()) from None
+            raise
+        return torch.load(Path(workdir, "result.pt"), weights_only=False)

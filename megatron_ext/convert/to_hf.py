@@ -1,0 +1,163 @@
+"""Megatron snapshot (converted or trained, any TP/PP) -> Hugging Face LLaVA directory.
+
+One process: the model is built whole (TP1/PP1) from the snapshot's own HF config, its weights
+are loaded with dist_checkpointing (which reshards whatever layout the snapshot was saved with),
+and each table row is turned back into HF tensors, written shard by shard. The HF tensors LLaVA
+never uses come back from `hf_extra.safetensors`; config, generation config, tokenizer and
+processor complete the directory, which appears only when complete.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_ext.checkpoint import layout
+from megatron_ext.convert import coverage
+from megatron_ext.convert.hf_checkpoint import (
+    GENERATION_CONFIG_FILE,
+    ShardWriter,
+    check_tokenizer_dir,
+    copy_tokenizer_files,
+    hf_model_names,
+)
+from megatron_ext.convert.mapping import canonical_megatron_name, llava_mapping
+from megatron_ext.errors import UserError
+from megatron_ext.fsutil import atomic_output_dir, check_output_dir
+from megatron_ext.model.arch import LlavaArch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+@dataclass(frozen=True)
+class Export:
+    """A checked export request."""
+
+    snapshot: layout.Snapshot
+    arch: LlavaArch
+    tokenizer_dir: Path
+    max_shard_size: int
+
+
+def plan_export(megatron_dir: str | Path, tokenizer_dir: str | Path | None = None, tp: int | None = None,
+                pp: int | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Export:
+    """Refuse bad input before anything is written. `tp`/`pp`, when given, must match the snapshot."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    snapshot = layout.find_snapshot(megatron_dir, "--megatron-dir")
+    for flag, given, saved in (("--tp", tp, snapshot.tp), ("--pp", pp, snapshot.pp)):
+        if given is not None and given != saved:
+            raise UserError(f"{flag} {given} does not match {snapshot.path}, which was saved with TP{snapshot.tp} x "
+                            f"PP{snapshot.pp}; the layout is read from the checkpoint, so omit {flag} or pass {saved}")
+    arch = snapshot.arch
+    try:
+        shard_bytes = convert_file_size_to_int(max_shard_size)
+    except ValueError:
+        raise UserError(f"--max-shard-size {max_shard_size!r} is not a size (use e.g. 5GB, 500MB)") from None
+    tok = check_tokenizer_dir(tokenizer_dir or snapshot.tokenizer_dir, "--tokenizer-dir")
+    return Export(snapshot=snapshot, arch=arch, tokenizer_dir=tok, max_shard_size=shard_bytes)
+
+
+def _extra_names(snapshot: layout.Snapshot) -> list[str]:
+    from safetensors import safe_open
+
+    if not snapshot.hf_extra_file.is_file():
+        return []
+    with safe_open(str(snapshot.hf_extra_file), "pt") as f:
+        return list(f.keys())
+
+
+def _megatron_tensors(model) -> dict:
+    """The full model's tensors by canonical (dist-checkpoint) name."""
+    return {canonical_megatron_name(name): tensor for name, tensor in model.state_dict().items()
+            if not name.endswith("_extra_state")}
+
+
+def _check_coverage(export: Export, megatron_names: list[str], extra: list[str]) -> None:
+    snapshot = export.snapshot
+    problems = coverage.megatron_to_hf_problems(llava_mapping(export.arch), megatron_names, extra,
+                                                hf_model_names(snapshot.hf_config))
+    if problems:
+        hint = "" if extra else f" ({snapshot.hf_extra_file} is missing: copy it from the converted checkpoint)"
+        raise UserError(f"--megatron-dir {snapshot.path}: cannot produce a complete HF model{hint}; " + "; ".join(problems))
+
+
+def _write_weights(tensors: dict, extra: list[str], export: Export, out: Path) -> None:
+    from safetensors import safe_open
+
+    from megatron_ext.model.provider import DTYPES
+
+    # Megatron keeps norms and the patch embedding in float32 whatever the model dtype; HF stores
+    # one dtype. Those values came from (or were trained in) the snapshot dtype, so this is exact.
+    dtype = DTYPES[export.snapshot.dtype]
+    table = llava_mapping(export.arch)
+    writer = ShardWriter(out, export.max_shard_size)
+    for name, tensor in tensors.items():
+        row = table[name]
+        for hf_name, hf_tensor in zip(row.hf, row.rule.megatron_to_hf(tensor)):
+            writer.add(hf_name, hf_tensor.to(dtype))
+    if extra:
+        with safe_open(str(export.snapshot.hf_extra_file), "pt") as f:
+            for name in extra:
+                writer.add(name, f.get_tensor(name))
+    writer.close()
+
+
+def _write_configs(export: Export, out: Path) -> None:
+    from transformers import GenerationConfig, LlavaConfig
+
+    from megatron_ext.model.provider import DTYPES
+
+    config = LlavaConfig.from_dict(export.snapshot.hf_config)
+    config.dtype = DTYPES[export.snapshot.dtype]
+    config.architectures = ["LlavaForConditionalGeneration"]
+    config.save_pretrained(out)
+    copy_tokenizer_files(export.tokenizer_dir, out)
+    if not (out / GENERATION_CONFIG_FILE).is_file():
+        GenerationConfig.from_model_config(config).save_pretrained(out)
+
+
+def export_in_world(export: Export, out: Path) -> None:
+    """Collective over a world whose megatron parallel state is TP1 x PP1 (every rank loads; rank 0 writes)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_ext.checkpoint.model_io import load_model_weights
+    from megatron_ext.model.provider import ModelOptions, build_model
+
+    if parallel_state.get_tensor_model_parallel_world_size() != 1 or parallel_state.get_pipeline_model_parallel_world_size() != 1:
+        raise RuntimeError("export_in_world needs a TP1 x PP1 parallel state")
+    snapshot = export.snapshot
+    model = build_model(export.arch, ModelOptions(init_weights=False, dtype=snapshot.dtype))
+    extra = _extra_names(snapshot)
+    _check_coverage(export, list(_megatron_tensors(model)), extra)
+    load_model_weights(model, snapshot.path)
+    if dist.get_rank() == 0:
+        _write_weights(_megatron_tensors(model), extra, export, out)
+        _write_configs(export, out)
+    dist.barrier()
+
+
+def convert(megatron_dir: str | Path, hf_dir: str | Path, tokenizer_dir: str | Path | None = None, tp: int | None = None,
+            pp: int | None = None, force: bool = False, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """The whole export, in this process (GPUs hidden); returns the HF directory."""
+    from megatron_ext.convert.cpu_ranks import hide_gpus
+    from megatron_ext.distributed import init_parallel, shutdown
+
+    hide_gpus()  # before anything asks CUDA for its devices
+    export = plan_export(megatron_dir, tokenizer_dir, tp, pp, max_shard_size)
+    out = check_output_dir(hf_dir, force, "--hf-dir")
+    if out == export.snapshot.root or out in export.snapshot.root.parents:
+        raise UserError(f"--hf-dir {out} would replace the input --megatron-dir {export.snapshot.root}; choose another directory")
+    log.info("converting %s (saved TP%d x PP%d, %s) to HF in %s", export.snapshot.path, export.snapshot.tp,
+             export.snapshot.pp, export.snapshot.dtype, out)
+    init_parallel(1, 1)
+    try:
+        with atomic_output_dir(out) as tmp:
+            export_in_world(export, tmp)
+    finally:
+        shutdown()
+    return out

@@ -1,0 +1,169 @@
+"""Hugging Face LLaVA -> Megatron dist checkpoint at any TP x PP.
+
+`convert` checks everything it can before writing (config, parallel layout, weights, tokenizer,
+output directory), then starts tp*pp CPU ranks. Each rank builds its own part of the model
+uninitialised, fills every tensor from the HF safetensors through the mapping table (one HF tensor
+read at a time, sliced for this TP rank), and the ranks save together with dist_checkpointing.
+The result appears at the output path only when complete (see checkpoint/layout.py for the layout).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_ext.checkpoint import layout
+from megatron_ext.convert import coverage
+from megatron_ext.convert.hf_checkpoint import HfWeights, check_tokenizer_dir, copy_tokenizer_files, read_config
+from megatron_ext.convert.mapping import canonical_megatron_name, hf_only_names, llava_mapping
+from megatron_ext.errors import UserError
+from megatron_ext.fsutil import atomic_output_dir, check_output_dir
+from megatron_ext.model.arch import LlavaArch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked conversion request (picklable: it is sent to every rank)."""
+
+    hf_dir: Path
+    tp: int
+    pp: int
+    dtype: str
+    hf_config: dict
+
+    @property
+    def arch(self) -> LlavaArch:
+        return LlavaArch.from_hf_config(self.hf_config)
+
+
+def plan_conversion(hf_dir: str | Path, tp: int, pp: int) -> Plan:
+    """Everything about the input that can be refused, refused before any output exists."""
+    hf_dir = Path(hf_dir).expanduser().resolve()
+    if not hf_dir.is_dir():
+        raise UserError(f"--hf-dir {hf_dir} is not a directory")
+    hf_config = read_config(hf_dir, "--hf-dir")
+    arch = LlavaArch.from_hf_config(hf_config)
+    arch.check_parallel(tp, pp)
+    weights = HfWeights(hf_dir)
+    check_tokenizer_dir(hf_dir, "--hf-dir")
+    return Plan(hf_dir=hf_dir, tp=tp, pp=pp, dtype=weights.dtype(), hf_config=hf_config)
+
+
+def _rank_slice(row, weights: HfWeights, tp_rank: int, tp: int, shape) -> tuple[torch.Tensor | None, str | None]:
+    """(this rank's slice of the row's Megatron tensor, None) or (None, why the HF tensors do not fit)."""
+    try:
+        part = row.rule.shard(row.rule.hf_to_megatron([weights.read(hf) for hf in row.hf]), tp_rank, tp)
+    except (ValueError, RuntimeError) as exc:  # shapes the rule cannot reshape or split
+        return None, f"{'+'.join(row.hf)} ({exc})"
+    if part.shape != shape:
+        return None, f"{'+'.join(row.hf)} (gives {list(part.shape)} on TP rank {tp_rank}, {row.megatron} needs {list(shape)})"
+    return part, None
+
+
+def fill_model(model, arch: LlavaArch, weights: HfWeights) -> coverage.FillReport:
+    """Copy this rank's slice of every Megatron tensor from the HF tensors it is made of."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    layer_offset = model.language_model.decoder.layers[0].layer_number - 1
+    table = llava_mapping(arch)
+    available = set(weights.names)
+    report = coverage.FillReport()
+    for name, param in model.state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state"):
+            continue
+        row = table.get(canonical_megatron_name(name, layer_offset))
+        if row is None:
+            report.unmapped.append(canonical_megatron_name(name, layer_offset))
+            continue
+        lacking = [hf for hf in row.hf if hf not in available]
+        part, misfit = (None, None) if lacking else _rank_slice(row, weights, tp_rank, tp, param.shape)
+        if part is None:
+            report.missing_hf.extend(lacking)
+            report.misfits.extend([misfit] if misfit else [])
+            report.failed.append(row.megatron)
+            continue
+        with torch.no_grad():
+            param.copy_(part)
+        report.filled.append(row.megatron)
+    return report
+
+
+def _gather(report: coverage.FillReport) -> list[coverage.FillReport]:
+    import torch.distributed as dist
+
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    return reports
+
+
+def _write_beside_snapshot(plan: Plan, arch: LlavaArch, weights: HfWeights, root: Path) -> None:
+    """Rank 0, after the model is saved: the unused HF tensors, tokenizer, metadata, latest marker."""
+    from safetensors.torch import save_file
+
+    extra = hf_only_names(arch, weights.names)
+    save_file({name: weights.read(name) for name in extra}, str(root / layout.HF_EXTRA_FILE), metadata={"format": "pt"})
+    copy_tokenizer_files(plan.hf_dir, root / layout.TOKENIZER_DIR)
+    layout.write_metadata(root / layout.RELEASE, kind="converted", iteration=0, hf_config=plan.hf_config,
+                          tp=plan.tp, pp=plan.pp, dtype=plan.dtype)
+    layout.mark_latest(root, layout.RELEASE)
+
+
+def convert_in_world(plan: Plan, root: Path) -> list[str]:
+    """Collective over a world whose megatron parallel state is plan.tp x plan.pp (DP replicas may
+    repeat the work; only main replicas are written). Writes the checkpoint into `root`; returns
+    the coverage problems instead when there are any (the same list on every rank)."""
+    import torch.distributed as dist
+
+    from megatron_ext.checkpoint.model_io import save_model_weights
+    from megatron_ext.model.provider import ModelOptions, build_model
+
+    arch = plan.arch
+    weights = HfWeights(plan.hf_dir)
+    model = build_model(arch, ModelOptions(init_weights=False, dtype=plan.dtype))
+    report = fill_model(model, arch, weights)
+    problems = coverage.hf_to_megatron_problems(llava_mapping(arch), _gather(report), weights.names,
+                                                hf_only_names(arch, weights.names))
+    if problems:
+        return problems
+    if dist.get_rank() == 0:
+        log.info("every tensor filled from %s; saving", plan.hf_dir)
+    save_model_weights(model, root / layout.RELEASE)
+    if dist.get_rank() == 0:
+        _write_beside_snapshot(plan, arch, weights, root)
+        log.info("saved the TP%d x PP%d checkpoint, its tokenizer and metadata", plan.tp, plan.pp)
+    dist.barrier()
+    return []
+
+
+def _rank_entry(plan: Plan, root: Path) -> list[str]:
+    from megatron_ext.distributed import init_parallel, shutdown
+
+    init_parallel(plan.tp, plan.pp)
+    try:
+        return convert_in_world(plan, root)
+    finally:
+        shutdown()
+
+
+def convert(hf_dir: str | Path, megatron_dir: str | Path, tp: int, pp: int, force: bool = False) -> Path:
+    """The whole conversion; returns the checkpoint root."""
+    from megatron_ext.convert.cpu_ranks import run_on_cpu_ranks
+
+    plan = plan_conversion(hf_dir, tp, pp)
+    out = check_output_dir(megatron_dir, force, "--megatron-dir")
+    if out == plan.hf_dir or out in plan.hf_dir.parents:
+        raise UserError(f"--megatron-dir {out} would replace the input --hf-dir {plan.hf_dir}; choose another directory")
+    log.info("converting %s (%s) to Megatron TP%d x PP%d in %s", plan.hf_dir, plan.dtype, tp, pp, out)
+    with atomic_output_dir(out) as tmp:
+        problems = run_on_cpu_ranks(_rank_entry, tp * pp, plan, tmp)
+        if problems:
+            raise UserError(f"--hf-dir {plan.hf_dir} does not match the model its config.json describes: "
+                            + "; ".join(problems))
+    return out
