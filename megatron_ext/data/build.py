@@ -1,0 +1,135 @@
+"""Build a prepared energon dataset from LLaVA JSON or JSONL plus an image folder.
+
+Order of work: read the records; check each one and load its image in worker processes (in
+input order); write webdataset shards ``NNNNNN.tar`` into a temporary directory; run
+``energon prepare`` there non-interactively (VQASample, field map below); check that the
+prepared sample count is what was written; write ``build_report.json``; only then rename the
+temporary directory to the output directory. A failure anywhere leaves no output behind.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import multiprocessing
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megatron_ext.data.prepared import dir_split_counts
+from megatron_ext.data.sources import Skip, read_records, shard_sample
+from megatron_ext.errors import UserError
+from megatron_ext.fsutil import atomic_output_dir, check_output_dir
+
+log = logging.getLogger(__name__)
+
+REPORT_FILE = "build_report.json"
+# Multi-turn samples carry every turn in json["conversations"]; the task encoder reads them from
+# `context`, and falls back to the question for single-turn samples and README-layout datasets.
+FIELD_MAP = {"image": "jpg", "context": "json[conversations],json[question]", "answers": "txt"}
+SAMPLE_TYPE = "VQASample"
+
+
+@dataclass
+class BuildReport:
+    input: str
+    output_dir: str
+    written: int = 0
+    shards: int = 0
+    splits: dict = field(default_factory=dict)
+    skipped: dict = field(default_factory=dict)  # reason -> count
+    skipped_samples: list = field(default_factory=list)  # one dict per skipped sample
+
+    def summary(self) -> str:
+        lines = [f"wrote {self.written} samples in {self.shards} shards to {self.output_dir}",
+                 "splits: " + ", ".join(f"{k} {v}" for k, v in self.splits.items())]
+        total = sum(self.skipped.values())
+        lines.append(f"skipped {total} samples" + (":" if total else ""))
+        lines += [f"  {count:6d}  {reason}" for reason, count in sorted(self.skipped.items(), key=lambda kv: -kv[1])]
+        return "\n".join(lines)
+
+
+def parse_split_ratio(text: str) -> str:
+    try:
+        parts = [float(x) for x in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) != 3 or any(p < 0 for p in parts) or parts[0] <= 0:
+        raise UserError(f"--split-ratio {text!r} must be three non-negative numbers train,val,test with train > 0, e.g. 9,1,0")
+    return ",".join(f"{p:g}" for p in parts)
+
+
+def _samples(kind: str, image_root: Path, records: list, num_workers: int):
+    """shard_sample for every record, in input order, on `num_workers` processes."""
+    work = functools.partial(shard_sample, kind, image_root)
+    if num_workers <= 1:
+        yield from map(work, enumerate(records))
+        return
+    with multiprocessing.get_context("fork").Pool(num_workers) as pool:
+        yield from pool.imap(work, enumerate(records), chunksize=16)
+
+
+def _write_shards(samples, out: Path, total: int, samples_per_shard: int, strict: bool, report: BuildReport) -> None:
+    import webdataset as wds
+    from tqdm import tqdm
+
+    skipped = Counter()
+    with wds.ShardWriter(str(out / "%06d.tar"), maxcount=samples_per_shard, verbose=0) as writer:
+        for sample in tqdm(samples, total=total, desc="writing shards", unit="sample"):
+            if isinstance(sample, Skip):
+                if strict:
+                    raise UserError(f"{report.input}: {sample.describe()} (--strict stops at the first bad sample)")
+                skipped[sample.reason] += 1
+                report.skipped_samples.append(asdict(sample))
+                continue
+            writer.write(sample)
+            report.written += 1
+    report.skipped = dict(skipped)
+
+
+def run_energon_prepare(path: Path, split_ratio: str, num_workers: int) -> None:
+    cmd = [sys.executable, "-m", "megatron.energon.cli.main", "prepare", str(path), "--non-interactive",
+           "--split-ratio", split_ratio, "--sample-type", SAMPLE_TYPE, "--field-map", json.dumps(FIELD_MAP),
+           "--num-workers", str(max(1, num_workers)), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["no output"]
+        raise UserError(f"energon prepare failed on the new shards: {tail[0]}")
+
+
+def build_energon_dataset(
+    input_path: str | Path,
+    output_dir: str | Path,
+    image_root: str | Path | None = None,
+    split_ratio: str = "9,1,0",
+    samples_per_shard: int = 1000,
+    num_workers: int = 4,
+    strict: bool = False,
+    force: bool = False,
+) -> BuildReport:
+    """Write a prepared energon dataset to `output_dir`; returns what was written and skipped."""
+    input_path = Path(input_path).expanduser().resolve()
+    output_dir = check_output_dir(output_dir, force, "--output-dir")
+    split_ratio = parse_split_ratio(split_ratio)
+    image_root = Path(image_root).expanduser().resolve() if image_root else input_path.parent
+    if not image_root.is_dir():
+        raise UserError(f"--image-root {image_root} is not a directory")
+    kind, records = read_records(input_path)
+    report = BuildReport(input=str(input_path), output_dir=str(output_dir))
+    with atomic_output_dir(output_dir) as tmp:
+        samples = _samples(kind, image_root, records, num_workers)
+        _write_shards(samples, tmp, len(records), samples_per_shard, strict, report)
+        if report.written == 0:
+            reasons = ", ".join(f"{r} ({n})" for r, n in report.skipped.items()) or "the input is empty"
+            raise UserError(f"{input_path}: no usable samples: {reasons}")
+        report.shards = len(list(tmp.glob("*.tar")))
+        run_energon_prepare(tmp, split_ratio, num_workers)
+        report.splits = dir_split_counts(tmp, "--output-dir")
+        prepared = sum(report.splits.values())
+        if prepared != report.written:
+            raise UserError(f"energon prepare indexed {prepared} samples, {report.written} were written")
+        (tmp / REPORT_FILE).write_text(json.dumps(asdict(report), indent=1, ensure_ascii=False))
+    return report

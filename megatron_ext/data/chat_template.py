@@ -1,0 +1,110 @@
+"""Chat templates, and which tokens of a rendered conversation the assistant wrote.
+
+A template is the tokenizer's own (``"tokenizer"``), a name from ``configs/chat_templates/``
+(``plain``, ``llava-v1``, ``llama-3``, ``llm-jp``), or a path to a ``.jinja`` file. Unset, the
+tokenizer's template is used when it has one, else the language's default.
+
+Assistant tokens are found without ``{% generation %}`` markers (Llama-3's and Qwen2's templates
+have none): for every assistant turn i, the text rendered for ``messages[:i]`` with the generation
+prompt is a prefix of the text rendered for ``messages[:i+1]``; what follows it, up to trailing
+whitespace the template puts between turns, is the assistant's reply including its end-of-turn
+token. A token belongs to the assistant when its characters overlap such a span.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from megatron_ext.data.conversation import IMAGE_MARKER
+from megatron_ext.errors import UserError
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "configs" / "chat_templates"
+LANG_DEFAULTS = {"en": "llava-v1", "ja": "llm-jp", "jp": "llm-jp"}
+_PROBE = [
+    {"role": "user", "content": f"{IMAGE_MARKER}\nWhat is this?"},
+    {"role": "assistant", "content": "A cat."},
+    {"role": "user", "content": "What color?"},
+    {"role": "assistant", "content": "Red."},
+]
+
+
+def template_names() -> list[str]:
+    return sorted(p.stem for p in TEMPLATE_DIR.glob("*.jinja"))
+
+
+def resolve_chat_template(name: str | None, lang: str, tokenizer, flag: str = "--chat-template") -> tuple[str, str]:
+    """(description, Jinja source) of the template `name` selects."""
+    if name is None:
+        if tokenizer.chat_template:
+            return "tokenizer", tokenizer.chat_template
+        if lang not in LANG_DEFAULTS:
+            raise UserError(f"--lang {lang!r} has no default chat template (known: {', '.join(LANG_DEFAULTS)})")
+        name = LANG_DEFAULTS[lang]
+    if name == "tokenizer":
+        if not tokenizer.chat_template:
+            raise UserError(f"{flag} tokenizer: the tokenizer has no chat template; choose one of {', '.join(template_names())}")
+        return "tokenizer", tokenizer.chat_template
+    path = Path(name).expanduser()
+    if path.suffix == ".jinja" and path.is_file():
+        return str(path), path.read_text()
+    if (TEMPLATE_DIR / f"{name}.jinja").is_file():
+        return name, (TEMPLATE_DIR / f"{name}.jinja").read_text()
+    raise UserError(f"{flag} {name!r} is not a template name ({', '.join(template_names())}, tokenizer) or a .jinja file")
+
+
+class ChatTokenizer:
+    """Renders chat messages with one template and tokenizes them, marking assistant tokens."""
+
+    def __init__(self, tokenizer, template: str, image_token_id: int):
+        if not tokenizer.is_fast:
+            raise UserError("the tokenizer must be a fast (Rust) tokenizer: character offsets locate the assistant's tokens")
+        if tokenizer.convert_tokens_to_ids(IMAGE_MARKER) != image_token_id:
+            raise UserError(
+                f"the tokenizer's {IMAGE_MARKER} token is {tokenizer.convert_tokens_to_ids(IMAGE_MARKER)}, the model's image "
+                f"token is {image_token_id}; use the tokenizer saved with the checkpoint (build_llava_jp.py adds it)"
+            )
+        self.tokenizer = tokenizer
+        self.template = template
+        self.image_token_id = image_token_id
+        try:
+            self.render(_PROBE)
+        except ValueError as exc:
+            raise UserError(f"chat template cannot be used for training: {exc}") from exc
+
+    def _apply(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text and the character spans of the assistant's replies."""
+        text = self._apply(messages, generation_prompt=False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self._apply(messages[:i], generation_prompt=True)
+            upto = self._apply(messages[: i + 1], generation_prompt=False)
+            if not (upto.startswith(prompt) and text.startswith(upto)):
+                raise ValueError(
+                    f"the template renders turn {i} differently depending on what follows it, "
+                    "so the assistant's tokens cannot be located; choose another --chat-template"
+                )
+            end = len(upto.rstrip())
+            if end > len(prompt):
+                spans.append((len(prompt), end))
+        return text, spans
+
+    def encode(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids (int64, one image token per `<image>`) and a bool mask of assistant tokens."""
+        text, spans = self.render(messages)
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(encoding["input_ids"], dtype=np.int64)
+        offsets = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        assistant = np.zeros(len(ids), dtype=bool)
+        for start, end in spans:
+            assistant |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
+        assistant &= ids != self.image_token_id
+        return ids, assistant

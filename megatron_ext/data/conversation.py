@@ -1,0 +1,87 @@
+"""Conversations as chat messages, checked once for the dataset builder and the task encoder.
+
+A sample's conversation arrives either as LLaVA turns (``[{"from": "human"|"gpt"|"system",
+"value": ...}]``, the ``conversations`` of LLaVA-Pretrain / LLaVA-Instruct) or as one question and
+one answer (JSONL input, or shards laid out as in the original README). Both become HF chat
+messages ``[{"role": "system"|"user"|"assistant", "content": str}]`` with the literal ``<image>``
+marking where each image goes.
+"""
+
+from __future__ import annotations
+
+IMAGE_MARKER = "<image>"
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+# Reasons a sample cannot be trained on (the builder's report groups skipped samples by these).
+NO_IMAGE_MARKER = "no <image> in a human turn"
+NO_ANSWER = "no gpt turn"
+EMPTY_ANSWER = "empty answer"
+MALFORMED = "malformed record"
+IMAGE_COUNT = "number of <image> markers differs from the number of images"
+
+
+class BadConversation(ValueError):
+    """A conversation that cannot be trained on; `reason` is one of the constants above."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def llava_messages(turns) -> list[dict]:
+    """Chat messages from LLaVA turns; raises BadConversation for anything untrainable."""
+    if not isinstance(turns, list) or not turns:
+        raise BadConversation(MALFORMED, "'conversations' must be a non-empty list of turns")
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict) or turn.get("from") not in ROLES or not isinstance(turn.get("value"), str):
+            raise BadConversation(MALFORMED, f"turn {turn!r} needs 'from' (human/gpt/system) and a string 'value'")
+        messages.append({"role": ROLES[turn["from"]], "content": turn["value"]})
+    check_answers(messages)
+    return messages
+
+
+def qa_messages(question: str, answer: str) -> list[dict]:
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    check_answers(messages)
+    return messages
+
+
+def check_answers(messages: list[dict]) -> None:
+    answers = [m["content"] for m in messages if m["role"] == "assistant"]
+    if not answers:
+        raise BadConversation(NO_ANSWER)
+    if any(not a.strip() for a in answers):
+        raise BadConversation(EMPTY_ANSWER)
+
+
+def count_image_markers(messages: list[dict]) -> int:
+    return sum(m["content"].count(IMAGE_MARKER) for m in messages if m["role"] != "assistant")
+
+
+def place_images(messages: list[dict], num_images: int) -> list[dict]:
+    """Messages with one `<image>` per image: kept where the text has them, otherwise put at the
+    start of the first user turn (LLaVA's "<image>\\n question" layout)."""
+    markers = count_image_markers(messages)
+    if markers == 0 and num_images:
+        first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+        if first_user is None:
+            raise BadConversation(MALFORMED, "no user turn to put the image in")
+        messages = [dict(m) for m in messages]
+        messages[first_user]["content"] = (IMAGE_MARKER + "\n") * num_images + messages[first_user]["content"]
+    elif markers != num_images:
+        raise BadConversation(IMAGE_COUNT, f"{markers} markers, {num_images} images")
+    return messages
+
+
+def sample_messages(context, answers) -> list[dict]:
+    """Messages of a decoded VQASample: `context` is LLaVA turns (multi-turn samples) or the
+    question string; `answers` the answer string (or a list whose first item is the answer)."""
+    if isinstance(context, list):
+        return llava_messages(context)
+    if isinstance(answers, (list, tuple)):
+        answers = answers[0] if answers else ""
+    if not isinstance(context, str) or not isinstance(answers, str):
+        raise BadConversation(MALFORMED, "expected a question string and an answer string")
+    return qa_messages(context, answers)

@@ -1,0 +1,102 @@
+"""Sequence packing: which samples share a sequence, and the attention that keeps them apart.
+
+Batches carry ONE image token per image (megatron-core's LLaVAModel expands it into
+`img_seq_len` embeddings itself), so lengths and masks here are computed in the model's
+*combined* space, where an image token is `img_seq_len` positions wide.
+
+Two ways to confine attention to each packed sample:
+- `packed_attention_mask`: a bool mask [B, 1, S, S] (True = masked out), block-diagonal causal.
+  megatron's local DotProductAttention honours it (`FusedScaleMaskSoftmax` applies a given mask
+  instead of its own causal one). Tested on CPU against unpacked samples.
+- `packed_seq_params`: cu_seqlens for Transformer Engine's THD attention on GPU. Cannot be
+  tested on a machine without CUDA/TE; kept minimal (micro batch size 1, as Megatron-LM's
+  packed multimodal training uses).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_knapsack(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into bins of total length <= `capacity`.
+
+    Each bin starts with the longest sample left and is then filled with the longest samples
+    that still fit. Every index lands in exactly one bin (a sample longer than `capacity` gets a
+    bin of its own); bins come out fullest first.
+    """
+    remaining = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins = []
+    while remaining:
+        first = remaining.pop(0)
+        bin_, free = [first], capacity - lengths[first]
+        rest = []
+        for i in remaining:
+            if lengths[i] <= free:
+                bin_.append(i)
+                free -= lengths[i]
+            else:
+                rest.append(i)
+        remaining = rest
+        bins.append(sorted(bin_))
+    return bins
+
+
+def token_widths(input_ids: torch.Tensor, image_token_index: int, img_seq_len: int) -> torch.Tensor:
+    """Positions each token occupies in the combined sequence (img_seq_len for an image token)."""
+    return torch.where(input_ids == image_token_index, img_seq_len, 1)
+
+
+def combined_seq_len(input_ids: torch.Tensor, image_token_index: int, img_seq_len: int, max_len: int,
+                     pad_to_max: bool = False) -> int:
+    """The combined length LLaVAModel gives a batch: its longest row with images expanded, cut
+    to the model's `max_len`; with pipeline parallelism (`pad_to_max`) always `max_len`."""
+    if pad_to_max:
+        return max_len
+    return min(int(token_widths(input_ids, image_token_index, img_seq_len).sum(1).max()), max_len)
+
+
+def combined_segment_ids(input_ids: torch.Tensor, segment_ids: torch.Tensor, image_token_index: int,
+                         img_seq_len: int, seq_len: int) -> torch.Tensor:
+    """[B, seq_len] segment id of every combined position (0 = padding), truncated or 0-padded
+    to `seq_len` as LLaVAModel truncates or pads its combined sequence."""
+    widths = token_widths(input_ids, image_token_index, img_seq_len)
+    out = torch.zeros(input_ids.shape[0], seq_len, dtype=torch.long)
+    for row in range(input_ids.shape[0]):
+        expanded = torch.repeat_interleave(segment_ids[row], widths[row])[:seq_len]
+        out[row, : expanded.numel()] = expanded
+    return out
+
+
+def packed_attention_mask(input_ids: torch.Tensor, segment_ids: torch.Tensor, image_token_index: int,
+                          img_seq_len: int, seq_len: int) -> torch.Tensor:
+    """Bool attention mask [B, 1, seq_len, seq_len], True where attention is NOT allowed.
+
+    `seq_len` is the combined length LLaVAModel computes: the longest row's tokens plus
+    (img_seq_len - 1) per image, capped at, or with pipeline parallelism padded to, the model's
+    sequence length. A position sees the earlier positions of its own sample; padding sees only
+    itself, so no softmax row is empty.
+    """
+    segments = combined_segment_ids(input_ids, segment_ids, image_token_index, img_seq_len, seq_len)
+    same = segments[:, :, None] == segments[:, None, :]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    allowed = same & causal & (segments[:, :, None] > 0)
+    allowed |= torch.eye(seq_len, dtype=torch.bool)
+    return (~allowed).unsqueeze(1)
+
+
+def packed_seq_params(input_ids: torch.Tensor, segment_ids: torch.Tensor, image_token_index: int,
+                      img_seq_len: int, seq_len: int):
+    """megatron-core PackedSeqParams (THD) for one packed row: cu_seqlens over the combined
+    sequence, the trailing padding counted as one more sequence. GPU/TE only; untested here."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if input_ids.shape[0] != 1:
+        raise ValueError("THD packed attention takes one packed sequence per micro batch (--micro-batch-size 1)")
+    segments = combined_segment_ids(input_ids, segment_ids, image_token_index, img_seq_len, seq_len)[0]
+    lengths = torch.unique_consecutive(segments, return_counts=True)[1]
+    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(lengths, 0)
+    max_len = int(lengths.max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=max_len, max_seqlen_kv=max_len)

@@ -1,0 +1,122 @@
+"""Sample counts of prepared energon datasets and metadataset blends, without torch or energon.
+
+The launcher (which must start fast and import no torch) and the trainer (``--epochs`` ->
+iterations) both need to know how many samples a ``--data-path`` holds. A prepared dataset
+directory records that in ``.nv-meta/.info.json`` (samples per shard) and ``.nv-meta/split.yaml``
+(which shards, as brace patterns, form train / val / test); a metadataset YAML
+(``__class__: MetadatasetV2``) refers to such directories or to other metadatasets.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from braceexpand import braceexpand
+
+from megatron_ext.errors import UserError
+
+META_DIR = ".nv-meta"
+SPLITS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class SplitCount:
+    """Samples of one split; `members` lists (dataset directory, weight or repetitions, samples)."""
+
+    samples: int
+    members: list[tuple[str, float, int]] = field(default_factory=list)
+
+
+def is_prepared_dir(path: str | Path) -> bool:
+    meta = Path(path) / META_DIR
+    return (meta / ".info.json").is_file() and (meta / "split.yaml").is_file()
+
+
+def _not_prepared(path: Path, flag: str) -> UserError:
+    return UserError(
+        f"{flag} {path} is not a prepared energon dataset (no {META_DIR}/.info.json and split.yaml) "
+        "or a metadataset YAML; build one with scripts/data/build_energon_dataset.py or run `energon prepare` on it"
+    )
+
+
+def _load_yaml(path: Path, flag: str):
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"{flag} {path}: cannot read YAML: {str(exc).splitlines()[0]}") from exc
+
+
+def dir_split_counts(path: str | Path, flag: str = "--data-path") -> dict[str, int]:
+    """Samples per split (train/val/test and any custom split) of a prepared dataset directory."""
+    path = Path(path)
+    if not is_prepared_dir(path):
+        raise _not_prepared(path, flag)
+    meta = path / META_DIR
+    try:
+        shard_counts = json.loads((meta / ".info.json").read_text())["shard_counts"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"{flag} {meta / '.info.json'} is unreadable ({exc}); re-run `energon prepare`") from exc
+    split_config = _load_yaml(meta / "split.yaml", flag) or {}
+    excluded = set(split_config.get("exclude") or [])
+    counts = {}
+    for split, patterns in (split_config.get("split_parts") or {}).items():
+        shards = [shard for pattern in patterns or [] for shard in braceexpand(pattern)]
+        missing = [s for s in shards if s not in shard_counts]
+        if missing:
+            raise UserError(f"{flag} {path}: split {split!r} names shard {missing[0]} that .info.json does not list; re-run `energon prepare`")
+        counts[split] = sum(shard_counts[s] for s in shards if s not in excluded)
+        # Excluded single samples are written as "<shard>/<key>".
+        counts[split] -= sum(1 for e in excluded if "/" in e and e.rsplit("/", 1)[0] in shards)
+    for split in SPLITS:
+        counts.setdefault(split, 0)
+    return counts
+
+
+def _entry_members(entry: dict, base: Path, split: str, flag: str) -> list[tuple[str, float, int]]:
+    """(dataset directory, weight or repetitions, samples) of each dataset a metadataset entry uses."""
+    if not isinstance(entry, dict):
+        raise UserError(f"{flag}: metadataset entry {entry!r} is not a mapping")
+    if "join" in entry or "subset" in entry:
+        raise UserError(f"{flag}: cannot count samples of a metadataset with join/subset entries; give --train-iters instead of --epochs")
+    for key, factor in (("blend", "weight"), ("blend_epochized", "repetitions")):
+        if key in entry:
+            return [(p, float(item.get(factor, 1.0)), n)
+                    for item in entry[key] for p, _, n in _entry_members(item, base, split, flag)]
+    if "path" not in entry:
+        raise UserError(f"{flag}: metadataset entry {entry} has no 'path'")
+    target = Path(entry["path"]).expanduser()
+    target = target if target.is_absolute() else base / target
+    split = entry.get("split_part", split)
+    if target.suffix in (".yaml", ".yml"):
+        return _metadataset_split(target, split, flag).members
+    return [(str(target), 1.0, dir_split_counts(target, flag).get(split, 0))]
+
+
+def _metadataset_split(path: Path, split: str, flag: str) -> SplitCount:
+    config = _load_yaml(path, flag)
+    if not isinstance(config, dict) or not isinstance(config.get("splits"), dict):
+        raise UserError(f"{flag} {path} is not an energon metadataset (expected __class__: MetadatasetV2 with a `splits:` mapping)")
+    entry = config["splits"].get(split)
+    if entry is None:
+        return SplitCount(0)
+    members = _entry_members(entry, path.parent, split, flag)
+    # One epoch of a blend_epochized split repeats each member; a weighted blend has no epoch of
+    # its own, so one pass over every member is what counts.
+    epochized = isinstance(entry, dict) and "blend_epochized" in entry
+    total = sum(n * factor if epochized else n for _, factor, n in members)
+    return SplitCount(int(round(total)), members)
+
+
+def split_counts(path: str | Path, flag: str = "--data-path") -> dict[str, SplitCount]:
+    """Samples per split of a prepared dataset directory or a metadataset YAML."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        return {split: SplitCount(n, [(str(path), 1.0, n)]) for split, n in dir_split_counts(path, flag).items()}
+    if path.is_file() and path.suffix in (".yaml", ".yml"):
+        return {split: _metadataset_split(path, split, flag) for split in SPLITS}
+    if not path.exists():
+        raise UserError(f"{flag} {path} does not exist")
+    raise _not_prepared(path, flag)

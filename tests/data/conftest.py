@@ -1,0 +1,39 @@
+"""Fixtures for the data tests: a synthetic LLaVA dataset, built once into prepared shards."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.data.build import build_energon_dataset
+from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
+
+
+@pytest.fixture(scope="session")
+def synthetic_json(tmp_path_factory) -> Path:
+    """24 samples, about half of them multi-turn (3 exchanges), images 48-96 px."""
+    return make_synthetic_dataset(tmp_path_factory.mktemp("synthetic") / "src", SyntheticSpec(num_samples=24, multi_turn_fraction=0.5, seed=1))
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory, synthetic_json) -> Path:
+    """The synthetic dataset as prepared shards: 6 shards of 4, train 12 / val 12."""
+    out = tmp_path_factory.mktemp("prepared") / "energon"
+    build_energon_dataset(synthetic_json, out, split_ratio="1,1,0", samples_per_shard=4, num_workers=0)
+    return out
+
+
+def records_by_key(json_path: Path) -> dict[str, dict]:
+    """The builder keys sample i of the input as f"{i:09d}"."""
+    return {f"{i:09d}": r for i, r in enumerate(json.loads(json_path.read_text()))}
+
+
+def jpeg(color=(200, 30, 30), size=(40, 30)) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, "JPEG")
+    return out.getvalue()

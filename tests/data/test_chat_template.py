@@ -1,0 +1,106 @@
+"""Chat templates: the assistant-token mask, with and without {% generation %} markers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_ext.data.chat_template import ChatTokenizer, resolve_chat_template, template_names
+from megatron_ext.data.conversation import BadConversation, llava_messages, place_images, qa_messages
+from megatron_ext.errors import UserError
+
+CONVERSATION = [
+    {"role": "user", "content": "<image>\nWhat is in the picture?"},
+    {"role": "assistant", "content": "A red cat on a sofa."},
+    {"role": "user", "content": "この画像には何が写っていますか？"},
+    {"role": "assistant", "content": "赤いソファの上に猫が座っています。"},
+]
+# What each named template puts before the reply (inside the trained span) and uses as end of turn.
+EXPECTED_REPLY = {
+    "plain": ("", "<|end|>"),
+    "llava-v1": (" ", "<|end|>"),
+    "llama-3": ("", "<|eot_id|>"),
+    "llm-jp": ("", "<|end|>"),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llava_clip):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(llava_clip)
+
+
+def _chat(tokenizer, name, lang="en"):
+    return ChatTokenizer(tokenizer, resolve_chat_template(name, lang, tokenizer)[1], tokenizer.convert_tokens_to_ids("<image>"))
+
+
+def test_mask_matches_hf_generation_markers(tokenizer):
+    """The tiny tokenizer's template marks assistant text with {% generation %}: HF's own mask
+    must equal ours, which never looks at those markers."""
+    ids, assistant = _chat(tokenizer, "tokenizer").encode(CONVERSATION)
+    hf = tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert ids.tolist() == hf["input_ids"]
+    assert assistant.tolist() == [bool(x) for x in hf["assistant_masks"]]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_REPLY))
+def test_named_templates_train_exactly_the_replies(tokenizer, name):
+    chat = _chat(tokenizer, name)
+    ids, assistant = chat.encode(CONVERSATION)
+    lead, end = EXPECTED_REPLY[name]
+    replies = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    assert tokenizer.decode(ids[assistant]) == "".join(lead + r + end for r in replies)
+    # Exactly one image token, never trained.
+    image = tokenizer.convert_tokens_to_ids("<image>")
+    assert (ids == image).sum() == 1 and not assistant[ids == image].any()
+    # One contiguous run of assistant tokens per reply (plain renders no user text between them).
+    starts = np.flatnonzero(np.diff(assistant.astype(int)) == 1)
+    assert len(starts) == (1 if name == "plain" else 2)
+
+
+def test_default_template_follows_tokenizer_then_language(tokenizer):
+    assert resolve_chat_template(None, "en", tokenizer)[0] == "tokenizer"
+    without = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    without.chat_template = None
+    assert resolve_chat_template(None, "en", without)[0] == "llava-v1"
+    assert resolve_chat_template(None, "ja", without)[0] == "llm-jp"
+    assert "### 応答:" in resolve_chat_template(None, "ja", without)[1]
+    with pytest.raises(UserError, match="has no chat template"):
+        resolve_chat_template("tokenizer", "en", without)
+    with pytest.raises(UserError, match="not a template name"):
+        resolve_chat_template("vicuna-v0", "en", tokenizer)
+    assert {"plain", "llava-v1", "llama-3", "llm-jp"} <= set(template_names())
+
+
+def test_template_that_rewrites_earlier_turns_is_refused(tokenizer):
+    # Renders the last message differently, so earlier renderings are not prefixes of later ones.
+    template = "{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% endif %}{% endfor %}"
+    with pytest.raises(UserError, match="cannot be used for training"):
+        ChatTokenizer(tokenizer, template, tokenizer.convert_tokens_to_ids("<image>"))
+
+
+def test_wrong_image_token_is_refused(tokenizer):
+    with pytest.raises(UserError, match="image token"):
+        ChatTokenizer(tokenizer, tokenizer.chat_template, -200)
+
+
+def test_image_goes_where_marked_or_before_the_first_question():
+    marked = place_images(qa_messages("Look: <image> what?", "A dog."), 1)
+    assert marked[0]["content"] == "Look: <image> what?"
+    unmarked = place_images([{"role": "system", "content": "Be brief."}, *qa_messages("What?", "A dog.")], 1)
+    assert unmarked[1]["content"] == "<image>\nWhat?"
+    with pytest.raises(BadConversation, match="number of <image> markers"):
+        place_images(qa_messages("<image><image> what?", "A dog."), 1)
+
+
+@pytest.mark.parametrize("turns,reason", [
+    ([{"from": "human", "value": "<image> hi"}], "no gpt turn"),
+    ([{"from": "human", "value": "<image> hi"}, {"from": "gpt", "value": "  "}], "empty answer"),
+    ([{"from": "robot", "value": "x"}], "malformed record"),
+    ("not a list", "malformed record"),
+])
+def test_untrainable_conversations_name_their_reason(turns, reason):
+    with pytest.raises(BadConversation) as info:
+        llava_messages(turns)
+    assert info.value.reason == reason

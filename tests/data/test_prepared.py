@@ -1,0 +1,69 @@
+"""Sample counts of prepared datasets and metadataset blends, read without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from megatron_ext.data.prepared import dir_split_counts, split_counts
+from megatron_ext.errors import UserError
+
+
+def test_prepared_directory_counts_per_split(prepared):
+    assert dir_split_counts(prepared) == {"train": 12, "val": 12, "test": 0}
+    counts = split_counts(prepared)
+    assert counts["train"].samples == 12 and counts["train"].members == [(str(prepared), 1.0, 12)]
+
+
+def test_excluded_shards_and_samples_are_not_counted(prepared, tmp_path):
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(prepared), str(copy)], check=True)
+    split_file = copy / ".nv-meta" / "split.yaml"
+    config = yaml.safe_load(split_file.read_text())
+    train_shard = sorted(p.name for p in copy.glob("*.tar"))[0]
+    val_shard = sorted(p.name for p in copy.glob("*.tar"))[-1]
+    config["exclude"] = [train_shard, f"{val_shard}/000000023"]
+    split_file.write_text(yaml.safe_dump(config))
+    assert dir_split_counts(copy) == {"train": 8, "val": 11, "test": 0}
+
+
+def test_metadataset_blends_count_their_members(prepared, tmp_path):
+    (tmp_path / "blend.yaml").write_text(yaml.safe_dump({
+        "__module__": "megatron.energon", "__class__": "MetadatasetV2",
+        "splits": {
+            "train": {"blend": [{"weight": 3, "path": str(prepared)}, {"weight": 1, "path": str(prepared), "split_part": "val"}]},
+            "val": {"path": str(prepared)},
+        },
+    }))
+    (tmp_path / "epochs.yaml").write_text(yaml.safe_dump({
+        "__module__": "megatron.energon", "__class__": "MetadatasetV2",
+        "splits": {"train": {"blend_epochized": [{"repetitions": 2, "path": "blend.yaml"}, {"repetitions": 1, "path": str(prepared)}]}},
+    }))
+    blend = split_counts(tmp_path / "blend.yaml")
+    assert blend["train"].samples == 24
+    assert [(w, n) for _, w, n in blend["train"].members] == [(3.0, 12), (1.0, 12)]
+    assert blend["val"].samples == 12 and blend["test"].samples == 0
+    # blend.yaml's train split (24 samples) twice, plus the dataset's train split once.
+    assert split_counts(tmp_path / "epochs.yaml")["train"].samples == 2 * 24 + 12
+
+
+def test_not_a_prepared_dataset_is_one_clear_error(tmp_path):
+    with pytest.raises(UserError, match="is not a prepared energon dataset"):
+        split_counts(tmp_path)
+    with pytest.raises(UserError, match="does not exist"):
+        split_counts(tmp_path / "missing")
+    (tmp_path / "bad.yaml").write_text("just: text\n")
+    with pytest.raises(UserError, match="is not an energon metadataset"):
+        split_counts(tmp_path / "bad.yaml")
+    (tmp_path / "join.yaml").write_text(yaml.safe_dump({"splits": {"train": {"join": []}}}))
+    with pytest.raises(UserError, match="join"):
+        split_counts(tmp_path / "join.yaml")
+
+
+@pytest.mark.timeout(60)
+def test_module_imports_no_torch():
+    code = "import sys, megatron_ext.data.prepared; sys.exit('torch' in sys.modules or 'megatron.energon' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
