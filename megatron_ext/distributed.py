@@ -31,25 +31,20 @@ def device() -> torch.device:
 
 
 def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str | None = None, timeout_min: int = 30) -> None:
-    """Initialise torch.distributed (env:// as set by torchrun, or a 1-process group) and megatron's
+    """Initialise torch.distributed (env:// as set by torchrun, or a world of one) and megatron's
     parallel state with `tp` x `pp` model parallelism; data parallel takes the remaining ranks."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
     on_cpu = cpu_support.apply()
     if not dist.is_initialized():
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(free_port())
         if not on_cpu:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(
-            backend=backend or ("gloo" if on_cpu else "nccl"),
-            timeout=datetime.timedelta(minutes=timeout_min),
-        )
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        options = dict(backend=backend or ("gloo" if on_cpu else "nccl"), timeout=datetime.timedelta(minutes=timeout_min))
+        if "MASTER_ADDR" in os.environ:  # started by torchrun (or SLURM + env), env:// rendezvous
+            dist.init_process_group(**options)
+        else:  # a lone process: a world of one, leaving the environment as it was for child processes
+            dist.init_process_group(**options, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (tp * pp):
         raise UserError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the number of processes ({world})")

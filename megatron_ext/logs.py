@@ -10,7 +10,7 @@ import warnings
 class _DropNoise(logging.Filter):
     """Messages that repeat on every run and tell the user nothing they can act on."""
 
-    NOISE = ("requires torchvision", "LLaVA is work in progress", "Apex is not installed")
+    NOISE = ("requires torchvision", "LLaVA is work in progress", "Apex is not installed", "Apex are not installed")
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -30,7 +30,10 @@ def setup_logging(verbose: bool = False, rank: int | None = None) -> None:
         handler.addFilter(_DropNoise())
     for name in ("transformers", "megatron"):
         logging.getLogger(name).addFilter(_DropNoise())
-    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    warnings.filterwarnings("ignore", message=".*Apex (is|are) not installed.*")
+    # Raised by megatron-core's own defaults and energon's hard-coded pin_memory on CPU.
+    warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+    warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true.*")
     if not verbose:
         for noisy in ("megatron.core", "torch.distributed", "httpx", "urllib3"):
             logging.getLogger(noisy).setLevel(logging.WARNING)

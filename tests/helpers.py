@@ -12,8 +12,12 @@ from megatron_ext.distributed import free_port
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+_DISTRIBUTED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def child_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
+    """This environment minus torch.distributed's variables (a child starts its own world)."""
+    env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
     env.update(extra)
     return env

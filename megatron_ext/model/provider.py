@@ -164,7 +164,36 @@ def build_model(arch: LlavaArch, opts: ModelOptions = ModelOptions(), vp_stage: 
         # siglip subtype applies it. Dropping it here makes both compute the same features.
         model.vision_model.ln_post = None
     model.model_type = ModelType.encoder_or_decoder
+    if not opts.init_weights:
+        _mark_tensor_parallel_weights(model)
     return model
+
+
+def _mark_tensor_parallel_weights(model) -> None:
+    """Tag TP-split weights the way megatron-core does while initialising them.
+
+    megatron-core sets `tensor_model_parallel` on a ColumnParallelLinear / RowParallelLinear /
+    VocabParallelEmbedding weight only inside its init function, so a model built without
+    initialisation (weights come from a checkpoint) lacks it. Gradient clipping then counts
+    every shard as a TP duplicate and sees a smaller norm than TP=1 does (measured at TP2).
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        if isinstance(module, RowParallelLinear):
+            dim = 1
+        elif isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 def with_options(opts: ModelOptions, **changes) -> ModelOptions:

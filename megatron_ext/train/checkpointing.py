@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from megatron_ext.checkpoint import layout
+from megatron_ext.checkpoint.model_io import load_model_weights, save_model_weights
 from megatron_ext.errors import UserError
 from megatron_ext.train.model_setup import TrainingModel
 from megatron_ext.train.plan import RunPlan
@@ -67,13 +68,10 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _model_and_optimizer_state(trained: TrainingModel, with_optimizer: bool, is_loading: bool) -> dict:
+def _optimizer_state(trained: TrainingModel, is_loading: bool) -> dict:
     model_sd = trained.model.sharded_state_dict()
-    state = {"model": model_sd}
-    if with_optimizer:
-        state["optimizer"] = trained.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                                  metadata=OPTIMIZER_METADATA)
-    return state
+    return {"optimizer": trained.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                              metadata=OPTIMIZER_METADATA)}
 
 
 def prepare_save_dir(plan: RunPlan) -> None:
@@ -93,10 +91,8 @@ def prepare_save_dir(plan: RunPlan) -> None:
     torch.distributed.barrier()
 
 
-def save_snapshot(plan: RunPlan, trained: TrainingModel, iteration: int, common: dict, data_state) -> Path:
+def save_snapshot(plan: RunPlan, trained: TrainingModel, iteration: int, common: dict, train_data) -> Path:
     """Write snapshot `iteration` to --save-dir; it becomes visible only once complete."""
-    from megatron.core import dist_checkpointing
-
     cfg = plan.config
     root = Path(cfg.save_dir)
     name = layout.snapshot_name(iteration)
@@ -108,13 +104,13 @@ def save_snapshot(plan: RunPlan, trained: TrainingModel, iteration: int, common:
         tmp.mkdir(parents=True)
     torch.distributed.barrier()
 
-    dist_checkpointing.save(_model_and_optimizer_state(trained, cfg.save_optim, is_loading=False), str(tmp))
+    save_model_weights(trained.model, tmp, extra=_optimizer_state(trained, is_loading=False) if cfg.save_optim else None)
     if r["rank"] == 0:
         state_dir.mkdir()
     torch.distributed.barrier()
     torch.save(_rng_state(), state_dir / f"rng_rank{r['rank']:05d}.pt")
     if r["tp"] == 0 and r["pp"] == 0:
-        torch.save(data_state, state_dir / f"data_dp{r['dp']:05d}.pt")
+        train_data.save(state_dir / f"data_dp{r['dp']:05d}.pt")
     torch.distributed.barrier()
 
     if r["rank"] == 0:
@@ -140,33 +136,29 @@ def _prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(root / layout.snapshot_name(iteration), ignore_errors=True)
 
 
-def load_weights(trained: TrainingModel, snapshot: layout.Snapshot, with_optimizer: bool) -> bool:
-    """Load model weights (any saved TP/PP) and optionally optimizer state; True if the latter was loaded."""
+def load_weights(trained: TrainingModel, snapshot: layout.Snapshot, with_optimizer: bool) -> None:
+    """Load model weights (any saved TP/PP) and, if asked and present, the optimizer state."""
     from megatron.core import dist_checkpointing
 
     if with_optimizer and not snapshot.meta.get("has_optimizer"):
         log.warning("%s has no optimizer state (saved without --save-optim): starting Adam from zero", snapshot.path)
         with_optimizer = False
-    request = _model_and_optimizer_state(trained, with_optimizer, is_loading=True)
     try:
-        loaded = dist_checkpointing.load(request, str(snapshot.path))
+        load_model_weights(trained.model, snapshot.path)
+        if with_optimizer:
+            loaded = dist_checkpointing.load(_optimizer_state(trained, is_loading=True), str(snapshot.path))
+            with torch.no_grad():
+                trained.optimizer.load_state_dict(loaded["optimizer"])
     except Exception as exc:
         raise UserError(f"cannot load {snapshot.path}: {str(exc).splitlines()[0]}") from exc
-    trained.model.load_state_dict(loaded["model"])
-    if with_optimizer:
-        with torch.no_grad():
-            trained.optimizer.load_state_dict(loaded["optimizer"])
-    else:
+    if not with_optimizer:
         # The optimizer's fp32 main copies were taken at construction: refresh them.
         trained.optimizer.reload_model_params()
-    return with_optimizer
 
 
-def load_resume_state(plan: RunPlan, trained: TrainingModel) -> tuple[dict, object | None]:
-    """Restore a run from its latest snapshot: weights, optimizer (--load-optim), schedule, RNG.
-
-    Returns (common state, this rank's data loader state or None when the layout changed).
-    """
+def load_resume_state(plan: RunPlan, trained: TrainingModel, train_data) -> dict:
+    """Restore a run from its latest snapshot: weights, optimizer (--load-optim), schedule, RNG and
+    the data loader position (when the data-parallel layout is unchanged). Returns the common state."""
     snapshot = plan.resume
     load_weights(trained, snapshot, plan.config.load_optim)
     state_dir = snapshot.train_state_dir
@@ -179,10 +171,9 @@ def load_resume_state(plan: RunPlan, trained: TrainingModel) -> tuple[dict, obje
     else:
         log.warning("resuming %s with another layout: RNG streams restart", snapshot.path)
     data_file = state_dir / f"data_dp{r['dp']:05d}.pt"
-    data_state = None
     if common["data_parallel_size"] == r["dp_size"] and data_file.is_file():
-        data_state = torch.load(data_file, weights_only=False)
+        train_data.restore(data_file)
     else:
         log.warning("data-parallel size changed (%d -> %d): the data stream restarts", common["data_parallel_size"], r["dp_size"])
     log.info("resumed from %s (iteration %d)", snapshot.path, common["iteration"])
-    return common, data_state
+    return common

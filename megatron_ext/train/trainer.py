@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -18,6 +19,7 @@ import torch
 
 from megatron_ext.errors import UserError
 from megatron_ext.train import checkpointing
+from megatron_ext.train.data import samples_digest
 from megatron_ext.train.flops import iteration_flops
 from megatron_ext.train.metrics import MetricsLogger
 from megatron_ext.train.model_setup import TrainingModel, build_training_model
@@ -72,23 +74,21 @@ class Trainer:
     def __init__(self, plan: RunPlan):
         from megatron.core import parallel_state
 
-        from megatron_ext.train.data import build_train_data, build_val_data
+        from megatron_ext.train.data import TrainData, ValData
 
         self.plan = plan
         self.cfg = plan.config
         self.pipeline_parallel = self.cfg.pp > 1
         self.trained: TrainingModel = build_training_model(plan)
-        self.train_data = build_train_data(plan)
-        self.val_data = build_val_data(plan) if self.cfg.eval_interval else None
+        self.train_data = TrainData(plan)
+        self.val_data = ValData(plan) if self.cfg.eval_interval else None
         self.iteration = 0
         self.counters = {"skipped_iterations": 0, "nonfinite_iterations": 0, "samples": 0, "skipped_samples": 0,
                          "truncated_samples": 0}
         if plan.resume is not None:
-            common, data_state = checkpointing.load_resume_state(plan, self.trained)
+            common = checkpointing.load_resume_state(plan, self.trained, self.train_data)
             self.iteration = common["iteration"]
             self.counters.update(common.get("counters", {}))
-            if data_state is not None:
-                self.train_data.restore(data_state)
         elif plan.start is not None:
             checkpointing.load_weights(self.trained, plan.start, with_optimizer=False)
             log.info("starting from %s", plan.start.path)
@@ -106,17 +106,22 @@ class Trainer:
         groups = self.trained.optimizer.param_groups
         return groups[0]["lr"] if groups else 0.0
 
-    def _iteration(self) -> tuple[StepResult | None, torch.Tensor]:
+    def _iteration(self) -> tuple[StepResult | None, torch.Tensor, str]:
         micro_batches = self.train_data.next_micro_batches(self.plan.num_microbatches)
         stats = _batch_stats(micro_batches)
         torch.distributed.all_reduce(stats, group=self.dp_group)
+        # Which samples the global batch held, in data-parallel rank order: equal fingerprints mean
+        # two runs (or a run and its resumption) saw the same data.
+        keys = [None] * torch.distributed.get_world_size(self.dp_group)
+        torch.distributed.all_gather_object(keys, [k for b in micro_batches for k in b["keys"]], group=self.dp_group)
+        digest = samples_digest([{"keys": [k for rank_keys in keys for k in rank_keys]}])
         if self.plan.skipped(self.iteration):
             # The data is consumed, no update is made; the schedule still advances with the iteration.
             self.trained.scheduler.step(increment=1)
             self.counters["skipped_iterations"] += 1
-            return None, stats
+            return None, stats, digest
         return train_step(self.trained, self.forward_step, micro_batches, self.plan.seq_length,
-                          self.cfg.micro_batch_size), stats
+                          self.cfg.micro_batch_size), stats, digest
 
     def _check_finite(self, result: StepResult | None) -> None:
         if result is None or result.finite:
@@ -131,7 +136,7 @@ class Trainer:
                 f"{self.iteration}); last good checkpoint: {self.last_saved or 'none'}. Lower --lr or check the data."
             )
 
-    def _record(self, result: StepResult | None, stats: torch.Tensor, seconds: float, lr: float) -> dict:
+    def _record(self, result: StepResult | None, stats: torch.Tensor, digest: str, seconds: float, lr: float) -> dict:
         samples, tokens, images, truncated, skipped = stats.tolist()
         self.counters["samples"] += int(samples)
         self.counters["truncated_samples"] += int(truncated)
@@ -146,9 +151,11 @@ class Trainer:
             "grad_norm": float(result.grad_norm) if result and result.grad_norm is not None else None,
             "loss_tokens": result.loss_tokens if result else 0,
             "samples": int(samples),
+            "samples_digest": digest,
             "skipped_samples": self.counters["skipped_samples"],
             "truncated_samples": self.counters["truncated_samples"],
             "update": bool(result and result.updated),
+            "skipped": result is None,
             "iteration_time_s": seconds,
             "samples_per_s": samples / seconds,
             "tokens_per_s": tokens / seconds,
@@ -160,21 +167,17 @@ class Trainer:
     # --- evaluation and saving ----------------------------------------------------------------
     def evaluate(self) -> dict:
         total, tokens = 0.0, 0
-        for _ in range(self.cfg.eval_iters):
-            micro_batches = self.val_data.next_micro_batches(self.plan.num_microbatches)
-            if not micro_batches:
-                break
+        for micro_batches in self.val_data.global_batches():
             loss, n = eval_loss(self.trained, self.forward_step, micro_batches, self.plan.seq_length,
                                 self.cfg.micro_batch_size)
             total, tokens = total + loss * n, tokens + n
-        self.val_data.rewind()
         loss = total / tokens if tokens else float("nan")
-        return {"iteration": self.iteration, "loss": loss, "perplexity": float(torch.tensor(loss).exp()),
+        return {"iteration": self.iteration, "loss": loss, "perplexity": math.exp(loss) if tokens else float("nan"),
                 "loss_tokens": tokens}
 
     def save(self) -> None:
         self.last_saved = checkpointing.save_snapshot(self.plan, self.trained, self.iteration,
-                                                      {"counters": self.counters}, self.train_data.state())
+                                                      {"counters": self.counters}, self.train_data)
 
     def _due(self, interval: int | None) -> bool:
         return bool(interval) and self.iteration % interval == 0
@@ -188,11 +191,11 @@ class Trainer:
         while self.iteration < self.plan.train_iters:
             self.iteration += 1
             start, lr = time.perf_counter(), self._lr()
-            result, stats = self._iteration()
-            self._check_finite(result)
-            record = self._record(result, stats, time.perf_counter() - start, lr)
-            if self._due(cfg.log_interval) or self.iteration == self.plan.train_iters:
+            result, stats, digest = self._iteration()
+            record = self._record(result, stats, digest, time.perf_counter() - start, lr)
+            if self._due(cfg.log_interval) or self.iteration == self.plan.train_iters or not (result is None or result.finite):
                 self.metrics.log(record)
+            self._check_finite(result)
             if self.val_data is not None and self._due(cfg.eval_interval):
                 self.metrics.log(self.evaluate(), prefix="val")
             stop = self.stop.any_rank()
@@ -206,8 +209,6 @@ class Trainer:
     def close(self) -> None:
         self.metrics.close()
         self.train_data.close()
-        if self.val_data is not None:
-            self.val_data.close()
 
 
 def run(config: TrainConfig) -> int:

@@ -1,0 +1,79 @@
+"""The trainer's view of the data: micro batches from energon loaders, and where they stand.
+
+Wraps megatron_ext.data (task encoder + energon loaders) for one rank: every rank of a
+data-parallel replica reads the same batches, so TP/PP peers see the same samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from megatron_ext.data.loader import restore_loader_state, save_loader_state, train_loader, val_loader
+from megatron_ext.data.task_encoder import LlavaTaskEncoder
+from megatron_ext.train.plan import RunPlan
+
+_TENSORS = ("images", "input_ids", "labels", "loss_mask", "segment_ids", "position_ids")
+_COUNTS = ("num_samples", "num_truncated", "num_skipped")
+
+
+def as_dict(batch) -> dict:
+    """A `LlavaBatch` as the plain dict the forward step reads (plus its sample keys)."""
+    out = {name: getattr(batch, name) for name in _TENSORS + _COUNTS}
+    out["keys"] = list(batch.__key__)
+    return out
+
+
+def samples_digest(micro_batches: list[dict]) -> str:
+    """A short fingerprint of which samples, in which order, these micro batches hold."""
+    keys = "\n".join(key for batch in micro_batches for key in batch["keys"])
+    return hashlib.sha1(keys.encode()).hexdigest()[:12]
+
+
+def _encoder(plan: RunPlan) -> LlavaTaskEncoder:
+    cfg = plan.config
+    return LlavaTaskEncoder.for_model(
+        str(plan.tokenizer_dir), plan.arch, seq_length=plan.seq_length, pad_token_id=plan.arch.pad_token_id,
+        chat_template=cfg.chat_template, lang=cfg.lang, packing_seq_length=cfg.packing_seq_length,
+    )
+
+
+class TrainData:
+    """Endless training micro batches whose position is saved with every checkpoint."""
+
+    def __init__(self, plan: RunPlan):
+        cfg = plan.config
+        self.loader = train_loader(cfg.data_path, _encoder(plan), micro_batch_size=cfg.micro_batch_size,
+                                   num_workers=cfg.num_workers, seed=cfg.seed)
+        self._batches = None
+
+    def next_micro_batches(self, count: int) -> list[dict]:
+        if self._batches is None:
+            self._batches = iter(self.loader)
+        return [as_dict(next(self._batches)) for _ in range(count)]
+
+    def save(self, path: Path) -> None:
+        save_loader_state(self.loader, path)
+
+    def restore(self, path: Path) -> None:
+        """Continue where `save` left off; must come before the first batch."""
+        restore_loader_state(self.loader, path)
+
+    def close(self) -> None:
+        self._batches = None
+
+
+class ValData:
+    """At most `eval_iters` global batches of the val split, the same ones at every evaluation."""
+
+    def __init__(self, plan: RunPlan):
+        cfg = plan.config
+        self.num_microbatches = plan.num_microbatches
+        self.loader = val_loader(cfg.data_path, _encoder(plan), micro_batch_size=cfg.micro_batch_size,
+                                 limit=cfg.eval_iters * plan.num_microbatches)
+
+    def global_batches(self) -> list[list[dict]]:
+        """One full pass (energon restarts the split on every pass), as groups of micro batches."""
+        batches = [as_dict(batch) for batch in self.loader]
+        n = self.num_microbatches
+        return [batches[i:i + n] for i in range(0, len(batches) - n + 1, n)]

@@ -1,0 +1,49 @@
+"""Stage 1 trains only the projector, stage 2 the projector and the LM; the ViT stays fixed.
+
+Checked on the weights a user gets back: the trained checkpoint exported to HF by the real
+converter, compared tensor by tensor with the HF checkpoint training started from.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.train.conftest import train, trainer_args
+
+
+def _hf_tensors(path):
+    from megatron_ext.convert.mapping import normalize_hf_name
+
+    return {normalize_hf_name(k): v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _changed_prefixes(before: dict, after: dict) -> set[str]:
+    assert before.keys() == after.keys()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    return {name.split(".")[0] for name in changed}, changed
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("stage,expected", [(1, {"multi_modal_projector"}), (2, {"multi_modal_projector", "language_model"})])
+def test_stage_trains_exactly_its_modules(tmp_path, llava_clip, megatron_clip, train_data, stage, expected):
+    from megatron_ext.convert.to_hf import convert
+
+    save = tmp_path / "run"
+    train(1, *trainer_args(megatron_clip, train_data, save, stage=stage, lr=1e-2, train_iters=3))
+    exported = convert(save, tmp_path / "hf")
+
+    prefixes, changed = _changed_prefixes(_hf_tensors(llava_clip), _hf_tensors(exported))
+    assert prefixes == expected
+    # Every tensor of a trained module moved (nothing is silently frozen), the vision tower none.
+    original = _hf_tensors(llava_clip)
+    trained_names = {n for n in original if n.split(".")[0] in expected}
+    if stage == 1:
+        assert changed == trained_names
+    else:
+        assert {n for n in changed if n.startswith("multi_modal_projector")} == \
+            {n for n in trained_names if n.startswith("multi_modal_projector")}
+        assert any(n.startswith("language_model.model.layers.") for n in changed)
+    assert not any(n.startswith("vision_tower.") for n in changed)
