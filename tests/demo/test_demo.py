@@ -1,0 +1,30 @@
+"""The README's main job end to end, shortened: every real CLI, two processes with TP2 on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_ext.checkpoint import layout
+from tests.helpers import run_script
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_demo_runs_the_whole_pipeline(tmp_path):
+    from transformers import LlavaForConditionalGeneration
+
+    out = tmp_path / "demo"
+    proc = run_script("demo/run_demo.py", "--output-dir", out, "--stage1-iters", 4, "--stage2-iters", 4, timeout=600)
+    assert "answer:" in proc.stdout and "demo finished" in proc.stdout
+
+    # run.py -g 2 --tp 2 --stage 1 trained, saved and exited 0; stage 2 started from its checkpoint.
+    for stage in ("stage1", "stage2"):
+        snapshot = layout.find_snapshot(out / stage)
+        assert (snapshot.iteration, snapshot.tp, snapshot.meta["kind"]) == (4, 2, "trained")
+        records = [json.loads(line) for line in (out / stage / "metrics.jsonl").read_text().splitlines()]
+        assert [r["iteration"] for r in records if r["split"] == "train"][-1] == 4
+    assert layout.find_snapshot(out / "stage2").meta["run_config"]["start"].startswith(str(out / "stage1"))
+    model, info = LlavaForConditionalGeneration.from_pretrained(out / "hf-trained", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
