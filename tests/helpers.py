@@ -44,3 +44,13 @@ def run_torchrun(nproc: int, target: str, *args, timeout: float = 300, env: dict
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def hf_tensors(hf_dir: Path) -> dict:
+    """Every tensor of an HF checkpoint directory (all its safetensors files), by stored name."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(Path(hf_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors

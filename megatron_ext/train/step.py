@@ -82,21 +82,25 @@ def reduce_loss(losses: list[dict]) -> tuple[float, int]:
     return (total / tokens if tokens else float("nan")), int(tokens)
 
 
-def train_step(trained, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int) -> StepResult:
+def _schedule(trained, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
+              forward_only: bool) -> list[dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    trained.ddp.zero_grad_buffer()
-    trained.optimizer.zero_grad()
-    losses = get_forward_backward_func()(
+    return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter(micro_batches),
         model=[trained.ddp],
         num_microbatches=len(micro_batches),
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
-        forward_only=False,
+        forward_only=forward_only,
     )
-    loss, tokens = reduce_loss(losses)
+
+
+def train_step(trained, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int) -> StepResult:
+    trained.ddp.zero_grad_buffer()
+    trained.optimizer.zero_grad()
+    loss, tokens = reduce_loss(_schedule(trained, forward_step, micro_batches, seq_length, micro_batch_size, False))
     if not math.isfinite(loss):
         return StepResult(loss, tokens, None, updated=False)
     _, grad_norm, _ = trained.optimizer.step()
@@ -105,16 +109,5 @@ def train_step(trained, forward_step, micro_batches: list[dict], seq_length: int
 
 
 def eval_loss(trained, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int) -> tuple[float, int]:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     with torch.no_grad():
-        losses = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=[trained.ddp],
-            num_microbatches=len(micro_batches),
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            forward_only=True,
-        )
-    return reduce_loss(losses)
+        return reduce_loss(_schedule(trained, forward_step, micro_batches, seq_length, micro_batch_size, True))

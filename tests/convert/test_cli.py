@@ -12,16 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import child_env, run_script
-
-
-def _tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for file in sorted(hf_dir.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    return tensors
+from tests.helpers import child_env, hf_tensors, run_script
 
 
 @pytest.mark.multiprocess
@@ -48,8 +39,8 @@ def test_scripts_convert_both_ways_and_compare_logits(llava_qwen2_siglip, tmp_pa
                "--max-shard-size", "200KB", timeout=120)
     index = json.loads((back / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1 and not (back / "model.safetensors").exists()
-    original = _tensors(llava_qwen2_siglip)
-    exported = _tensors(back)
+    original = hf_tensors(llava_qwen2_siglip)
+    exported = hf_tensors(back)
     assert sorted(exported) == sorted(original) == sorted(index["weight_map"])
     assert all(torch.equal(exported[k], v) for k, v in original.items())
     _, info = LlavaForConditionalGeneration.from_pretrained(back, output_loading_info=True)

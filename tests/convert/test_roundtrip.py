@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO_ROOT, child_env, run_torchrun
+from tests.helpers import REPO_ROOT, child_env, hf_tensors, run_torchrun
 
 FIXTURES = {"clip": "llava_clip", "qwen": "llava_qwen2_siglip", "padded": "llava_padded"}
 # Plus "bf16": llava_clip saved in bfloat16, as most published checkpoints are.
@@ -43,14 +43,6 @@ def converted(request, tmp_path_factory):
     return out, hf_dirs
 
 
-def _tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for file in sorted(hf_dir.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    return tensors
-
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
@@ -58,7 +50,7 @@ def _tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", MODELS)
 def test_round_trip_gives_back_every_tensor_bit_for_bit(converted, name, layout):
     out, hf_dirs = converted
-    original, back = _tensors(hf_dirs[name]), _tensors(out / "hf" / name / layout)
+    original, back = hf_tensors(hf_dirs[name]), hf_tensors(out / "hf" / name / layout)
     assert sorted(back) == sorted(original)
     for key, tensor in original.items():
         assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
@@ -134,7 +126,7 @@ def test_checkpoint_converted_at_tp2_gives_the_same_logits_at_tp1_and_pp2(conver
 @pytest.mark.timeout(600)
 def test_trainer_snapshot_saved_at_another_layout_converts_back_with_its_changes(converted):
     out, hf_dirs = converted
-    original, back = _tensors(hf_dirs["clip"]), _tensors(out / "hf" / "trained")
+    original, back = hf_tensors(hf_dirs["clip"]), hf_tensors(out / "hf" / "trained")
     changed = "language_model.model.norm.weight"
     assert sorted(back) == sorted(original)
     assert torch.equal(back[changed], original[changed] + 1.0)

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from tests.helpers import hf_tensors
 from tests.train.conftest import train, trainer_args
 
 
 def _hf_tensors(path):
     from megatron_ext.convert.mapping import normalize_hf_name
 
-    return {normalize_hf_name(k): v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+    return {normalize_hf_name(k): v for k, v in hf_tensors(path).items()}
 
 
 def _changed_prefixes(before: dict, after: dict) -> set[str]:

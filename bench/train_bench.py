@@ -1,0 +1,71 @@
+"""CPU iteration time of the tiny demo model at TP1, TP2 and PP2 (the trainer, end to end).
+
+    python bench/train_bench.py [--iters 40] [--workdir DIR]
+
+Builds the tiny LLaVA (Llama 2x64 GQA + CLIP 2x32, 56x56 images) and a synthetic dataset, then
+runs scripts/train/pretrain_llava.py under torchrun for each layout with the same global batch
+(8 samples = 2 micro batches of 4 per data-parallel rank, stage 2, fp32, seq 256) and reports
+the median iteration time after the first 5 iterations, from each run's metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+REPO = Path(__file__).resolve().parent.parent
+LAYOUTS = {"TP1": (1, []), "TP2": (2, ["--tp", "2"]), "PP2": (2, ["--pp", "2"]), "DP2": (2, [])}
+
+
+def _prepare(work: Path) -> tuple[Path, Path]:
+    from megatron_ext.convert.to_megatron import convert
+    from megatron_ext.data.build import build_energon_dataset
+    from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
+    from megatron_ext.hf.build_llava import build_llava
+    from megatron_ext.hf.tiny_models import make_all
+
+    tiny = make_all(work / "tiny")
+    hf = build_llava(work / "hf", str(tiny["text"]), str(tiny["vision-clip"]))
+    checkpoint = convert(hf, work / "megatron", tp=1, pp=1)
+    source = make_synthetic_dataset(work / "src", SyntheticSpec(num_samples=256))
+    data = work / "energon"
+    build_energon_dataset(source, data, split_ratio="9,1,0", samples_per_shard=16, num_workers=0)
+    return checkpoint, data
+
+
+def _run(name: str, nproc: int, extra: list[str], checkpoint: Path, data: Path, work: Path, iters: int) -> float:
+    save = work / f"run-{name}"
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port=29561",
+               str(REPO / "scripts/train/pretrain_llava.py"), "--megatron-load-dir", str(checkpoint),
+               "--data-path", str(data), "--save", "--save-dir", str(save), "--stage", "2", "--lr", "1e-4",
+               "--micro-batch-size", "4", "--global-batch-size", "8", "--seq-length", "256",
+               "--num-workers", "0", "--train-iters", str(iters), *extra]
+    subprocess.run(command, check=True, capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    times = [json.loads(line)["iteration_time_s"] for line in (save / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["split"] == "train"]
+    return statistics.median(times[5:])
+
+
+@click.command()
+@click.option("--iters", type=int, default=40, show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False), default=None)
+def main(iters, workdir):
+    work = Path(workdir or tempfile.mkdtemp(prefix="train-bench-"))
+    checkpoint, data = _prepare(work)
+    print(f"machine: {platform.machine()}, {platform.processor() or 'cpu'}, python {platform.python_version()}")
+    print("| layout | processes | median iteration (s) | samples/s |")
+    print("|---|---|---|---|")
+    for name, (nproc, extra) in LAYOUTS.items():
+        seconds = _run(name, nproc, extra, checkpoint, data, work, iters)
+        print(f"| {name} | {nproc} | {seconds:.3f} | {8 / seconds:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

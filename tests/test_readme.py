@@ -1,0 +1,26 @@
+"""The README's first-screen commands are the ones CI and newcomers run."""
+
+from __future__ import annotations
+
+import re
+
+from tests.helpers import REPO_ROOT
+
+
+def _first_screen_commands() -> list[str]:
+    readme = (REPO_ROOT / "README.md").read_text()
+    blocks = re.findall(r"```shell\n(.*?)```", readme, re.S)
+    return [block.strip() for block in blocks[:2]]
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    demo, tests = _first_screen_commands()
+    assert "run_demo.py" in demo and "pytest" in tests
+    ci_lines = [line.strip() for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()]
+    assert tests in ci_lines
+
+
+def test_first_screen_commands_name_existing_files():
+    for command in _first_screen_commands():
+        for path in re.findall(r"(scripts/[\w/]+\.(?:py|sh))", command):
+            assert (REPO_ROOT / path).is_file(), path
