@@ -1,14 +1,16 @@
 """The whole pipeline on a CPU laptop, through the same commands a user types.
 
 tiny HF models -> build_llava_jp.py -> convert_hf_to_megatron.py (TP2) -> a synthetic image
-dataset -> prepared energon shards -> run.py stage 1 then stage 2 (2 processes, TP2) ->
-convert_megatron_to_hf.py -> transformers generates an answer for an image.
+dataset -> prepared energon shards -> run.py stage 1 then stage 2 (2 processes, TP2, with
+validation loss and scored answers) -> convert_megatron_to_hf.py -> generate.py answers a question
+about an image with the HF model -> evaluate.py scores the Megatron checkpoint on the val split.
 
 Each step runs the real script in a subprocess and is printed as a copyable shell command.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -32,6 +34,8 @@ class DemoSettings:
     seq_length: int = 256
     processes: int = 2
     tp: int = 2
+    eval_samples: int = 16
+    max_new_tokens: int = 16
 
 
 def _run(title: str, script: str, *args, log: Path) -> None:
@@ -49,6 +53,12 @@ def _run(title: str, script: str, *args, log: Path) -> None:
     print(f"    done in {time.perf_counter() - start:.1f} s", flush=True)
 
 
+def first_question(dataset_dir: Path) -> tuple[Path, str]:
+    """The image and question of the synthetic dataset's first sample."""
+    sample = json.loads((dataset_dir / "llava.json").read_text())[0]
+    return dataset_dir / sample["image"], sample["conversations"][0]["value"].replace("<image>", "").strip()
+
+
 def run_demo(out: Path, settings: DemoSettings = DemoSettings()) -> dict[str, Path]:
     """Run every step into `out`; returns where each artifact is."""
     out.mkdir(parents=True, exist_ok=True)
@@ -63,44 +73,39 @@ def run_demo(out: Path, settings: DemoSettings = DemoSettings()) -> dict[str, Pa
         "stage 1 checkpoints": out / "stage1",
         "stage 2 checkpoints": out / "stage2",
         "trained HF LLaVA": out / "hf-trained",
+        "answer (generate.py)": out / "answer.jsonl",
+        "evaluation (evaluate.py)": out / "eval",
     }
     p = list(paths.values())
     train_common = ["-g", s.processes, "--tp", s.tp, "--pp", 1, "--data-path", p[4], "--save",
                     "--micro-batch-size", s.micro_batch_size, "--global-batch-size", s.global_batch_size,
                     "--num-workers", 0, "--log-interval", 10]
-    _run("1/8 tiny random HF models (Llama text with GQA, CLIP and SigLIP towers)", "demo/make_tiny_hf_models.py",
+    _run("1/10 tiny random HF models (Llama text with GQA, CLIP and SigLIP towers)", "demo/make_tiny_hf_models.py",
          "--save-dir", p[0], "--force", log=log)
-    _run("2/8 assemble an HF LLaVA checkpoint", "convert/build_llava_jp.py", "--save-dir", p[1],
+    _run("2/10 assemble an HF LLaVA checkpoint", "convert/build_llava_jp.py", "--save-dir", p[1],
          "--text-model", p[0] / "text", "--vision-model", p[0] / "vision-clip", "--force", log=log)
-    _run("3/8 convert it to a Megatron checkpoint for TP2", "convert/convert_hf_to_megatron.py", "--tp", s.tp,
+    _run("3/10 convert it to a Megatron checkpoint for TP2", "convert/convert_hf_to_megatron.py", "--tp", s.tp,
          "--pp", 1, "--hf-dir", p[1], "--megatron-dir", p[2], "--force", log=log)
-    _run("4/8 a synthetic image dataset (LLaVA JSON)", "data/make_synthetic_dataset.py", "--output-dir", p[3],
+    _run("4/10 a synthetic image dataset (LLaVA JSON)", "data/make_synthetic_dataset.py", "--output-dir", p[3],
          "--num-samples", s.samples, "--force", log=log)
-    _run("5/8 energon shards, prepared", "data/build_energon_dataset.py", p[3] / "llava.json", "--output-dir", p[4],
+    _run("5/10 energon shards, prepared", "data/build_energon_dataset.py", p[3] / "llava.json", "--output-dir", p[4],
          "--samples-per-shard", 16, "--num-workers", 0, "--force", log=log)
-    _run("6/8 stage 1: train the projector", "train/run.py", *train_common, "--stage", 1,
+    _run("6/10 stage 1: train the projector", "train/run.py", *train_common, "--stage", 1,
          "--megatron-load-dir", p[2], "--save-dir", p[5], "--",
          "--train-iters", s.stage1_iters, "--lr", 1e-3, "--seq-length", s.seq_length, log=log)
-    _run("7/8 stage 2: train the projector and the language model", "train/run.py", *train_common, "--stage", 2,
+    _run("7/10 stage 2: train the projector and the language model", "train/run.py", *train_common, "--stage", 2,
          "--megatron-load-dir", p[5], "--save-dir", p[6], "--",
-         "--train-iters", s.stage2_iters, "--lr", 1e-3, "--seq-length", s.seq_length, log=log)
-    _run("8/8 convert the trained checkpoint back to HF", "convert/convert_megatron_to_hf.py", "--tp", s.tp,
+         "--train-iters", s.stage2_iters, "--lr", 1e-3, "--seq-length", s.seq_length,
+         "--eval-interval", s.stage2_iters, "--eval-generate-samples", s.eval_samples,
+         "--eval-max-new-tokens", s.max_new_tokens, log=log)
+    _run("8/10 convert the trained checkpoint back to HF", "convert/convert_megatron_to_hf.py", "--tp", s.tp,
          "--pp", 1, "--megatron-dir", p[6], "--hf-dir", p[7], "--tokenizer-dir", p[1], "--force", log=log)
+    image, question = first_question(p[3])
+    _run("9/10 answer a question about an image with the trained HF model", "eval/generate.py", "--hf-dir", p[7],
+         "--image", image, "--prompt", question, "--max-new-tokens", s.max_new_tokens, "--output-jsonl", p[8],
+         log=log)
+    _run("10/10 evaluate the trained Megatron checkpoint on the val split (TP2 snapshot, one process)",
+         "eval/evaluate.py", "--megatron-dir", p[6], "--data-path", p[4], "--output-dir", p[9], "--force",
+         "--fast-n", s.eval_samples, "--max-new-tokens", s.max_new_tokens, log=log)
     paths["demo log"] = log
     return paths
-
-
-def answer(hf_dir: Path, image: Path, question: str, max_new_tokens: int = 24) -> str:
-    """What the trained HF model (through transformers) answers about `image`."""
-    import torch
-    from PIL import Image
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    model = LlavaForConditionalGeneration.from_pretrained(hf_dir).eval()
-    processor = AutoProcessor.from_pretrained(hf_dir)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
-    inputs = processor(images=Image.open(image).convert("RGB"), text=prompt, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    return processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()

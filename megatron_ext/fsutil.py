@@ -1,8 +1,9 @@
-"""Output directories that appear complete or not at all."""
+"""Output directories and files that appear complete or not at all."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -59,3 +60,10 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_jsonl(path: str | os.PathLike, records: list[dict]) -> None:
+    """One JSON object a line (UTF-8 kept readable), written atomically; parent folders created."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))

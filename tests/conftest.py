@@ -54,3 +54,23 @@ def llava_qwen2_siglip(tmp_path_factory, tiny_qwen2_tied, tiny_hf) -> Path:
 def llava_padded(tmp_path_factory, tiny_hf) -> Path:
     """LLaVA built with --vocab-size-padding (vocab 768, a multiple of 128)."""
     return _build(tmp_path_factory, "llava_padded", tiny_hf["text"], tiny_hf["vision-clip"], padding=True)
+
+
+@pytest.fixture(scope="session")
+def megatron_clip(tmp_path_factory, llava_clip) -> Path:
+    """The llava_clip fixture converted to a Megatron checkpoint (TP1 x PP1)."""
+    from megatron_ext.convert.to_megatron import convert
+
+    return convert(llava_clip, tmp_path_factory.mktemp("megatron_clip") / "ckpt", tp=1, pp=1)
+
+
+@pytest.fixture(scope="session")
+def train_data(tmp_path_factory) -> Path:
+    """96 synthetic samples (30% multi-turn) as prepared shards of 8: train 80, val 16."""
+    from megatron_ext.data.build import build_energon_dataset
+    from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
+
+    source = make_synthetic_dataset(tmp_path_factory.mktemp("train_src"), SyntheticSpec(num_samples=96, seed=3))
+    out = tmp_path_factory.mktemp("train_data") / "energon"
+    build_energon_dataset(source, out, split_ratio="10,2,0", samples_per_shard=8, num_workers=0)
+    return out

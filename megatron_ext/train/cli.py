@@ -8,6 +8,7 @@ import click
 
 from megatron_ext.train.options import TrainConfig, fields, option_name
 
+
 def click_kwargs(field, hint) -> dict:
     kwargs = {"help": field.metadata["help"], "show_default": True}
     # `int | None` -> int; `list[str]` stays list[str].

@@ -87,6 +87,9 @@ class TrainConfig:
     wandb_project: str = opt("megatron-ext", "W&B project.")
     eval_interval: int | None = opt(None, "Validation loss every N iterations.")
     eval_iters: int = opt(10, "Validation batches per evaluation.")
+    eval_generate_samples: int = opt(0, "At every evaluation also answer the first N val samples greedily and log "
+                                        "exact match, BLEU, ROUGE-L and CIDEr.")
+    eval_max_new_tokens: int = opt(32, "Most tokens per answer in those evaluations.")
     # --- debugging -------------------------------------------------------------------------
     debug: bool = opt(False, "Verbose logging.")
     deterministic: bool = opt(False, "Deterministic algorithms (slower).")

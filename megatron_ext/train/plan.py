@@ -132,6 +132,10 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool) -> RunPlan:
     if config.micro_batch_size < 1 or config.global_batch_size < 1 or config.global_batch_size % per_step:
         raise UserError(f"--global-batch-size {config.global_batch_size} must be a multiple of --micro-batch-size "
                         f"{config.micro_batch_size} x data-parallel size {dp} = {per_step}")
+    if config.eval_generate_samples and not config.eval_interval:
+        raise UserError("--eval-generate-samples needs --eval-interval (evaluations are when answers are generated)")
+    if config.eval_generate_samples < 0 or config.eval_max_new_tokens < 1:
+        raise UserError("--eval-generate-samples must be >= 0 and --eval-max-new-tokens >= 1")
     _check_fp8(config)
     skip_ranges = parse_skip_ranges(config.skip_train_iteration_range)
 

@@ -82,14 +82,14 @@ def reduce_loss(losses: list[dict]) -> tuple[float, int]:
     return (total / tokens if tokens else float("nan")), int(tokens)
 
 
-def _schedule(trained, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
+def _schedule(model, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
               forward_only: bool) -> list[dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter(micro_batches),
-        model=[trained.ddp],
+        model=[model],
         num_microbatches=len(micro_batches),
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
@@ -100,7 +100,7 @@ def _schedule(trained, forward_step, micro_batches: list[dict], seq_length: int,
 def train_step(trained, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int) -> StepResult:
     trained.ddp.zero_grad_buffer()
     trained.optimizer.zero_grad()
-    loss, tokens = reduce_loss(_schedule(trained, forward_step, micro_batches, seq_length, micro_batch_size, False))
+    loss, tokens = reduce_loss(_schedule(trained.ddp, forward_step, micro_batches, seq_length, micro_batch_size, False))
     if not math.isfinite(loss):
         return StepResult(loss, tokens, None, updated=False)
     _, grad_norm, _ = trained.optimizer.step()
@@ -108,6 +108,8 @@ def train_step(trained, forward_step, micro_batches: list[dict], seq_length: int
     return StepResult(loss, tokens, grad_norm, updated=True)
 
 
-def eval_loss(trained, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int) -> tuple[float, int]:
+def eval_loss(model, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int) -> tuple[float, int]:
+    """Token-weighted loss of one global batch, forward only. `model`: the trainer's DDP module or a
+    bare LLaVAModel (scripts/eval/evaluate.py)."""
     with torch.no_grad():
-        return reduce_loss(_schedule(trained, forward_step, micro_batches, seq_length, micro_batch_size, True))
+        return reduce_loss(_schedule(model, forward_step, micro_batches, seq_length, micro_batch_size, True))

@@ -14,10 +14,13 @@ import math
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 
 from megatron_ext.errors import UserError
+from megatron_ext.eval.evaluation import AnswerEvaluation
+from megatron_ext.fsutil import write_jsonl
 from megatron_ext.train import checkpointing
 from megatron_ext.train.data import samples_digest
 from megatron_ext.train.flops import iteration_flops
@@ -28,6 +31,9 @@ from megatron_ext.train.plan import RunPlan, make_plan
 from megatron_ext.train.step import StepResult, eval_loss, make_forward_step, train_step
 
 log = logging.getLogger(__name__)
+
+# --eval-generate-samples: SAVE_DIR/predictions/iter_N.jsonl holds the answers of evaluation N.
+PREDICTIONS_DIR = "predictions"
 
 
 class TrainingStopped(Exception):
@@ -82,6 +88,7 @@ class Trainer:
         self.trained: TrainingModel = build_training_model(plan)
         self.train_data = TrainData(plan)
         self.val_data = ValData(plan) if self.cfg.eval_interval else None
+        self.answer_eval = AnswerEvaluation(plan) if self.cfg.eval_generate_samples else None
         self.iteration = 0
         self.counters = {"skipped_iterations": 0, "nonfinite_iterations": 0, "samples": 0, "skipped_samples": 0,
                          "truncated_samples": 0}
@@ -168,12 +175,18 @@ class Trainer:
     def evaluate(self) -> dict:
         total, tokens = 0.0, 0
         for micro_batches in self.val_data.global_batches():
-            loss, n = eval_loss(self.trained, self.forward_step, micro_batches, self.plan.seq_length,
+            loss, n = eval_loss(self.trained.ddp, self.forward_step, micro_batches, self.plan.seq_length,
                                 self.cfg.micro_batch_size)
             total, tokens = total + loss * n, tokens + n
         loss = total / tokens if tokens else float("nan")
-        return {"iteration": self.iteration, "loss": loss, "perplexity": math.exp(loss) if tokens else float("nan"),
-                "loss_tokens": tokens}
+        result = {"iteration": self.iteration, "loss": loss, "perplexity": math.exp(loss) if tokens else float("nan"),
+                  "loss_tokens": tokens}
+        if self.answer_eval is not None:
+            scores, records = self.answer_eval.run(self.trained.model)
+            result.update(scores)
+            if self.cfg.save and torch.distributed.get_rank() == 0:
+                write_jsonl(Path(self.cfg.save_dir) / PREDICTIONS_DIR / f"iter_{self.iteration:07d}.jsonl", records)
+        return result
 
     def save(self) -> None:
         self.last_saved = checkpointing.save_snapshot(self.plan, self.trained, self.iteration,

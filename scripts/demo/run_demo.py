@@ -1,5 +1,5 @@
 """The tiny end-to-end demo on CPU: build, convert, prepare data, train (stage 1 + 2, TP2), convert
-back, and let transformers answer a question about an image.
+back, answer a question about an image and evaluate on the val split.
 
     python scripts/demo/run_demo.py [--output-dir demo_output]
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from megatron_ext.demo import DemoSettings, answer, run_demo
+from megatron_ext.demo import DemoSettings, run_demo
 from megatron_ext.errors import cli_entry
 from megatron_ext.logs import setup_logging
 
@@ -30,13 +30,17 @@ def main(output_dir, stage1_iters, stage2_iters):
     paths = run_demo(out, DemoSettings(stage1_iters=stage1_iters, stage2_iters=stage2_iters))
 
     sample = json.loads((paths["synthetic dataset"] / "llava.json").read_text())[0]
-    image = paths["synthetic dataset"] / sample["image"]
-    question = sample["conversations"][0]["value"].replace("<image>", "").strip()
-    print("\n==> transformers generates an answer with the trained model")
-    print(f"image:     {image}")
-    print(f"question:  {question}")
+    answer = json.loads(paths["answer (generate.py)"].read_text().splitlines()[0])
+    print("\n==> what the trained model answers (scripts/eval/generate.py, HF checkpoint)")
+    print(f"image:     {paths['synthetic dataset'] / sample['image']}")
+    print(f"question:  {answer['prompt']}")
     print(f"reference: {sample['conversations'][1]['value']}")
-    print(f"answer:    {answer(paths['trained HF LLaVA'], image, question)}")
+    print(f"answer:    {answer['answer']}")
+
+    scores = json.loads((paths["evaluation (evaluate.py)"] / "metrics.json").read_text())
+    print(f"\n==> scores on {scores['samples']} val samples (scripts/eval/evaluate.py, Megatron checkpoint)")
+    print("  ".join(f"{name} {scores[name]:.3f}" for name in ("loss", "perplexity", "exact_match", "bleu", "rouge_l",
+                                                              "cider")))
 
     print("\nartifacts:")
     for name, path in paths.items():

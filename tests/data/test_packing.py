@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.data.packing import combined_seq_len, combined_segment_ids, greedy_knapsack, packed_attention_mask
+from megatron_ext.data.packing import combined_segment_ids, combined_seq_len, greedy_knapsack, packed_attention_mask
 from tests.helpers import child_env
 
 WORKER = Path(__file__).with_name("packing_equivalence_worker.py")

@@ -18,6 +18,7 @@ def test_demo_runs_the_whole_pipeline(tmp_path):
     out = tmp_path / "demo"
     proc = run_script("demo/run_demo.py", "--output-dir", out, "--stage1-iters", 4, "--stage2-iters", 4, timeout=600)
     assert "answer:" in proc.stdout and "demo finished" in proc.stdout
+    assert json.loads((out / "answer.jsonl").read_text())["answer"] in proc.stdout
 
     # run.py -g 2 --tp 2 --stage 1 trained, saved and exited 0; stage 2 started from its checkpoint.
     for stage in ("stage1", "stage2"):
@@ -26,5 +27,11 @@ def test_demo_runs_the_whole_pipeline(tmp_path):
         records = [json.loads(line) for line in (out / stage / "metrics.jsonl").read_text().splitlines()]
         assert [r["iteration"] for r in records if r["split"] == "train"][-1] == 4
     assert layout.find_snapshot(out / "stage2").meta["run_config"]["start"].startswith(str(out / "stage1"))
+    # Stage 2 evaluated at its last iteration: loss and 16 answers scored, the answers kept.
+    val = [json.loads(line) for line in (out / "stage2" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert val["split"] == "val" and val["iteration"] == 4 and val["generated_samples"] == 16 and "cider" in val
+    assert len((out / "stage2" / "predictions" / "iter_0000004.jsonl").read_text().splitlines()) == 16
+    scores = json.loads((out / "eval" / "metrics.json").read_text())
+    assert scores["samples"] == 16 and scores["loss_tokens"] > 0 and f"loss {scores['loss']:.3f}" in proc.stdout
     model, info = LlavaForConditionalGeneration.from_pretrained(out / "hf-trained", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -36,6 +36,9 @@ def test_bad_input_is_one_line_before_training(tmp_path, megatron_clip, train_da
     line = _fails(tmp_path, *args(fp8=True))
     assert "--fp8 needs Transformer Engine" in line and "pip install" in line
 
+    line = _fails(tmp_path, *args(eval_generate_samples=4))
+    assert line == "error: --eval-generate-samples needs --eval-interval (evaluations are when answers are generated)"
+
 
 def test_plan_derives_stage_defaults_and_iterations(megatron_clip, train_data):
     from megatron_ext.train.options import TrainConfig

@@ -1,0 +1,110 @@
+"""Answering many image + prompt requests: read and check them all, then generate, then write.
+
+Input JSONL, one request a line: ``{"image": "cat.jpg", "prompt": "What is this?", "id": "any"}``
+(`image` optional, relative paths are taken from the JSONL file's folder; `id` optional, default
+the line number). Output JSONL: each request with `answer`, `finish_reason` and `token_ids` added,
+written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_ext.errors import UserError
+from megatron_ext.eval.checkpoints import ModelSource
+from megatron_ext.eval.generation import Generator
+from megatron_ext.eval.prompts import EncodedPrompt, load_image, user_turn
+from megatron_ext.eval.sampling import SamplingOptions
+from megatron_ext.fsutil import write_jsonl
+
+
+@dataclass
+class Request:
+    record: dict  # as given, plus "id"
+    prompt: EncodedPrompt
+
+
+def encode_request(source: ModelSource, prompt: str, images: list, options: SamplingOptions) -> EncodedPrompt:
+    """One user turn about the images (none or one), checked to fit in the context."""
+    encoded = source.encoder.encode([user_turn(prompt, bool(images))], images)
+    source.check_fits(encoded, options)
+    return encoded
+
+
+def read_requests(path: str | Path, source: ModelSource, options: SamplingOptions,
+                  flag: str = "--input-jsonl") -> list[Request]:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserError(f"{flag} {path} does not exist")
+    requests = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{flag} {path} line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where} is not JSON ({exc})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise UserError(f"{where} needs a \"prompt\" string (and optionally \"image\" and \"id\")")
+        images = [load_image(path.parent / record["image"], f"{where}: image")] if record.get("image") else []
+        try:
+            encoded = encode_request(source, record["prompt"], images, options)
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}") from None
+        requests.append(Request({"id": number, **record}, encoded))
+    if not requests:
+        raise UserError(f"{flag} {path} holds no requests")
+    return requests
+
+
+def answer_all(generator: Generator, requests: list[Request], options: SamplingOptions, progress=None) -> list[dict]:
+    """Every request answered in order (collective for Megatron generators)."""
+    results = []
+    for request in requests:
+        generation = generator.generate(request.prompt, options)
+        results.append({**request.record, "answer": generation.text, "finish_reason": generation.finish_reason,
+                        "token_ids": generation.token_ids})
+        if progress is not None:
+            progress(len(results), len(requests))
+    return results
+
+
+def generate_answers(source: ModelSource, options: SamplingOptions, *, tp: int | None, pp: int | None,
+                     image: str | None, prompt: str | None, input_jsonl: str | None, output_jsonl: str | None) -> None:
+    """scripts/eval/generate.py: one prompt (streamed to the terminal) or a JSONL batch."""
+    import sys
+
+    from transformers import TextStreamer
+
+    if (prompt is None) == (input_jsonl is None):
+        raise UserError("give either --prompt (with --image) or --input-jsonl")
+    if input_jsonl:
+        if image:
+            raise UserError("--image goes with --prompt; in --input-jsonl every line names its own image")
+        requests = read_requests(input_jsonl, source, options)
+    else:
+        images = [load_image(image)] if image else []
+        requests = [Request({"id": 1, "image": image, "prompt": prompt}, encode_request(source, prompt, images, options))]
+    generator = source.generator(tp, pp)
+    if prompt is not None:
+        streamer = TextStreamer(source.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        generation = generator.generate(requests[0].prompt, options, streamer=streamer)
+        results = [{**requests[0].record, "answer": generation.text, "finish_reason": generation.finish_reason,
+                    "token_ids": generation.token_ids}]
+    else:
+        def progress(done, total):
+            if generator.is_output_rank:
+                print(f"answered {done}/{total}", file=sys.stderr, flush=True)
+
+        results = answer_all(generator, requests, options, progress)
+    if not generator.is_output_rank:
+        return
+    if output_jsonl:
+        write_jsonl(output_jsonl, results)
+        print(f"{len(results)} answers written to {output_jsonl}", file=sys.stderr)
+    elif input_jsonl:
+        for record in results:
+            print(json.dumps(record, ensure_ascii=False))

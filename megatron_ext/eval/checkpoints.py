@@ -1,0 +1,143 @@
+"""Open a Megatron or HF checkpoint for generation: cheap checks first, the model only on demand.
+
+`open_checkpoint` validates the directory, loads the processor and picks the chat template (no
+torch.distributed, no model), so bad input (wrong kind of directory, unreadable image, prompt
+longer than the context) is reported before anything heavy starts. `ModelSource.generator()` then
+builds the model: for Megatron it initialises the TP x PP process group (one process per rank,
+started by torchrun) and loads the snapshot, whatever layout it was saved with.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_ext.checkpoint import layout
+from megatron_ext.errors import UserError
+from megatron_ext.eval.generation import Generator, new_token_budget
+from megatron_ext.eval.prompts import EncodedPrompt, PromptEncoder, stop_token_ids
+from megatron_ext.eval.sampling import SamplingOptions
+
+MEGATRON_FLAG = "--megatron-dir"
+HF_FLAG = "--hf-dir"
+
+
+@dataclass
+class ModelSource:
+    kind: str  # "megatron" or "hf"
+    path: Path
+    processor: object
+    template_name: str
+    encoder: PromptEncoder
+    context_length: int  # the language model's max_position_embeddings
+    snapshot: layout.Snapshot | None = None
+
+    @property
+    def flag(self) -> str:
+        return MEGATRON_FLAG if self.kind == "megatron" else HF_FLAG
+
+    def check_fits(self, prompt: EncodedPrompt, options: SamplingOptions) -> None:
+        new_token_budget(prompt, self.context_length, options)
+
+    def generator(self, tp: int | None = None, pp: int | None = None) -> Generator:
+        if self.kind == "hf":
+            from megatron_ext.eval.hf_generator import HFGenerator
+
+            if world_size() > 1:
+                raise UserError(f"{HF_FLAG}: HF checkpoints run in one process; start the script without torchrun")
+            return HFGenerator.load(self.path, self.processor)
+        from megatron_ext.eval.megatron_generator import MegatronGenerator
+
+        model = load_megatron_model(self.snapshot, *self.parallel_layout(tp, pp), seq_length=self.context_length)
+        return MegatronGenerator(model, self.snapshot.arch, self.processor, stop_token_ids(self.processor.tokenizer))
+
+    def parallel_layout(self, tp: int | None, pp: int | None) -> tuple[int, int]:
+        """--tp/--pp, defaulting to the saved layout when the process count fits it, else 1 x 1."""
+        world = world_size()
+        if tp is None and pp is None:
+            saved = (self.snapshot.tp, self.snapshot.pp)
+            if saved[0] * saved[1] == world:
+                return saved
+            if world > 1:
+                raise UserError(f"{world} processes were started; give --tp and --pp with TP x PP = {world}")
+            return 1, 1
+        tp, pp = tp or 1, pp or 1
+        if tp * pp != world:
+            raise UserError(f"--tp {tp} x --pp {pp} needs {tp * pp} processes, this run has {world}; "
+                            f"start it with torchrun --nproc-per-node {tp * pp}")
+        self.snapshot.arch.check_parallel(tp, pp)
+        return tp, pp
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def load_megatron_model(snapshot: layout.Snapshot, tp: int, pp: int, seq_length: int):
+    """This rank's LLaVAModel with the snapshot's weights, in the snapshot's dtype (collective)."""
+    from megatron_ext.checkpoint.model_io import load_model_weights
+    from megatron_ext.distributed import init_parallel
+    from megatron_ext.model.provider import ModelOptions, build_model
+
+    init_parallel(tp, pp)
+    model = build_model(snapshot.arch, ModelOptions(seq_length=seq_length, dtype=snapshot.dtype, init_weights=False,
+                                                    parallel_output=True))
+    load_model_weights(model, snapshot.path)
+    return model.eval()
+
+
+def _is_megatron_dir(path: Path) -> bool:
+    return (path / layout.LATEST_FILE).is_file() or (path / layout.METADATA_FILE).is_file()
+
+
+def _open_megatron(path: Path) -> tuple[layout.Snapshot, dict]:
+    if path.is_dir() and not _is_megatron_dir(path) and (path / "config.json").is_file():
+        raise UserError(f"{MEGATRON_FLAG} {path} is a Hugging Face checkpoint (config.json); pass it as {HF_FLAG}")
+    snapshot = layout.find_snapshot(path, MEGATRON_FLAG)
+    if not snapshot.tokenizer_dir.is_dir():
+        raise UserError(f"{MEGATRON_FLAG} {snapshot.root} has no {layout.TOKENIZER_DIR}/ directory (tokenizer and "
+                        "processor); re-create the checkpoint with scripts/convert/convert_hf_to_megatron.py")
+    return snapshot, snapshot.hf_config
+
+
+def _open_hf(path: Path) -> dict:
+    from megatron_ext.convert.hf_checkpoint import read_config
+
+    if _is_megatron_dir(path):
+        raise UserError(f"{HF_FLAG} {path} is a Megatron checkpoint; pass it as {MEGATRON_FLAG}")
+    return read_config(path, HF_FLAG)
+
+
+def _trained_template(snapshot: layout.Snapshot | None) -> tuple[str | None, str]:
+    """(--chat-template, --lang) a trained snapshot was trained with; (None, "en") otherwise."""
+    run = ((snapshot.meta.get("run_config") or {}).get("config") or {}) if snapshot else {}
+    return run.get("chat_template"), run.get("lang", "en")
+
+
+def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template: str | None = None) -> ModelSource:
+    """Exactly one of `megatron_dir` / `hf_dir`. The chat template: `chat_template` if given, else the
+    one a trained snapshot was trained with, else the tokenizer's own (else the English default)."""
+    from megatron_ext.data.chat_template import resolve_chat_template
+    from megatron_ext.hf import loading
+    from megatron_ext.model.arch import LlavaArch
+
+    if (megatron_dir is None) == (hf_dir is None):
+        raise UserError(f"give exactly one of {MEGATRON_FLAG} and {HF_FLAG}")
+    kind, flag = ("megatron", MEGATRON_FLAG) if megatron_dir else ("hf", HF_FLAG)
+    path = Path(megatron_dir or hf_dir).expanduser().resolve()
+    if not path.exists():
+        raise UserError(f"{flag} {path} does not exist")
+    snapshot = None
+    if kind == "megatron":
+        snapshot, hf_config = _open_megatron(path)
+        processor_dir = snapshot.tokenizer_dir
+    else:
+        hf_config, processor_dir = _open_hf(path), path
+    arch = LlavaArch.from_hf_config(hf_config)
+    processor = loading.load_processor(str(processor_dir), flag)
+    trained_name, lang = _trained_template(snapshot)
+    name, template = resolve_chat_template(chat_template or trained_name, lang, processor.tokenizer)
+    return ModelSource(kind=kind, path=snapshot.root if snapshot else path, processor=processor, template_name=name,
+                       encoder=PromptEncoder(processor, template), context_length=arch.text.max_position_embeddings,
+                       snapshot=snapshot)

@@ -1,0 +1,37 @@
+"""Click options shared by scripts/eval/*.py: which checkpoint, which layout, how to sample."""
+
+from __future__ import annotations
+
+import click
+
+from megatron_ext.eval.sampling import SamplingOptions
+
+
+def checkpoint_options(func):
+    for decorator in reversed([
+        click.option("--megatron-dir", type=click.Path(), help="Megatron checkpoint: ROOT (its latest snapshot) or ROOT/iter_N / ROOT/release."),
+        click.option("--hf-dir", type=click.Path(), help="Hugging Face LLaVA checkpoint directory."),
+        click.option("--tp", type=int, help="Tensor-parallel size to run at (Megatron; default: as saved if the process count fits, else 1)."),
+        click.option("--pp", type=int, help="Pipeline-parallel size to run at (Megatron; default: as saved if the process count fits, else 1)."),
+        click.option("--chat-template", help="'tokenizer', a name from configs/chat_templates or a .jinja file (default: as trained, else the tokenizer's)."),
+    ]):
+        func = decorator(func)
+    return func
+
+
+def sampling_options(default_max_new_tokens: int):
+    def wrap(func):
+        for decorator in reversed([
+            click.option("--max-new-tokens", type=int, default=default_max_new_tokens, show_default=True, help="Most tokens to generate per answer."),
+            click.option("--temperature", type=float, default=0.0, show_default=True, help="0: greedy; > 0: sample at this temperature."),
+            click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling: keep the smallest token set with this probability mass."),
+            click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed."),
+        ]):
+            func = decorator(func)
+        return func
+
+    return wrap
+
+
+def make_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int) -> SamplingOptions:
+    return SamplingOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed).check()

@@ -1,0 +1,177 @@
+"""Evaluate a checkpoint on a prepared dataset's val or test split.
+
+- Loss and perplexity (Megatron checkpoints): the trainer's own task encoder (chat template,
+  masks, truncation) and the trainer's own forward step and token-weighted loss reduction
+  (`megatron_ext.train.step`), so the number is the one the trainer logs as validation loss.
+  HF checkpoints get generation metrics only (convert them to Megatron for loss and perplexity).
+- Generated answers to the last user turn of each sample, scored against the sample's last
+  assistant turn with `megatron_ext.eval.metrics`.
+
+`AnswerEvaluation` is the same generation + scoring on the trainer's model inside its process
+group, for the trainer to run at --eval-interval.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+from megatron_ext.errors import UserError
+from megatron_ext.eval import metrics
+from megatron_ext.eval.checkpoints import ModelSource
+from megatron_ext.eval.generation import Generator
+from megatron_ext.eval.prompts import PromptEncoder
+from megatron_ext.eval.samples import EvalSample, check_split, read_samples
+from megatron_ext.eval.sampling import SamplingOptions
+
+log = logging.getLogger(__name__)
+
+PREDICTIONS_FILE = "predictions.jsonl"
+METRICS_FILE = "metrics.json"
+
+
+def answer_samples(generator: Generator, encoder: PromptEncoder, samples: list[EvalSample],
+                   options: SamplingOptions) -> list[dict]:
+    """One prediction record per sample (collective for Megatron generators); samples whose prompt
+    does not fit in the context are recorded with the reason (`too_long`) instead of a prediction."""
+    records = []
+    for sample in samples:
+        record = {"key": sample.key, "question": sample.question, "reference": sample.reference}
+        prompt = encoder.encode(sample.messages, sample.images)
+        try:
+            generation = generator.generate(prompt, options)
+        except UserError as exc:
+            records.append({**record, "too_long": str(exc)})
+            continue
+        records.append({**record, "prediction": generation.text, "finish_reason": generation.finish_reason,
+                        "exact_match": metrics.exact_match([generation.text], [[sample.reference]]) == 1.0})
+    return records
+
+
+def score_records(records: list[dict]) -> dict:
+    answered = [r for r in records if "prediction" in r]
+    scores = metrics.score_all([r["prediction"] for r in answered], [[r["reference"]] for r in answered])
+    return {**scores, "generated_samples": len(answered), "too_long_samples": len(records) - len(answered)}
+
+
+class AnswerEvaluation:
+    """--eval-generate-samples N: the trainer's model answers the first N val samples greedily at every
+    evaluation, scored as scripts/eval/evaluate.py scores them, with the trainer's chat template."""
+
+    def __init__(self, plan):
+        from megatron_ext.data.chat_template import resolve_chat_template
+        from megatron_ext.eval.prompts import stop_token_ids
+        from megatron_ext.hf import loading
+
+        cfg = plan.config
+        self.samples = read_samples(cfg.data_path, "val", limit=cfg.eval_generate_samples)
+        self.processor = loading.load_processor(str(plan.tokenizer_dir), "--tokenizer-load-dir")
+        _, template = resolve_chat_template(cfg.chat_template, cfg.lang, self.processor.tokenizer)
+        self.encoder = PromptEncoder(self.processor, template)
+        self.stop_ids = stop_token_ids(self.processor.tokenizer)
+        self.arch = plan.arch
+        self.options = SamplingOptions(max_new_tokens=cfg.eval_max_new_tokens)
+
+    def run(self, model) -> tuple[dict, list[dict]]:
+        """(scores, prediction records); collective over the whole world, the same on every rank.
+        `model`: this rank's bare LLaVAModel (`TrainingModel.model`) in any TP x PP x DP layout;
+        data-parallel replicas split the samples. The model is put in eval mode and back."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        from megatron_ext.eval.megatron_generator import MegatronGenerator
+
+        generator = MegatronGenerator(model, self.arch, self.processor, self.stop_ids)
+        dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        mine = answer_samples(generator, self.encoder, self.samples[dp_rank::dp_size], self.options)
+        gathered = [None] * dp_size
+        dist.all_gather_object(gathered, mine, group=parallel_state.get_data_parallel_group())
+        # Back to the split's order: replica r answered samples r, r + dp_size, ...
+        records = [gathered[i % dp_size][i // dp_size] for i in range(len(self.samples))]
+        return score_records(records), records
+
+
+def megatron_loss(model, source: ModelSource, data_path: str, split: str, limit: int | None,
+                  seq_length: int) -> tuple[float, int]:
+    """Token-weighted mean loss over the split's first `limit` samples (collective)."""
+    from megatron.energon import get_loader, get_val_dataset
+
+    from megatron_ext.data.loader import worker_config
+    from megatron_ext.data.task_encoder import LlavaTaskEncoder
+    from megatron_ext.train.data import as_dict
+    from megatron_ext.train.step import eval_loss, make_forward_step
+
+    arch = source.snapshot.arch
+    encoder = LlavaTaskEncoder.for_model(str(source.snapshot.tokenizer_dir), arch, seq_length=seq_length,
+                                         chat_template=source.template_name)
+    dataset = get_val_dataset(data_path, split_part=split, worker_config=worker_config(0), batch_size=1, limit=limit,
+                              task_encoder=encoder)
+    model_length = model.language_model.max_sequence_length
+    forward_step = make_forward_step(arch, model_length, pipeline_parallel=_pipeline_parallel())
+    total, tokens = 0.0, 0
+    model.eval()
+    for batch in get_loader(dataset):
+        micro_batch = as_dict(batch)
+        # The trainer's Float16Module casts images to the compute dtype; the bare model needs it done here.
+        micro_batch["images"] = micro_batch["images"].to(model.config.params_dtype)
+        loss, n = eval_loss(model, forward_step, [micro_batch], model_length, micro_batch_size=1)
+        if n:
+            total, tokens = total + loss * n, tokens + n
+    return (total / tokens if tokens else float("nan")), tokens
+
+
+def _pipeline_parallel() -> bool:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_world_size() > 1
+
+
+def _table(result: dict) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{result['checkpoint']} on {result['split']} ({result['samples']} samples)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name in ("loss", "perplexity", "exact_match", "bleu", "rouge_l", "cider", "generated_samples",
+                 "too_long_samples"):
+        if name in result:
+            value = result[name]
+            table.add_row(name, f"{value:.4f}" if isinstance(value, float) else str(value))
+    console = Console(width=100)
+    with console.capture() as captured:
+        console.print(table)
+    return captured.get()
+
+
+def run_evaluation(source: ModelSource, options: SamplingOptions, *, data_path: str, split: str, fast_n: int | None,
+                   output_dir: str, force: bool, tp: int | None, pp: int | None, seq_length: int | None) -> dict:
+    """scripts/eval/evaluate.py: predictions.jsonl + metrics.json in `output_dir`, a table on stdout."""
+    from megatron_ext.fsutil import atomic_output_dir, check_output_dir, write_jsonl
+
+    if fast_n is not None and fast_n < 1:
+        raise UserError(f"--fast-n must be at least 1, got {fast_n}")
+    out = check_output_dir(output_dir, force, "--output-dir")
+    check_split(data_path, split)
+    samples = read_samples(data_path, split, limit=fast_n)
+    generator = source.generator(tp, pp)
+    result = {"checkpoint": str(source.path), "format": source.kind, "data_path": str(data_path), "split": split,
+              "samples": len(samples), "chat_template": source.template_name, "max_new_tokens": options.max_new_tokens}
+    if source.kind == "megatron":
+        length = seq_length or _trained_seq_length(source) or source.context_length
+        loss, tokens = megatron_loss(generator.model, source, str(data_path), split, fast_n, length)
+        result.update(loss=loss, perplexity=math.exp(loss) if math.isfinite(loss) else float("nan"), loss_tokens=tokens)
+    records = answer_samples(generator, source.encoder, samples, options)
+    result.update(score_records(records))
+    if generator.is_output_rank:
+        with atomic_output_dir(out) as tmp:
+            write_jsonl(tmp / PREDICTIONS_FILE, records)
+            (tmp / METRICS_FILE).write_text(json.dumps(result, indent=2))
+        print(_table(result), end="")
+        print(f"predictions and metrics written to {out}")
+    return result
+
+
+def _trained_seq_length(source: ModelSource) -> int | None:
+    return (source.snapshot.meta.get("run_config") or {}).get("seq_length")

@@ -1,0 +1,46 @@
+"""Generation from a Hugging Face LLaVA checkpoint with transformers' own `generate` (KV cache)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_ext.eval.generation import Generator
+from megatron_ext.eval.prompts import EncodedPrompt, stop_token_ids
+from megatron_ext.eval.sampling import SamplingOptions
+
+
+class HFGenerator(Generator):
+    def __init__(self, model, processor):
+        self.model = model.eval()
+        self.processor = processor
+        self.context_length = model.config.text_config.max_position_embeddings
+        self.stop_ids = stop_token_ids(processor.tokenizer, model.generation_config)
+
+    @classmethod
+    def load(cls, hf_dir: str | Path, processor, flag: str = "--hf-dir") -> "HFGenerator":
+        from transformers import LlavaForConditionalGeneration
+
+        from megatron_ext.hf import loading
+
+        model = loading.load_pretrained(LlavaForConditionalGeneration, str(hf_dir), flag)
+        return cls(model, processor)
+
+    def _new_tokens(self, prompt: EncodedPrompt, options: SamplingOptions, budget: int, streamer) -> list[int]:
+        if not options.greedy:
+            # transformers samples from the global generator.
+            torch.manual_seed(options.seed)
+        extra = {} if prompt.pixel_values is None else {"pixel_values": prompt.pixel_values.to(self.model.dtype)}
+        with torch.no_grad():
+            output = self.model.generate(
+                input_ids=prompt.input_ids,
+                attention_mask=torch.ones_like(prompt.input_ids),
+                max_new_tokens=budget,
+                eos_token_id=self.stop_ids,
+                pad_token_id=self.processor.tokenizer.pad_token_id,
+                streamer=streamer,
+                **options.hf_generate_kwargs(),
+                **extra,
+            )
+        return output[0, prompt.length:].tolist()

@@ -1,0 +1,114 @@
+"""Generation from megatron-core's LLaVAModel at any TP x PP, with megatron-core's KV cache.
+
+Each answer is one prefill over the whole prompt (image embeddings included) and then one forward
+pass per new token over that token alone. The keys and values of earlier positions live in
+megatron-core's `StaticInferenceContext` (batch 1: megatron-core 0.16's LLaVAModel supports only
+one sequence per KV-cached pass). Both passes go through megatron-core's pipeline schedule, so
+pipeline stages exchange exactly the positions of this step; after the prefill every rank records
+the image embeddings in the context, as megatron-core's VLM inference wrapper does, so later passes
+skip the vision tower on every stage.
+
+Collective: every rank of the model-parallel group calls `generate` with the same prompt. Full
+vocabulary logits (padded rows dropped) exist on the last pipeline stage, which picks the token and
+broadcasts it to the other stages; TP peers hold identical logits and an identically seeded
+sampler, so they agree without communicating.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_ext.convert.compare import collapse_image_tokens
+from megatron_ext.eval.generation import Generator
+from megatron_ext.eval.prompts import EncodedPrompt
+from megatron_ext.eval.sampling import SamplingOptions, TokenChooser
+
+# LLaVAModel's KV-cache flag: once present in the context, forward passes skip the vision tower.
+_IMAGE_TOKENS_KEY = "image_tokens_count"
+
+
+class MegatronGenerator(Generator):
+    """`model`: this rank's LLaVAModel (unwrapped; fp32 or bf16), built with any `parallel_output`."""
+
+    def __init__(self, model, arch, processor, stop_ids: list[int]):
+        import torch.distributed as dist
+
+        from megatron_ext.distributed import device
+
+        self.model = model
+        self.arch = arch
+        self.processor = processor
+        self.stop_ids = stop_ids
+        self.context_length = model.language_model.max_sequence_length
+        self.device = device()
+        self.is_output_rank = not dist.is_initialized() or dist.get_rank() == 0
+
+    def _new_tokens(self, prompt: EncodedPrompt, options: SamplingOptions, budget: int, streamer) -> list[int]:
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        ids = collapse_image_tokens(prompt.input_ids, self.arch.image_token_index).to(self.device)
+        images = self._images(prompt.pixel_values)
+        context = StaticInferenceContext(max_batch_size=1, max_sequence_length=prompt.length + budget)
+        chooser = TokenChooser(options)
+        seen = prompt.input_ids
+        if streamer is not None and self.is_output_rank:
+            streamer.put(seen)
+        new = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                logits = self._forward(images, ids, context, prompt.length)
+                if images.shape[0]:
+                    context.key_value_memory_dict[_IMAGE_TOKENS_KEY] = images.shape[0] * self.arch.img_seq_len
+                context.sequence_len_offset += prompt.length
+                while True:
+                    token = self._choose(chooser, seen, logits)
+                    new.append(token)
+                    seen = torch.cat([seen, torch.tensor([[token]])], dim=1)
+                    if streamer is not None and self.is_output_rank:
+                        streamer.put(torch.tensor([token]))
+                    if token in self.stop_ids or len(new) == budget:
+                        break
+                    logits = self._forward(images[:0], torch.tensor([[token]], device=self.device), context, 1)
+                    context.sequence_len_offset += 1
+        finally:
+            self.model.train(was_training)
+            if streamer is not None and self.is_output_rank:
+                streamer.end()
+        return new
+
+    def _images(self, pixel_values: torch.Tensor | None) -> torch.Tensor:
+        vision = self.arch.vision
+        if pixel_values is None:
+            pixel_values = torch.zeros(0, 3, vision.image_size, vision.image_size)
+        return pixel_values.to(self.device, self.model.config.params_dtype)
+
+    def _forward(self, images: torch.Tensor, ids: torch.Tensor, context, length: int) -> torch.Tensor | None:
+        """Next-token logits [1, vocab] (float32) on the last pipeline stage, None elsewhere."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, module):
+            output, _ = module(images=images, input_ids=next(data_iterator), position_ids=None, attention_mask=None,
+                               inference_context=context, runtime_gather_output=True)
+            return output, None
+
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([ids]), model=[self.model], num_microbatches=1,
+            seq_length=length, micro_batch_size=1, forward_only=True)
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        return outputs[0][:, -1, : self.arch.text.vocab_size].float()
+
+    def _choose(self, chooser: TokenChooser, seen: torch.Tensor, logits: torch.Tensor | None) -> int:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        token = torch.zeros(1, dtype=torch.long, device=self.device)
+        if logits is not None:
+            token[0] = chooser(seen, logits)
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(token, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
+        return int(token.item())

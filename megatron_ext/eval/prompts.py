@@ -1,0 +1,79 @@
+"""Chat messages and images -> the token ids both generators take, rendered as in training.
+
+Messages follow the data pipeline's convention (`megatron_ext.data.conversation`): string contents
+with a literal `<image>` where each image goes. They are rendered with the same chat template the
+trainer uses (`megatron_ext.data.chat_template`), tokenized without extra special tokens (the
+template writes the BOS itself, as the task encoder's tokenization assumes), and passed through the
+checkpoint's HF processor, which expands every `<image>` into one token per image embedding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_ext.data.conversation import IMAGE_MARKER
+from megatron_ext.errors import UserError
+
+
+def load_image(path: str | Path, flag: str = "--image"):
+    """An RGB PIL image, or a one-line UserError naming the file."""
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(path).expanduser()
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except FileNotFoundError:
+        raise UserError(f"{flag} {path} does not exist") from None
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{flag} {path} cannot be opened as an image ({reason})") from None
+
+
+def user_turn(text: str, with_image: bool) -> dict:
+    """A user message; the image (if any) goes before the text, LLaVA's `<image>\\n question` layout."""
+    return {"role": "user", "content": f"{IMAGE_MARKER}\n{text}" if with_image else text}
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """End-of-turn ids: the tokenizer's eos plus any eos ids of the generation config."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    extra = getattr(generation_config, "eos_token_id", None)
+    ids += extra if isinstance(extra, list) else [extra] if extra is not None else []
+    return sorted(set(ids))
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    input_ids: torch.Tensor  # [1, S] long, every image expanded to img_seq_len image tokens (HF layout)
+    pixel_values: torch.Tensor | None  # [n_images, 3, H, W] float, None without images
+
+    @property
+    def length(self) -> int:
+        """Positions the language model sees (image embeddings included)."""
+        return self.input_ids.shape[1]
+
+
+class PromptEncoder:
+    """Renders conversations with one chat template and encodes them with the checkpoint's processor."""
+
+    def __init__(self, processor, template: str):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.template = template
+
+    def render(self, messages: list[dict]) -> str:
+        """The conversation's text, ending with the prompt for the assistant's next turn."""
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def encode(self, messages: list[dict], images: list) -> EncodedPrompt:
+        markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
+        if markers != len(images):
+            raise ValueError(f"{markers} {IMAGE_MARKER} markers for {len(images)} images")
+        batch = self.processor(images=images or None, text=self.render(messages), add_special_tokens=False,
+                               return_tensors="pt")
+        return EncodedPrompt(batch["input_ids"], batch.get("pixel_values") if images else None)

@@ -1,0 +1,37 @@
+"""Chat about an image in the terminal with a Megatron or Hugging Face LLaVA checkpoint.
+
+    python scripts/eval/chat.py --megatron-dir D --image cat.jpg
+    torchrun --nproc-per-node 2 scripts/eval/chat.py --megatron-dir D --tp 2 --image cat.jpg
+
+Type a message and press Enter; /image PATH switches to another image (new conversation),
+/reset forgets the conversation, /exit quits.
+"""
+
+import click
+
+from megatron_ext.errors import cli_entry
+from megatron_ext.eval.cli_options import checkpoint_options, make_sampling, sampling_options
+
+
+@click.command()
+@checkpoint_options
+@click.option("--image", type=click.Path(dir_okay=False), help="Image to talk about (or /image PATH later).")
+@sampling_options(default_max_new_tokens=256)
+@cli_entry
+def main(megatron_dir, hf_dir, tp, pp, chat_template, image, max_new_tokens, temperature, top_p, seed):
+    from megatron_ext.distributed import shutdown
+    from megatron_ext.eval.chat import run_chat
+    from megatron_ext.eval.checkpoints import open_checkpoint
+    from megatron_ext.logs import setup_logging
+
+    setup_logging()
+    options = make_sampling(max_new_tokens, temperature, top_p, seed)
+    source = open_checkpoint(megatron_dir, hf_dir, chat_template)
+    try:
+        run_chat(source, options, tp=tp, pp=pp, image=image)
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()

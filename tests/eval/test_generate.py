@@ -1,0 +1,86 @@
+"""scripts/eval/generate.py: Megatron greedy generation equals transformers' `generate`, at TP1,
+TP2 and PP2 (KV-cached, resharded at load); HF streaming; one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.data.conversation import IMAGE_MARKER
+from tests.helpers import run_script, run_torchrun
+
+MAX_NEW_TOKENS = 12
+PROMPTS = ["Describe this image.", "What color is the shape in the picture?"]
+
+
+def _requests(tmp_path: Path, images: list[Path]) -> Path:
+    """Two requests with images (given relative to the JSONL file) and one without."""
+    lines = [{"image": str(images[0]), "prompt": PROMPTS[0]},
+             {"id": "second", "image": images[1].name, "prompt": PROMPTS[1]},
+             {"prompt": "Hello, who are you?"}]
+    path = images[1].parent / f"requests-{tmp_path.name}.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _expected(hf_reference, images: list[Path]) -> list[list[int]]:
+    from megatron_ext.eval.prompts import load_image
+
+    turns = [(f"{IMAGE_MARKER}\n{PROMPTS[0]}", [load_image(images[0])]),
+             (f"{IMAGE_MARKER}\n{PROMPTS[1]}", [load_image(images[1])]),
+             ("Hello, who are you?", [])]
+    return [hf_reference.greedy([{"role": "user", "content": text}], imgs, MAX_NEW_TOKENS) for text, imgs in turns]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+def test_megatron_greedy_tokens_equal_transformers_generate(layout, megatron_clip, images, hf_reference, tmp_path):
+    requests, answers = _requests(tmp_path, images), tmp_path / "answers.jsonl"
+    args = ["--megatron-dir", megatron_clip, "--input-jsonl", requests, "--output-jsonl", answers,
+            "--max-new-tokens", MAX_NEW_TOKENS]
+    if layout == "tp1":
+        run_script("eval/generate.py", *args, timeout=120)
+    else:
+        run_torchrun(2, "scripts/eval/generate.py", *args, "--tp" if layout == "tp2" else "--pp", 2, timeout=180)
+    results = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert [r["id"] for r in results] == [1, "second", 3]
+    expected = _expected(hf_reference, images)
+    assert [r["token_ids"] for r in results] == expected
+    assert all(len(ids) == MAX_NEW_TOKENS for ids in expected)  # no early stop: every position is compared
+    assert [r["answer"] for r in results] == [hf_reference.text(ids) for ids in expected]
+    assert {r["finish_reason"] for r in results} == {"length"}
+
+
+@pytest.mark.timeout(120)
+def test_hf_single_prompt_streams_the_answer_to_the_terminal(llava_clip, images, hf_reference):
+    from megatron_ext.eval.prompts import load_image
+
+    proc = run_script("eval/generate.py", "--hf-dir", llava_clip, "--image", images[0], "--prompt", PROMPTS[0],
+                      "--max-new-tokens", MAX_NEW_TOKENS, timeout=120)
+    expected = hf_reference.greedy([{"role": "user", "content": f"{IMAGE_MARKER}\n{PROMPTS[0]}"}],
+                                   [load_image(images[0])], MAX_NEW_TOKENS)
+    assert proc.stdout.strip() == hf_reference.text(expected)
+
+
+@pytest.mark.timeout(200)
+def test_bad_input_gives_one_clear_line(llava_clip, megatron_clip, images, tmp_path):
+    not_an_image = tmp_path / "notes.png"
+    not_an_image.write_text("this is text, not a PNG")
+    long_prompt = "red green blue " * 400
+    cases = {
+        "unreadable image": (["--megatron-dir", megatron_clip, "--image", not_an_image, "--prompt", "hi"],
+                             f"error: --image {not_an_image} cannot be opened as an image"),
+        "prompt too long": (["--megatron-dir", megatron_clip, "--image", images[0], "--prompt", long_prompt],
+                            "error: the prompt is"),
+        "HF dir as --megatron-dir": (["--megatron-dir", llava_clip, "--prompt", "hi"],
+                                     f"error: --megatron-dir {llava_clip} is a Hugging Face checkpoint"),
+        "Megatron dir as --hf-dir": (["--hf-dir", megatron_clip, "--prompt", "hi"],
+                                     f"error: --hf-dir {megatron_clip} is a Megatron checkpoint"),
+    }
+    for name, (args, start) in cases.items():
+        proc = run_script("eval/generate.py", *args, check=False, timeout=60)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), (name, proc.stderr)
