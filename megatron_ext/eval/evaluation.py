@@ -128,10 +128,13 @@ def _pipeline_parallel() -> bool:
 
 
 def _table(result: dict) -> str:
+    from pathlib import Path
+
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{result['checkpoint']} on {result['split']} ({result['samples']} samples)")
+    name = Path(result["checkpoint"]).name
+    table = Table(title=f"{name} on {result['split']} ({result['samples']} samples)")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name in ("loss", "perplexity", "exact_match", "bleu", "rouge_l", "cider", "generated_samples",
