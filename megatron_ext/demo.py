@@ -53,10 +53,11 @@ def _run(title: str, script: str, *args, log: Path) -> None:
     print(f"    done in {time.perf_counter() - start:.1f} s", flush=True)
 
 
-def first_question(dataset_dir: Path) -> tuple[Path, str]:
-    """The image and question of the synthetic dataset's first sample."""
+def first_sample(dataset_dir: Path) -> tuple[Path, str, str]:
+    """(image, question, reference answer) of the synthetic dataset's first sample."""
     sample = json.loads((dataset_dir / "llava.json").read_text())[0]
-    return dataset_dir / sample["image"], sample["conversations"][0]["value"].replace("<image>", "").strip()
+    question, reference = (turn["value"] for turn in sample["conversations"][:2])
+    return dataset_dir / sample["image"], question.replace("<image>", "").strip(), reference
 
 
 def run_demo(out: Path, settings: DemoSettings = DemoSettings()) -> dict[str, Path]:
@@ -100,7 +101,7 @@ def run_demo(out: Path, settings: DemoSettings = DemoSettings()) -> dict[str, Pa
          "--eval-max-new-tokens", s.max_new_tokens, log=log)
     _run("8/10 convert the trained checkpoint back to HF", "convert/convert_megatron_to_hf.py", "--tp", s.tp,
          "--pp", 1, "--megatron-dir", p[6], "--hf-dir", p[7], "--tokenizer-dir", p[1], "--force", log=log)
-    image, question = first_question(p[3])
+    image, question, _ = first_sample(p[3])
     _run("9/10 answer a question about an image with the trained HF model", "eval/generate.py", "--hf-dir", p[7],
          "--image", image, "--prompt", question, "--max-new-tokens", s.max_new_tokens, "--output-jsonl", p[8],
          log=log)

@@ -67,6 +67,16 @@ class Snapshot:
         return self.meta["hf_config"]
 
     @property
+    def run_config(self) -> dict:
+        """The trainer's resolved run (`RunPlan.summary()`); empty for converted snapshots."""
+        return self.meta.get("run_config") or {}
+
+    @property
+    def trainer_options(self) -> dict:
+        """The trainer flags the snapshot was trained with (`TrainConfig` fields); empty if converted."""
+        return self.run_config.get("config") or {}
+
+    @property
     def arch(self):
         from megatron_ext.model.arch import LlavaArch
 

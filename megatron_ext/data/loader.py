@@ -13,7 +13,7 @@ import torch
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset, get_val_dataset
 from megatron.energon.savable_loader import SavableDatasetCheckpoint
 
-from megatron_ext.data.prepared import split_counts
+from megatron_ext.data.prepared import require_split
 from megatron_ext.data.task_encoder import LlavaTaskEncoder, count_bad_sample
 from megatron_ext.errors import UserError
 
@@ -38,15 +38,10 @@ def worker_config(num_workers: int, seed: int = 0) -> WorkerConfig:
                         seed_offset=seed, global_error_handler=count_bad_sample)
 
 
-def _check_split(path: str, split: str) -> None:
-    if split_counts(path)[split].samples == 0:
-        raise UserError(f"--data-path {path} has no samples in its {split!r} split")
-
-
 def train_loader(path: str | Path, encoder: LlavaTaskEncoder, *, micro_batch_size: int, num_workers: int = 2,
                  seed: int = 1234, packing_buffer_size: int = PACKING_BUFFER):
     """An endless, shuffled, savable loader of `LlavaBatch`es from the train split."""
-    _check_split(str(path), "train")
+    require_split(path, "train")
     dataset = get_train_dataset(
         str(path),
         worker_config=worker_config(num_workers, seed),
@@ -62,7 +57,7 @@ def train_loader(path: str | Path, encoder: LlavaTaskEncoder, *, micro_batch_siz
 def val_loader(path: str | Path, encoder: LlavaTaskEncoder, *, micro_batch_size: int, num_workers: int = 0,
                limit: int | None = None, packing_buffer_size: int = PACKING_BUFFER):
     """One pass over the val split (at most `limit` batches); iterate it again for the next evaluation."""
-    _check_split(str(path), "val")
+    require_split(path, "val")
     dataset = get_val_dataset(
         str(path),
         worker_config=worker_config(num_workers),

@@ -120,3 +120,11 @@ def split_counts(path: str | Path, flag: str = "--data-path") -> dict[str, Split
     if not path.exists():
         raise UserError(f"{flag} {path} does not exist")
     raise _not_prepared(path, flag)
+
+
+def require_split(path: str | Path, split: str, flag: str = "--data-path") -> int:
+    """Samples in `split`; a one-line UserError when there are none."""
+    count = split_counts(path, flag)[split].samples
+    if count == 0:
+        raise UserError(f"{flag} {path} has no samples in its {split!r} split")
+    return count

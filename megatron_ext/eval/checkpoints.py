@@ -111,7 +111,7 @@ def _open_hf(path: Path) -> dict:
 
 def _trained_template(snapshot: layout.Snapshot | None) -> tuple[str | None, str]:
     """(--chat-template, --lang) a trained snapshot was trained with; (None, "en") otherwise."""
-    run = ((snapshot.meta.get("run_config") or {}).get("config") or {}) if snapshot else {}
+    run = snapshot.trainer_options if snapshot else {}
     return run.get("chat_template"), run.get("lang", "en")
 
 

@@ -22,7 +22,7 @@ from megatron_ext.eval import metrics
 from megatron_ext.eval.checkpoints import ModelSource
 from megatron_ext.eval.generation import Generator
 from megatron_ext.eval.prompts import PromptEncoder
-from megatron_ext.eval.samples import EvalSample, check_split, read_samples
+from megatron_ext.eval.samples import EvalSample, read_samples
 from megatron_ext.eval.sampling import SamplingOptions
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,6 @@ def run_evaluation(source: ModelSource, options: SamplingOptions, *, data_path: 
     if fast_n is not None and fast_n < 1:
         raise UserError(f"--fast-n must be at least 1, got {fast_n}")
     out = check_output_dir(output_dir, force, "--output-dir")
-    check_split(data_path, split)
     samples = read_samples(data_path, split, limit=fast_n)
     generator = source.generator(tp, pp)
     result = {"checkpoint": str(source.path), "format": source.kind, "data_path": str(data_path), "split": split,
@@ -177,4 +176,4 @@ def run_evaluation(source: ModelSource, options: SamplingOptions, *, data_path: 
 
 
 def _trained_seq_length(source: ModelSource) -> int | None:
-    return (source.snapshot.meta.get("run_config") or {}).get("seq_length")
+    return source.snapshot.run_config.get("seq_length")

@@ -15,8 +15,7 @@ from pathlib import Path
 from megatron.energon import SampleDecoder, TaskEncoder, VQASample, WorkerConfig, get_loader, get_val_dataset
 
 from megatron_ext.data.conversation import BadConversation, place_images, sample_messages
-from megatron_ext.data.prepared import split_counts
-from megatron_ext.errors import UserError
+from megatron_ext.data.prepared import require_split
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +49,9 @@ def eval_sample(sample: VQASample) -> EvalSample:
     return EvalSample(key=sample.__key__, images=images, messages=messages[:last], reference=messages[last]["content"])
 
 
-def check_split(data_path: str | Path, split: str, flag: str = "--data-path") -> int:
-    count = split_counts(str(data_path), flag)[split].samples
-    if count == 0:
-        raise UserError(f"{flag} {data_path} has no samples in its {split!r} split")
-    return count
-
-
 def read_samples(data_path: str | Path, split: str = "val", limit: int | None = None) -> list[EvalSample]:
     """The first `limit` samples (all when None) of a split, in order; the same on every rank."""
-    check_split(data_path, split)
+    require_split(data_path, split)
     # One reader for the whole split, whatever the data-parallel layout: callers split the samples themselves.
     whole_split = WorkerConfig(rank=0, world_size=1, num_workers=0)
     dataset = get_val_dataset(str(data_path), split_part=split, worker_config=whole_split, batch_size=1,

@@ -141,7 +141,7 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool) -> RunPlan:
 
     resume = layout.latest_complete_snapshot(Path(config.save_dir)) if config.save_dir else None
     if resume is not None and config.load_optim and resume.meta.get("has_optimizer"):
-        saved = (resume.meta.get("run_config") or {}).get("config", {}).get("dist_optim")
+        saved = resume.trainer_options.get("dist_optim")
         if saved is not None and saved != config.dist_optim:
             raise UserError(f"--save-dir {config.save_dir}: its optimizer state was saved "
                             f"{'with' if saved else 'without'} --dist-optim; resume with the same setting "

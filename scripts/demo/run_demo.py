@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from megatron_ext.demo import DemoSettings, run_demo
+from megatron_ext.demo import DemoSettings, first_sample, run_demo
 from megatron_ext.errors import cli_entry
 from megatron_ext.logs import setup_logging
 
@@ -29,12 +29,12 @@ def main(output_dir, stage1_iters, stage2_iters):
     out = Path(output_dir).resolve()
     paths = run_demo(out, DemoSettings(stage1_iters=stage1_iters, stage2_iters=stage2_iters))
 
-    sample = json.loads((paths["synthetic dataset"] / "llava.json").read_text())[0]
+    image, question, reference = first_sample(paths["synthetic dataset"])
     answer = json.loads(paths["answer (generate.py)"].read_text().splitlines()[0])
     print("\n==> what the trained model answers (scripts/eval/generate.py, HF checkpoint)")
-    print(f"image:     {paths['synthetic dataset'] / sample['image']}")
-    print(f"question:  {answer['prompt']}")
-    print(f"reference: {sample['conversations'][1]['value']}")
+    print(f"image:     {image}")
+    print(f"question:  {question}")
+    print(f"reference: {reference}")
     print(f"answer:    {answer['answer']}")
 
     scores = json.loads((paths["evaluation (evaluate.py)"] / "metrics.json").read_text())
