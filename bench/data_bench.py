@@ -119,13 +119,11 @@ def make_inputs(work: Path, samples: int) -> tuple[Path, Path]:
     return model_dir, work / "energon"
 
 
-class _NoImageProcessing:
-    """Stands in for the HF image processor to isolate the task encoder's own work."""
+def _no_image_processing(images):
+    """Stands in for the image preprocessing to isolate the task encoder's own work."""
+    import torch
 
-    def __call__(self, images, return_tensors):
-        import torch
-
-        return {"pixel_values": torch.zeros(len(images), 3, IMAGE_SIZE, IMAGE_SIZE)}
+    return torch.zeros(len(images), 3, IMAGE_SIZE, IMAGE_SIZE)
 
 
 def _encoder(model_dir: Path, packing: int | None, image_processing: bool = True):
@@ -137,7 +135,7 @@ def _encoder(model_dir: Path, packing: int | None, image_processing: bool = True
     encoder = LlavaTaskEncoder(str(model_dir), seq_length=max(SEQ, packing or 0), img_seq_len=IMG_SEQ_LEN,
                                image_token_index=image_token, packing_seq_length=packing)
     if not image_processing:
-        encoder.image_processor = _NoImageProcessing()
+        encoder.images = _no_image_processing
     return encoder
 
 
@@ -196,7 +194,9 @@ def component_costs(model_dir: Path, src: Path, repeats: int = 5) -> dict[str, f
     steps = {
         "energon's default decode (JPEG -> float tensor)": lambda i: to_tensor("jpg", jpegs[i]),
         "JPEG -> PIL (the task encoder's decode)": lambda i: to_pil("jpg", jpegs[i]),
-        "JPEG -> PIL -> HF image processor": lambda i: encoder._pixels([to_pil("jpg", jpegs[i])]),
+        "JPEG -> PIL -> HF image processor (CLIPImageProcessorPil)":
+            lambda i: encoder.images.processor(images=[to_pil("jpg", jpegs[i])], return_tensors="pt"),
+        "JPEG -> PIL -> ImagePreprocessor (the task encoder's; same pixels)": lambda i: encoder.images([to_pil("jpg", jpegs[i])]),
         "chat template + tokenizer + assistant mask": lambda i: encoder.chat.encode(llava_messages(records[i]["conversations"])),
     }
     costs = {}
@@ -233,6 +233,52 @@ def packing_efficiency(model_dir: Path, data: Path, samples: int) -> dict[str, t
     return out
 
 
+def _first_fit_decreasing(lengths: list[int], capacity: int) -> int:
+    """Bins first-fit-decreasing needs (the usual packer; the baseline for knapsack_bins)."""
+    free = []
+    for n in sorted(lengths, reverse=True):
+        fit = next((b for b, room in enumerate(free) if n <= room), None)
+        if fit is None:
+            free.append(capacity - n)
+        else:
+            free[fit] -= n
+    return len(free)
+
+
+def _bins_lower_bound(lengths: list[int], capacity: int) -> int:
+    """Fewest bins any packer can use when no bin holds 4 samples (4 x shortest > capacity).
+
+    At most k bins hold 3 samples, k the largest with the 3k shortest summing to <= k x capacity
+    (a triple of longer samples is never lighter); every other bin holds at most 2.
+    """
+    ordered = sorted(lengths)
+    assert 4 * ordered[0] > capacity
+    prefix = np.cumsum([0] + ordered)
+    triples = max(k for k in range(len(ordered) // 3 + 1) if prefix[3 * k] <= k * capacity)
+    return max(triples + -(-(len(ordered) - 3 * triples) // 2), -(-int(prefix[-1]) // capacity))
+
+
+def packer_comparison(model_dir: Path, buffers: int = 24) -> dict[int, dict[str, float]]:
+    """Fill of packed sequences by packer, over `buffers` packing buffers of sample lengths drawn
+    like the dataset's (text only: the lengths are what matters), at 2048 / 4096 / 8192."""
+    from megatron_ext.data.conversation import llava_messages
+    from megatron_ext.data.packing import knapsack_bins
+
+    encoder = _encoder(model_dir, None, image_processing=False)
+    rng = random.Random(1)
+    lengths = [len(encoder.chat.encode(llava_messages(_conversation(rng)))[0]) + IMG_SEQ_LEN - 1
+               for _ in range(buffers * PACKING_BUFFER)]
+    chunks = [lengths[k: k + PACKING_BUFFER] for k in range(0, len(lengths), PACKING_BUFFER)]
+    out = {}
+    for capacity in (SEQ, 2 * SEQ, 4 * SEQ):
+        bins = {"first-fit-decreasing": sum(_first_fit_decreasing(c, capacity) for c in chunks),
+                "knapsack_bins (ours)": sum(len(knapsack_bins(c, capacity)) for c in chunks)}
+        if 4 * min(lengths) > capacity:
+            bins["best possible (bound)"] = sum(_bins_lower_bound(c, capacity) for c in chunks)
+        out[capacity] = {name: sum(lengths) / (n * capacity) for name, n in bins.items()}
+    return out
+
+
 def length_stats(model_dir: Path, data: Path, samples: int) -> dict[str, float]:
     encoder = _encoder(model_dir, None, image_processing=False)
     it = iter(_task_loader(data, encoder, 0, 1))
@@ -244,7 +290,7 @@ def length_stats(model_dir: Path, data: Path, samples: int) -> dict[str, float]:
             "p90": float(np.percentile(lengths, 90)), "max": max(lengths), "min": min(lengths)}
 
 
-def _report(args: dict, stats, tput: dict, costs: dict, efficiency: dict) -> str:
+def _report(args: dict, stats, tput: dict, costs: dict, efficiency: dict, packers: dict) -> str:
     lines = ["# Data pipeline: task encoder throughput and packing efficiency", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared with other jobs), no GPU, "
              f"Python {platform.python_version()}, torch {__import__('torch').__version__}, "
@@ -276,6 +322,11 @@ def _report(args: dict, stats, tput: dict, costs: dict, efficiency: dict) -> str
               "| batches | padded to longest row | padded to the sequence length (2048, or the packing length) |",
              "|---|---:|---:|"]
     lines += [f"| {name} | {a:.1%} | {b:.1%} |" for name, (a, b) in efficiency.items()]
+    names = list(next(iter(packers.values())))
+    lines += ["", f"## Packers compared ({PACKING_BUFFER}-sample buffers of the same length distribution)", "",
+              "| packing length | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    lines += [f"| {capacity} | " + " | ".join(f"{fills[n]:.1%}" if n in fills else "" for n in names) + " |"
+              for capacity, fills in packers.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -299,8 +350,9 @@ def main(samples, rounds, workers_list, out):
         tput = {w: throughput(model_dir, data, w, rounds, min_samples=320) for w in workers_list}
         costs = component_costs(model_dir, Path(tmp) / "src")
         efficiency = packing_efficiency(model_dir, data, samples=3 * PACKING_BUFFER)
+        packers = packer_comparison(model_dir)
     argv = " ".join(sys.argv[1:])
-    text = _report(argv, stats, tput, costs, efficiency)
+    text = _report(argv, stats, tput, costs, efficiency, packers)
     Path(out).write_text(text)
     print(text)
 

@@ -9,9 +9,9 @@ Steps (energon calls them in this order):
    labels, and a loss mask that is 1 only where the token to predict is the assistant's
    (every assistant turn, with its end-of-turn token); truncation to the sequence length;
 2. `select_samples_to_pack` / `pack_selected_samples` (packing only): greedy knapsack over
-   energon's packing buffer, then concatenation;
-3. `postencode_sample`: the checkpoint's own HF image processor (CLIP / SigLIP), so pixels are
-   exactly what HF LLaVA sees;
+   energon's packing buffer (`packing.knapsack_bins`), then concatenation;
+3. `postencode_sample`: the checkpoint's own HF image processor (CLIP / SigLIP), through
+   `images.ImagePreprocessor`, so pixels are what HF LLaVA sees;
 4. `batch`: padding and stacking into a `LlavaBatch`.
 
 Batch contract (`LlavaBatch`, consumed by the trainer), B rows of T tokens:
@@ -46,7 +46,8 @@ from PIL import Image
 
 from megatron_ext.data.chat_template import ChatTokenizer, resolve_chat_template
 from megatron_ext.data.conversation import place_images, sample_messages
-from megatron_ext.data.packing import greedy_knapsack
+from megatron_ext.data.images import ImagePreprocessor
+from megatron_ext.data.packing import knapsack_bins
 from megatron_ext.errors import UserError
 from megatron_ext.hf import loading
 
@@ -119,7 +120,7 @@ class LlavaTaskEncoder(TaskEncoder[VQASample, EncodedSample, LlavaBatch, LlavaBa
         packing_seq_length: int | None = None,
     ):
         tokenizer = loading.load_tokenizer(str(tokenizer_dir), "--tokenizer-load-dir")
-        self.image_processor = loading.load_image_processor(str(tokenizer_dir), "--tokenizer-load-dir")
+        self.images = ImagePreprocessor(loading.load_image_processor(str(tokenizer_dir), "--tokenizer-load-dir"))
         self.template_name, template = resolve_chat_template(chat_template, lang, tokenizer)
         self.chat = ChatTokenizer(tokenizer, template, image_token_index)
         self.pad_token_id = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
@@ -134,15 +135,12 @@ class LlavaTaskEncoder(TaskEncoder[VQASample, EncodedSample, LlavaBatch, LlavaBa
         if img_seq_len + 2 > self.max_length:
             raise UserError(f"a sequence of {self.max_length} cannot hold an image ({img_seq_len} positions) and an answer")
         # Shape of a processed image, for batches that hold none.
-        self.image_shape = tuple(self._pixels([Image.new("RGB", (8, 8))]).shape[1:])
+        self.image_shape = tuple(self.images([Image.new("RGB", (8, 8))]).shape[1:])
 
     @classmethod
     def for_model(cls, tokenizer_dir: str, arch, **kwargs) -> "LlavaTaskEncoder":
         """Encoder for a model described by a `LlavaArch` (image token and count from it)."""
         return cls(tokenizer_dir, img_seq_len=arch.img_seq_len, image_token_index=arch.image_token_index, **kwargs)
-
-    def _pixels(self, images: list) -> torch.Tensor:
-        return self.image_processor(images=images, return_tensors="pt")["pixel_values"].float()
 
     def combined_length(self, sample: EncodedSample) -> int:
         return len(sample.input_ids) + len(sample.images) * (self.img_seq_len - 1)
@@ -184,12 +182,12 @@ class LlavaTaskEncoder(TaskEncoder[VQASample, EncodedSample, LlavaBatch, LlavaBa
     @stateless
     def postencode_sample(self, sample: EncodedSample) -> EncodedSample:
         if sample.images:
-            sample.images = list(self._pixels(sample.images))
+            sample.images = list(self.images(sample.images))
         return sample
 
     def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
         lengths = [self.combined_length(s) for s in samples]
-        return [[samples[i] for i in bin_] for bin_ in greedy_knapsack(lengths, self.max_length)]
+        return [[samples[i] for i in bin_] for bin_ in knapsack_bins(lengths, self.max_length)]
 
     @stateless
     def pack_selected_samples(self, samples: list[EncodedSample]) -> EncodedSample:

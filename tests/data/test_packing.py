@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.data.packing import combined_segment_ids, combined_seq_len, greedy_knapsack, packed_attention_mask
+from megatron_ext.data.packing import combined_segment_ids, combined_seq_len, knapsack_bins, packed_attention_mask
 from tests.helpers import child_env
 
 WORKER = Path(__file__).with_name("packing_equivalence_worker.py")
@@ -18,11 +18,18 @@ WORKER = Path(__file__).with_name("packing_equivalence_worker.py")
 
 def test_knapsack_places_every_sample_once_within_capacity():
     lengths = [70, 10, 55, 40, 30, 25, 100, 5, 60]
-    bins = greedy_knapsack(lengths, 100)
+    bins = knapsack_bins(lengths, 100)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in b) <= 100 for b in bins)
     assert [sum(lengths[i] for i in b) for b in bins] == [100, 100, 100, 95]
-    assert greedy_knapsack([150, 20], 100) == [[0], [1]]
+    assert knapsack_bins([150, 20], 100) == [[1], [0]]
+
+
+def test_knapsack_fills_bins_where_first_fit_decreasing_leaves_gaps():
+    # First-fit-decreasing: [40, 35] (75), [35, 30, 30] (95), [30]: three bins. Two are enough.
+    lengths = [40, 35, 35, 30, 30, 30]
+    bins = knapsack_bins(lengths, 100)
+    assert [sum(lengths[i] for i in b) for b in bins] == [100, 100]
 
 
 def test_mask_is_block_diagonal_causal_in_the_image_expanded_sequence():

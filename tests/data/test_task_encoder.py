@@ -90,8 +90,10 @@ def test_images_equal_the_hf_processor_output(request, prepared, synthetic_json,
     hf_dir = request.getfixturevalue(fixture)
     processor = AutoProcessor.from_pretrained(hf_dir)
     records = records_by_key(synthetic_json)
+    encoder = _encoder(hf_dir)
+    assert encoder.images.steps is not None, "the direct path, not HF's call"
     checked = 0
-    for batch in val_loader(prepared, _encoder(hf_dir), micro_batch_size=3):
+    for batch in val_loader(prepared, encoder, micro_batch_size=3):
         for key, image in zip(batch.__key__, batch.images):
             original = Image.open(synthetic_json.parent / records[key]["image"])
             expected = processor.image_processor(images=original, return_tensors="pt")["pixel_values"][0]
