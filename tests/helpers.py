@@ -23,15 +23,19 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _checked(cmd: list[str], proc: subprocess.CompletedProcess, check: bool) -> subprocess.CompletedProcess:
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
 def run_script(script: str, *args, timeout: float = 300, env: dict | None = None, check: bool = True,
                cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`python scripts/<script> args...`; output captured; a hang fails the test after `timeout` s."""
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / script), *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or child_env(),
                           cwd=cwd or REPO_ROOT)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
-    return proc
+    return _checked(cmd, proc, check)
 
 
 def run_torchrun(nproc: int, target: str, *args, timeout: float = 300, env: dict | None = None,
@@ -41,9 +45,7 @@ def run_torchrun(nproc: int, target: str, *args, timeout: float = 300, env: dict
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", *target_args, *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or child_env(), cwd=REPO_ROOT)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
-    return proc
+    return _checked(cmd, proc, check)
 
 
 def hf_tensors(hf_dir: Path) -> dict:

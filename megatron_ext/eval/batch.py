@@ -14,7 +14,7 @@ from pathlib import Path
 
 from megatron_ext.errors import UserError
 from megatron_ext.eval.checkpoints import ModelSource
-from megatron_ext.eval.generation import Generator
+from megatron_ext.eval.generation import Generation, Generator
 from megatron_ext.eval.prompts import EncodedPrompt, load_image, user_turn
 from megatron_ext.eval.sampling import SamplingOptions
 from megatron_ext.fsutil import write_jsonl
@@ -60,13 +60,16 @@ def read_requests(path: str | Path, source: ModelSource, options: SamplingOption
     return requests
 
 
+def _answered(request: Request, generation: Generation) -> dict:
+    return {**request.record, "answer": generation.text, "finish_reason": generation.finish_reason,
+            "token_ids": generation.token_ids}
+
+
 def answer_all(generator: Generator, requests: list[Request], options: SamplingOptions, progress=None) -> list[dict]:
     """Every request answered in order (collective for Megatron generators)."""
     results = []
     for request in requests:
-        generation = generator.generate(request.prompt, options)
-        results.append({**request.record, "answer": generation.text, "finish_reason": generation.finish_reason,
-                        "token_ids": generation.token_ids})
+        results.append(_answered(request, generator.generate(request.prompt, options)))
         if progress is not None:
             progress(len(results), len(requests))
     return results
@@ -91,9 +94,7 @@ def generate_answers(source: ModelSource, options: SamplingOptions, *, tp: int |
     generator = source.generator(tp, pp)
     if prompt is not None:
         streamer = TextStreamer(source.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        generation = generator.generate(requests[0].prompt, options, streamer=streamer)
-        results = [{**requests[0].record, "answer": generation.text, "finish_reason": generation.finish_reason,
-                    "token_ids": generation.token_ids}]
+        results = [_answered(requests[0], generator.generate(requests[0].prompt, options, streamer=streamer))]
     else:
         def progress(done, total):
             if generator.is_output_rank:

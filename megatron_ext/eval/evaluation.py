@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from pathlib import Path
 
 from megatron_ext.errors import UserError
 from megatron_ext.eval import metrics
@@ -128,13 +129,10 @@ def _pipeline_parallel() -> bool:
 
 
 def _table(result: dict) -> str:
-    from pathlib import Path
-
     from rich.console import Console
     from rich.table import Table
 
-    name = Path(result["checkpoint"]).name
-    table = Table(title=f"{name} on {result['split']} ({result['samples']} samples)")
+    table = Table(title=f"{Path(result['checkpoint']).name} on {result['split']} ({result['samples']} samples)")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name in ("loss", "perplexity", "exact_match", "bleu", "rouge_l", "cider", "generated_samples",

@@ -24,10 +24,9 @@ def as_dict(batch) -> dict:
     return out
 
 
-def samples_digest(micro_batches: list[dict]) -> str:
-    """A short fingerprint of which samples, in which order, these micro batches hold."""
-    keys = "\n".join(key for batch in micro_batches for key in batch["keys"])
-    return hashlib.sha1(keys.encode()).hexdigest()[:12]
+def samples_digest(keys: list[str]) -> str:
+    """A short fingerprint of which samples, in which order, a global batch holds."""
+    return hashlib.sha1("\n".join(keys).encode()).hexdigest()[:12]
 
 
 def _encoder(plan: RunPlan) -> LlavaTaskEncoder:

@@ -108,11 +108,9 @@ def _train_iters(config: TrainConfig, samples_per_step: int) -> int:
         return config.train_iters
     if config.epochs is None:
         raise UserError("give the training length: --train-iters N or --epochs E")
-    from megatron_ext.data.prepared import split_counts
+    from megatron_ext.data.prepared import require_split
 
-    train_samples = split_counts(config.data_path)["train"].samples
-    if train_samples == 0:
-        raise UserError(f"--data-path {config.data_path} has no training samples")
+    train_samples = require_split(config.data_path, "train")
     return max(1, math.ceil(config.epochs * train_samples / samples_per_step))
 
 

@@ -121,7 +121,7 @@ class Trainer:
         # two runs (or a run and its resumption) saw the same data.
         keys = [None] * torch.distributed.get_world_size(self.dp_group)
         torch.distributed.all_gather_object(keys, [k for b in micro_batches for k in b["keys"]], group=self.dp_group)
-        digest = samples_digest([{"keys": [k for rank_keys in keys for k in rank_keys]}])
+        digest = samples_digest([k for rank_keys in keys for k in rank_keys])
         if self.plan.skipped(self.iteration):
             # The data is consumed, no update is made; the schedule still advances with the iteration.
             self.trained.scheduler.step(increment=1)
