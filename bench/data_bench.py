@@ -224,10 +224,10 @@ def packing_efficiency(model_dir: Path, data: Path, samples: int) -> dict[str, t
         while done < samples:
             batch = next(it)
             done += batch.num_samples
-            widths = token_widths(batch.input_ids, encoder.image_token_index, IMG_SEQ_LEN)
+            widths = token_widths(batch.input_ids, encoder.layout.image_token_index, IMG_SEQ_LEN)
             real += int((widths * (batch.segment_ids > 0)).sum())
             rows = batch.input_ids.shape[0]
-            padded_to_batch += rows * combined_seq_len(batch.input_ids, encoder.image_token_index, IMG_SEQ_LEN, packing or SEQ)
+            padded_to_batch += rows * combined_seq_len(batch.input_ids, encoder.layout.image_token_index, IMG_SEQ_LEN, packing or SEQ)
             padded_to_seq += rows * (packing or SEQ)
         out[name] = (real / padded_to_batch, real / padded_to_seq)
     return out

@@ -28,6 +28,9 @@ Patches, each with the failure it fixes:
    every state of torch Adam, including `step`, which the checkpoint keeps separately ->
    `KeyError: 'step'`; `step` is left as the param-group load set it, one tensor per parameter (the
    load shares one tensor among all, and Adam's in-place increment would then count N times).
+6. Activation recomputation: megatron's `CheckpointFunction` re-runs the forward inside autograd's
+   backward, where the mode of patch 1 is not active -> "Torch not compiled with CUDA enabled"
+   (e.g. the causal mask of DotProductAttention). Its backward runs under the mode.
 """
 
 from __future__ import annotations
@@ -211,6 +214,18 @@ def _patch_distributed_optimizer_loading() -> None:
     distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
 
 
+def _patch_recomputation() -> None:
+    from megatron.core.tensor_parallel import random as mp_random
+
+    backward = mp_random.CheckpointFunction.backward
+
+    def backward_on_cpu(ctx, *grads):
+        with _CudaToCpuMode():
+            return backward(ctx, *grads)
+
+    mp_random.CheckpointFunction.backward = staticmethod(backward_on_cpu)
+
+
 def cpu_mode_active() -> bool:
     return _APPLIED
 
@@ -232,6 +247,7 @@ def apply() -> bool:
     _patch_rng()
     _patch_vision_norm_defaults()
     _patch_distributed_optimizer_loading()
+    _patch_recomputation()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _APPLIED = True

@@ -30,9 +30,10 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str | None = None, timeout_min: int = 30) -> None:
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str | None = None, timeout_min: int = 30,
+                  cp: int = 1) -> None:
     """Initialise torch.distributed (env:// as set by torchrun, or a world of one) and megatron's
-    parallel state with `tp` x `pp` model parallelism; data parallel takes the remaining ranks."""
+    parallel state with `tp` x `pp` x `cp` model parallelism; data parallel takes the remaining ranks."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
@@ -46,10 +47,12 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str | Non
         else:  # a lone process: a world of one, leaving the environment as it was for child processes
             dist.init_process_group(**options, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise UserError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the number of processes ({world})")
+    if world % (tp * pp * cp):
+        raise UserError(f"--tp {tp} x --pp {pp} x --cp {cp} = {tp * pp * cp} does not divide the number of "
+                        f"processes ({world})")
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 context_parallel_size=cp)
     # On a CPU torch megatron never seeds the CPU generator; Megatron-LM's trainer seeds both.
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

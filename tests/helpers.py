@@ -15,10 +15,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 _DISTRIBUTED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    """This environment minus torch.distributed's variables (a child starts its own world)."""
+def child_env(gpu: bool = False, **extra: str) -> dict[str, str]:
+    """This environment minus torch.distributed's variables (a child starts its own world). CPU tests'
+    children see no GPU, so they run the same on a machine that has one; `gpu=True` keeps them visible."""
     env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra)
     return env
 

@@ -4,13 +4,12 @@ Batches carry ONE image token per image (megatron-core's LLaVAModel expands it i
 `img_seq_len` embeddings itself), so lengths and masks here are computed in the model's
 *combined* space, where an image token is `img_seq_len` positions wide.
 
-Two ways to confine attention to each packed sample:
+Two ways to confine attention to each packed sample (`model.inputs` picks one per backend):
 - `packed_attention_mask`: a bool mask [B, 1, S, S] (True = masked out), block-diagonal causal.
   megatron's local DotProductAttention honours it (`FusedScaleMaskSoftmax` applies a given mask
-  instead of its own causal one). Tested on CPU against unpacked samples.
-- `packed_seq_params`: cu_seqlens for Transformer Engine's THD attention on GPU. Cannot be
-  tested on a machine without CUDA/TE; kept minimal (micro batch size 1, as Megatron-LM's
-  packed multimodal training uses).
+  instead of its own causal one), and so does the sdpa backend.
+- `thd_boundaries`: where each sample starts in a one-row micro batch, for THD attention
+  (Transformer Engine, and the sdpa backend) through megatron-core's `PackedSeqParams`.
 """
 
 from __future__ import annotations
@@ -101,18 +100,22 @@ def packed_attention_mask(input_ids: torch.Tensor, segment_ids: torch.Tensor, im
     return (~allowed).unsqueeze(1)
 
 
-def packed_seq_params(input_ids: torch.Tensor, segment_ids: torch.Tensor, image_token_index: int,
-                      img_seq_len: int, seq_len: int):
-    """megatron-core PackedSeqParams (THD) for one packed row: cu_seqlens over the combined
-    sequence, the trailing padding counted as one more sequence. GPU/TE only; untested here."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
+def thd_boundaries(input_ids: torch.Tensor, segment_ids: torch.Tensor, image_token_index: int,
+                   img_seq_len: int, seq_len: int) -> list[int]:
+    """cu_seqlens of a one-row micro batch: the combined position where each sample starts, then
+    `seq_len`. Padding after a sample (alignment or the row's end) belongs to that sample's
+    sub-sequence: nothing before it attends to it, and its own outputs carry no loss."""
     if input_ids.shape[0] != 1:
-        raise ValueError("THD packed attention takes one packed sequence per micro batch (--micro-batch-size 1)")
+        raise ValueError("THD attention takes one sequence per micro batch (--micro-batch-size 1)")
     segments = combined_segment_ids(input_ids, segment_ids, image_token_index, img_seq_len, seq_len)[0]
-    lengths = torch.unique_consecutive(segments, return_counts=True)[1]
-    cu_seqlens = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
-    cu_seqlens[1:] = torch.cumsum(lengths, 0)
-    max_len = int(lengths.max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    previous = torch.cat([segments.new_zeros(1), segments[:-1]])
+    starts = ((segments > 0) & (segments != previous)).nonzero().flatten().tolist()
+    return sorted({0, *starts, seq_len})
+
+
+def sample_lengths(input_ids: torch.Tensor, segment_ids: torch.Tensor, image_token_index: int,
+                   img_seq_len: int) -> torch.Tensor:
+    """Combined length of every sample of a batch (padding excluded), row by row."""
+    widths = token_widths(input_ids, image_token_index, img_seq_len)
+    return torch.cat([torch.bincount(segment_ids[row], weights=widths[row].double())[1:]
+                      for row in range(input_ids.shape[0])]).long()

@@ -100,6 +100,8 @@ def megatron_loss(model, source: ModelSource, data_path: str, split: str, limit:
 
     from megatron_ext.data.loader import worker_config
     from megatron_ext.data.task_encoder import LlavaTaskEncoder
+    from megatron_ext.distributed import device
+    from megatron_ext.model.inputs import ModelInputs
     from megatron_ext.train.data import as_dict
     from megatron_ext.train.step import eval_loss, make_forward_step
 
@@ -109,23 +111,14 @@ def megatron_loss(model, source: ModelSource, data_path: str, split: str, limit:
     dataset = get_val_dataset(data_path, split_part=split, worker_config=worker_config(0), batch_size=1, limit=limit,
                               task_encoder=encoder)
     model_length = model.language_model.max_sequence_length
-    forward_step = make_forward_step(arch, model_length, pipeline_parallel=_pipeline_parallel())
+    forward_step = make_forward_step(ModelInputs.for_model(arch, model, device()))
     total, tokens = 0.0, 0
     model.eval()
     for batch in get_loader(dataset):
-        micro_batch = as_dict(batch)
-        # The trainer's Float16Module casts images to the compute dtype; the bare model needs it done here.
-        micro_batch["images"] = micro_batch["images"].to(model.config.params_dtype)
-        loss, n = eval_loss(model, forward_step, [micro_batch], model_length, micro_batch_size=1)
+        loss, n = eval_loss(model, forward_step, [as_dict(batch)], model_length, micro_batch_size=1)
         if n:
             total, tokens = total + loss * n, tokens + n
     return (total / tokens if tokens else float("nan")), tokens
-
-
-def _pipeline_parallel() -> bool:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_pipeline_model_parallel_world_size() > 1
 
 
 def _table(result: dict) -> str:

@@ -64,6 +64,7 @@ FLAGS: tuple[Flag, ...] = (
     # model parallel
     Flag("--tp", to="tp"),
     Flag("--pp", to="pp"),
+    Flag("--cp", to="cp"),
     Flag("--micro-batch-size", to="micro_batch_size"),
     Flag("--global-batch-size", to="global_batch_size"),
     # distributed

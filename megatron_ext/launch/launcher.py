@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -25,9 +26,10 @@ class Launch:
 
     def summary(self) -> list[str]:
         t, c = self.topology, self.trainer.config
-        dp = t.world_size // (c.tp * c.pp)
+        dp = t.world_size // (c.tp * c.pp * c.cp)
         device = "GPU" if t.on_gpu else "CPU (gloo)"
-        lines = [f"{t.nnodes} node(s) x {t.nproc_per_node} {device} process(es): tp {c.tp} x pp {c.pp} x dp {dp}; "
+        cp = f" x cp {c.cp}" if c.cp > 1 else ""
+        lines = [f"{t.nnodes} node(s) x {t.nproc_per_node} {device} process(es): tp {c.tp} x pp {c.pp}{cp} x dp {dp}; "
                  f"global batch {c.global_batch_size} = micro batch {c.micro_batch_size} x dp {dp} x "
                  f"{c.global_batch_size // (c.micro_batch_size * dp)} micro-batches; stage {c.stage}"]
         lines += t.notes + self.trainer.notes
@@ -37,12 +39,16 @@ class Launch:
 
 
 def _check_devices(topology: Topology, values: dict) -> None:
-    if topology.on_gpu:
-        return
-    if values["distributed_backend"] == "nccl":
+    if not topology.on_gpu and values["distributed_backend"] == "nccl":
         raise UserError("--backend nccl needs CUDA GPUs and none were found; use --backend gloo (the CPU default)")
-    if values["fp8"]:
-        raise UserError("--fp8 needs CUDA GPUs (FP8 runs in Transformer Engine) and none were found")
+
+
+def _transformer_engine(topology: Topology, sif_path: str | None) -> bool:
+    """Whether the trainer will find Transformer Engine: the image has it (environments/recipe_latest.def
+    installs it; the trainer checks again inside), else it must be importable here, with GPUs."""
+    if sif_path:
+        return True
+    return topology.on_gpu and importlib.util.find_spec("transformer_engine") is not None
 
 
 def prepare(values: dict, passthrough_argv: list[str], env: Mapping[str, str]) -> Launch:
@@ -54,7 +60,8 @@ def prepare(values: dict, passthrough_argv: list[str], env: Mapping[str, str]) -
     if values["interface"]:
         check_interface(values["interface"])
     flag_values = {field: list(values[field]) if isinstance(values[field], tuple) else values[field] for field in TRAINER_FLAGS}
-    setup = trainer_setup(flag_values, passthrough, topology.world_size)
+    setup = trainer_setup(flag_values, passthrough, topology.world_size,
+                          _transformer_engine(topology, values["sif_path"]))
     output_name = values["slurm_output_name"]
     command = build_command(topology, setup.config, setup.argv, setup.paths, values["sif_path"],
                             values["interface"], output_name)

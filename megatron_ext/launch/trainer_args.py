@@ -17,6 +17,7 @@ from megatron_ext.checkpoint import layout
 from megatron_ext.data.prepared import split_counts
 from megatron_ext.errors import UserError
 from megatron_ext.launch.tokens import TokenizerFiles
+from megatron_ext.train.execution import resolve_execution
 from megatron_ext.train.options import TrainConfig, fields, to_argv
 from megatron_ext.train.plan import parse_skip_ranges
 
@@ -41,15 +42,11 @@ def _absolute(config: TrainConfig) -> TrainConfig:
                                           for name in PATH_FIELDS if getattr(config, name)})
 
 
-def _check_layout(config: TrainConfig, world_size: int) -> None:
-    for flag, value in (("--tp", config.tp), ("--pp", config.pp), ("--micro-batch-size", config.micro_batch_size),
-                        ("--global-batch-size", config.global_batch_size)):
+def _check_layout(config: TrainConfig, world_size: int, te: bool) -> None:
+    for flag, value in (("--micro-batch-size", config.micro_batch_size), ("--global-batch-size", config.global_batch_size)):
         if value < 1:
             raise UserError(f"{flag} {value} must be >= 1")
-    if world_size % (config.tp * config.pp):
-        raise UserError(f"--tp {config.tp} x --pp {config.pp} = {config.tp * config.pp} does not divide the "
-                        f"number of processes ({world_size})")
-    dp = world_size // (config.tp * config.pp)
+    dp = resolve_execution(config, world_size, te).data_parallel_size
     per_step = config.micro_batch_size * dp
     if config.global_batch_size % per_step:
         raise UserError(f"--global-batch-size {config.global_batch_size} must be a multiple of --micro-batch-size "
@@ -117,10 +114,11 @@ def _token_ids(config: TrainConfig, snapshot: layout.Snapshot | None) -> tuple[d
     return changes, [f"token ids from {tokenizer.directory}: {found}"]
 
 
-def trainer_setup(flag_values: dict, passthrough: dict, world_size: int) -> TrainerSetup:
-    """`flag_values`: run.py's trainer flags by field name; `passthrough`: fields given after `--`."""
+def trainer_setup(flag_values: dict, passthrough: dict, world_size: int, te: bool) -> TrainerSetup:
+    """`flag_values`: run.py's trainer flags by field name; `passthrough`: fields given after `--`;
+    `te`: Transformer Engine is usable where the trainer will run."""
     config = _absolute(TrainConfig(**{**flag_values, **passthrough}).resolved())
-    _check_layout(config, world_size)
+    _check_layout(config, world_size, te)
     start, resume = _snapshots(config)
     train_samples, data_paths = _data(config)
     changes, notes = _token_ids(config, resume or start)

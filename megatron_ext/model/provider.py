@@ -7,14 +7,15 @@ first stage, the language model's layers are split across stages.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.distributed import device
 from megatron_ext.model.activations import ACTIVATIONS
 from megatron_ext.model.arch import LlavaArch
+from megatron_ext.model.backends import resolve_backend, te_available
 from megatron_ext.model.specs import llava_specs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,15 +27,22 @@ class ModelOptions:
 
     seq_length: int = 1024  # language-model sequence length (text + image embeddings)
     dtype: str = "float32"  # params / compute dtype: float32, bfloat16, float16
-    use_te: bool | None = None  # None: Transformer Engine when available on CUDA
+    attention_backend: str = "auto"  # te | sdpa | local; auto: te when usable, else sdpa (backends.py)
     init_weights: bool = True  # False when a checkpoint will overwrite every weight anyway
     parallel_output: bool = True  # False gathers full-vocab logits (inference, comparisons)
     fp8: str | None = None  # Transformer Engine FP8 format ("hybrid", "e4m3"), TE only
     sequence_parallel: bool = False
-    recompute: bool = False  # full activation recomputation of every layer
+    context_parallel: int = 1
+    recompute_granularity: str | None = None  # None | "selective" (core attention) | "full" (whole layers)
+    recompute_method: str = "uniform"  # full recomputation: "uniform" or "block"
+    recompute_num_layers: int = 1
+    gradient_accumulation_fusion: bool = False  # weight gradients accumulated in place (training on GPU)
+
+    def resolved_backend(self) -> str:
+        return resolve_backend(self.attention_backend, te_available())
 
 
-def _common(opts: ModelOptions, tp: int, init_std: float) -> dict:
+def _common(opts: ModelOptions, backend: str, tp: int, init_std: float) -> dict:
     dtype = DTYPES[opts.dtype]
     on_gpu = torch.cuda.is_available()
     return dict(
@@ -54,25 +62,35 @@ def _common(opts: ModelOptions, tp: int, init_std: float) -> dict:
         bias_activation_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=on_gpu,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        sequence_parallel=opts.sequence_parallel,
+        # TE's fused RoPE (THD too); without TE megatron-core has no fused kernel.
+        apply_rope_fusion=backend == "te",
+        gradient_accumulation_fusion=opts.gradient_accumulation_fusion,
         # Pipeline p2p must not wait on CUDA streams that do not exist on CPU.
         batch_p2p_sync=on_gpu,
     )
 
 
-def transformer_configs(arch: LlavaArch, opts: ModelOptions, tp: int, pp: int):
+def _recompute(opts: ModelOptions) -> dict:
+    if opts.recompute_granularity == "full":
+        return dict(recompute_granularity="full", recompute_method=opts.recompute_method,
+                    recompute_num_layers=opts.recompute_num_layers)
+    if opts.recompute_granularity == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    return {}
+
+
+def transformer_configs(arch: LlavaArch, opts: ModelOptions, backend: str, tp: int, pp: int):
     """(language, vision, projector) TransformerConfigs for a `tp` x `pp` layout."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     t, v = arch.text, arch.vision
     fp8 = dict(fp8=opts.fp8, fp8_recipe="delayed") if opts.fp8 else {}
-    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if opts.recompute else {}
     language = TransformerConfig(
-        **_common(opts, tp, t.init_std),
+        **_common(opts, backend, tp, t.init_std),
         **fp8,
-        **recompute,
+        **_recompute(opts),
+        sequence_parallel=opts.sequence_parallel,
+        context_parallel_size=opts.context_parallel,
         pipeline_model_parallel_size=pp,
         num_layers=t.num_layers,
         hidden_size=t.hidden_size,
@@ -88,7 +106,7 @@ def transformer_configs(arch: LlavaArch, opts: ModelOptions, tp: int, pp: int):
         add_qkv_bias=t.qkv_bias,
     )
     vision = TransformerConfig(
-        **_common(opts, tp, v.init_std),
+        **_common(opts, backend, tp, v.init_std),
         # The ViT lives whole on the first pipeline stage; a PP size here would drop layers.
         pipeline_model_parallel_size=1,
         num_layers=v.num_layers,
@@ -105,7 +123,7 @@ def transformer_configs(arch: LlavaArch, opts: ModelOptions, tp: int, pp: int):
     )
     vision.vision_model_type = v.subtype
     projector = TransformerConfig(
-        **_common(opts, tp, t.init_std),
+        **_common(opts, backend, tp, t.init_std),
         pipeline_model_parallel_size=1,
         num_layers=1,
         hidden_size=t.hidden_size,
@@ -127,8 +145,9 @@ def build_model(arch: LlavaArch, opts: ModelOptions = ModelOptions(), vp_stage: 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     arch.check_parallel(tp, pp)
-    language_cfg, vision_cfg, projector_cfg = transformer_configs(arch, opts, tp, pp)
-    specs = llava_specs(opts.use_te)
+    backend = opts.resolved_backend()
+    language_cfg, vision_cfg, projector_cfg = transformer_configs(arch, opts, backend, tp, pp)
+    specs = llava_specs(backend)
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     t = arch.text
@@ -164,6 +183,10 @@ def build_model(arch: LlavaArch, opts: ModelOptions = ModelOptions(), vp_stage: 
         # siglip subtype applies it. Dropping it here makes both compute the same features.
         model.vision_model.ln_post = None
     model.model_type = ModelType.encoder_or_decoder
+    # How batches must express packing to it (model.inputs).
+    model.attention_backend = backend
+    # use_cpu_initialization leaves every weight on the host; it computes on this process's device.
+    model.to(device())
     if not opts.init_weights:
         _mark_tensor_parallel_weights(model)
     return model
@@ -195,6 +218,3 @@ def _mark_tensor_parallel_weights(model) -> None:
         if weight is not None and not getattr(weight, "tensor_model_parallel", False):
             set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
-
-def with_options(opts: ModelOptions, **changes) -> ModelOptions:
-    return dataclasses.replace(opts, **changes)

@@ -1,36 +1,17 @@
-"""Layer specs: megatron-core local (torch) modules or Transformer Engine modules.
+"""Layer specs for a resolved attention backend (`backends.py`): Transformer Engine modules, or
+megatron-core's local (torch) modules with torch SDPA or megatron's reference attention kernel.
 
-Both families save the same dist-checkpoint keys (the local specs map their separate norms onto
+All of them save the same dist-checkpoint keys (the local specs map their separate norms onto
 TE's fused `layer_norm_weight` names), so a checkpoint written on CPU loads into a TE model on GPU.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
-import torch
-
 log = logging.getLogger(__name__)
-
-
-def te_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return torch.cuda.is_available()
-
-
-def resolve_use_te(use_te: bool | None) -> bool:
-    """None means: TE when it is importable and CUDA is present."""
-    chosen = te_available() if use_te is None else use_te
-    if chosen and not te_available():
-        from megatron_ext.errors import UserError
-
-        raise UserError("Transformer Engine layers were requested but transformer_engine is not importable "
-                        "with CUDA here; install the gpu extra: pip install 'megatron-ext[gpu]'")
-    return chosen
 
 
 @dataclass(frozen=True)
@@ -38,15 +19,14 @@ class LlavaSpecs:
     language: object
     vision: object
     projector: object
-    use_te: bool
+    backend: str
 
 
-def _local_vit_layer_spec():
+def _local_vit_layer_spec(core_attention):
     """Bidirectional ViT layer from local modules (megatron's own local ViT spec is causal)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -62,7 +42,7 @@ def _local_vit_layer_spec():
                 params={"attn_mask_type": AttnMaskType.no_mask},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=DotProductAttention,
+                    core_attention=core_attention,
                     linear_proj=RowParallelLinear,
                 ),
             ),
@@ -78,11 +58,17 @@ def _local_vit_layer_spec():
     )
 
 
-def llava_specs(use_te: bool | None = None) -> LlavaSpecs:
+def _with_core_attention(layer_spec, core_attention):
+    spec = copy.deepcopy(layer_spec)
+    spec.submodules.self_attention.submodules.core_attention = core_attention
+    return spec
+
+
+def llava_specs(backend: str) -> LlavaSpecs:
+    """Specs for a resolved backend: te, sdpa or local."""
     from megatron.core.transformer.mlp import MLPSubmodules
 
-    use_te = resolve_use_te(use_te)
-    if use_te:
+    if backend == "te":
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
         from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_transformer_engine_spec
@@ -91,17 +77,22 @@ def llava_specs(use_te: bool | None = None) -> LlavaSpecs:
             language=get_gpt_layer_with_transformer_engine_spec(),
             vision=get_vit_layer_with_transformer_engine_spec(),
             projector=MLPSubmodules(linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear),
-            use_te=True,
+            backend=backend,
         )
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+        from megatron_ext.model.attention import SDPAttention
+
+        core_attention = SDPAttention if backend == "sdpa" else DotProductAttention
         specs = LlavaSpecs(
-            language=get_gpt_layer_local_spec(normalization="RMSNorm"),
-            vision=_local_vit_layer_spec(),
+            language=_with_core_attention(get_gpt_layer_local_spec(normalization="RMSNorm"), core_attention),
+            vision=_local_vit_layer_spec(core_attention),
             projector=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-            use_te=False,
+            backend=backend,
         )
-    log.info("layer specs: %s", "Transformer Engine" if use_te else "megatron-core local (torch)")
+    log.info("layer specs: %s", {"te": "Transformer Engine", "sdpa": "megatron-core local + torch SDPA attention",
+                                 "local": "megatron-core local (reference attention)"}[backend])
     return specs

@@ -6,7 +6,7 @@ import typing
 
 import click
 
-from megatron_ext.train.options import TrainConfig, fields, option_name
+from megatron_ext.train.options import TrainConfig, fields, is_switch, option_name
 
 
 def click_kwargs(field, hint) -> dict:
@@ -25,6 +25,12 @@ def click_kwargs(field, hint) -> dict:
     return {**kwargs, "type": base, "default": field.default}
 
 
+def option_decls(field) -> list[str]:
+    """`--name` (and `--no-name` for a switch), then the parameter name."""
+    flag = option_name(field.name)
+    return [f"{flag}/--no-{flag[2:]}" if is_switch(field) else flag, field.name]
+
+
 def trainer_options(func):
     """Decorate a click command with every TrainConfig option; it receives `config=TrainConfig(...)`."""
     hints = typing.get_type_hints(TrainConfig)
@@ -36,5 +42,5 @@ def trainer_options(func):
     wrapper.__name__ = func.__name__
     wrapper.__doc__ = func.__doc__
     for f in reversed(fields()):
-        wrapper = click.option(option_name(f.name), f.name, **click_kwargs(f, hints[f.name]))(wrapper)
+        wrapper = click.option(*option_decls(f), **click_kwargs(f, hints[f.name]))(wrapper)
     return wrapper

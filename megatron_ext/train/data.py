@@ -13,7 +13,7 @@ from megatron_ext.data.loader import restore_loader_state, save_loader_state, tr
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
 from megatron_ext.train.plan import RunPlan
 
-_TENSORS = ("images", "input_ids", "labels", "loss_mask", "segment_ids", "position_ids")
+_TENSORS = ("images", "input_ids", "labels", "loss_mask", "segment_ids")
 _COUNTS = ("num_samples", "num_truncated", "num_skipped")
 
 
@@ -34,6 +34,7 @@ def _encoder(plan: RunPlan) -> LlavaTaskEncoder:
     return LlavaTaskEncoder.for_model(
         str(plan.tokenizer_dir), plan.arch, seq_length=plan.seq_length, pad_token_id=plan.arch.pad_token_id,
         chat_template=cfg.chat_template, lang=cfg.lang, packing_seq_length=cfg.packing_seq_length,
+        alignment=plan.execution.alignment,
     )
 
 

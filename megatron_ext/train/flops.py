@@ -1,8 +1,11 @@
-"""Model FLOPs per training iteration, for TFLOP/s and MFU.
+"""Model FLOPs per training iteration, for TFLOP/s and MFU (the trainer and bench/gpu_bench.py).
 
 Matmul FLOPs only (2 per multiply-add), counted per module and multiplied by how much of the
 backward pass that module needs: 3x when its weights train (forward, input grads, weight grads),
-2x when frozen but something before it trains (input grads only), 1x when nothing before it trains.
+2x when frozen but something before it trains (input grads only), 1x when nothing before it trains
+(the frozen ViT: forward only). Attention is counted per sample over the (query, key) pairs it
+really has: L^2 / 2 for a causal language-model sample of L positions (packed samples do not see
+each other), L^2 for a bidirectional ViT image. Recomputation is not counted (model FLOPs).
 """
 
 from __future__ import annotations
@@ -10,25 +13,27 @@ from __future__ import annotations
 from megatron_ext.model.arch import LlavaArch
 
 
-def _transformer_flops(tokens: float, seq: float, layers: int, hidden: int, ffn: int, heads: int,
+def _transformer_flops(tokens: float, attention_pairs: float, layers: int, hidden: int, ffn: int, heads: int,
                        groups: int, head_dim: int, gated: bool) -> float:
     qkv = hidden * (heads + 2 * groups) * head_dim
     proj = heads * head_dim * hidden
     mlp = hidden * ffn * (3 if gated else 2)
-    attention = 2 * seq * heads * head_dim  # scores + weighted sum, per token
-    return 2.0 * tokens * layers * (qkv + proj + mlp + attention)
+    attention = 2 * 2 * heads * head_dim * attention_pairs  # scores + weighted sum
+    return layers * (2.0 * tokens * (qkv + proj + mlp) + attention)
 
 
-def iteration_flops(arch: LlavaArch, *, text_tokens: float, images: float, seq_length: float,
-                    lm_trained: bool, vit_trained: bool) -> float:
-    """FLOPs of one optimizer step over `text_tokens` LM positions (incl. image embeddings) and `images`."""
+def iteration_flops(arch: LlavaArch, *, positions: float, squared_lengths: float, images: float, lm_trained: bool,
+                    vit_trained: bool) -> float:
+    """FLOPs of one optimizer step. `positions`: language-model positions holding samples (image
+    embeddings included, padding not); `squared_lengths`: the sum of L^2 over those samples."""
     t, v = arch.text, arch.vision
-    vision_tokens = images * (v.num_patches + int(v.class_token))
-    vit = _transformer_flops(vision_tokens, v.num_patches + 1, v.num_layers, v.hidden_size, v.ffn_hidden_size,
-                             v.num_attention_heads, v.num_attention_heads, v.hidden_size // v.num_attention_heads, False)
+    image_tokens = v.num_patches + int(v.class_token)
+    vit = _transformer_flops(images * image_tokens, images * image_tokens**2, v.num_layers, v.hidden_size,
+                             v.ffn_hidden_size, v.num_attention_heads, v.num_attention_heads,
+                             v.hidden_size // v.num_attention_heads, False)
     projector = 2.0 * images * arch.img_seq_len * (v.hidden_size * t.hidden_size + t.hidden_size * t.hidden_size)
-    lm = _transformer_flops(text_tokens, seq_length, t.num_layers, t.hidden_size, t.ffn_hidden_size,
+    lm = _transformer_flops(positions, squared_lengths / 2, t.num_layers, t.hidden_size, t.ffn_hidden_size,
                             t.num_attention_heads, t.num_query_groups, t.kv_channels, True)
-    logits = 2.0 * text_tokens * t.hidden_size * t.padded_vocab_size
+    logits = 2.0 * positions * t.hidden_size * t.padded_vocab_size
     lm_factor = 3 if lm_trained else 2  # the projector before it always trains
     return vit * (3 if vit_trained else 1) + projector * 3 + (lm + logits) * lm_factor

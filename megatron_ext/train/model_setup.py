@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -23,6 +25,20 @@ class TrainingModel:
     def trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
+    @contextlib.contextmanager
+    def parameters_gathered(self):
+        """Every parameter current, for saving or evaluating. With --dist-optim and an overlapped
+        all-gather, a rank holds only its own updated shard after a step until the next training
+        forward pass gathers the rest module by module."""
+        if not getattr(self.ddp, "use_forward_hook", False):
+            yield
+            return
+        self.ddp.disable_forward_pre_hook(param_sync=True)
+        try:
+            yield
+        finally:
+            self.ddp.enable_forward_pre_hook()
+
 
 def freeze_for_stage(model, plan: RunPlan) -> None:
     """Stage 1 trains the projector; stage 2 the projector and the LM; the ViT only with --unfreeze-vit."""
@@ -31,17 +47,29 @@ def freeze_for_stage(model, plan: RunPlan) -> None:
                  freeze_vision_projection=False)
 
 
+def gradient_accumulation_fusion_available(backend: str) -> bool:
+    """Weight gradients accumulated straight into the fp32 gradient buffer: TE layers do it
+    themselves, megatron-core's local layers need Apex's fused_weight_gradient_mlp_cuda."""
+    if not torch.cuda.is_available():
+        return False
+    return backend == "te" or importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
 def model_options(plan: RunPlan, *, init_weights: bool) -> ModelOptions:
-    cfg = plan.config
+    ex = plan.execution
     return ModelOptions(
         seq_length=plan.seq_length,
         dtype=plan.dtype,
-        use_te=True if cfg.fp8 else None,
+        attention_backend=ex.attention_backend,
         init_weights=init_weights,
         parallel_output=True,
-        fp8="hybrid" if cfg.fp8 else None,
-        sequence_parallel=cfg.sequence_parallel,
-        recompute=cfg.recompute,
+        fp8="hybrid" if ex.fp8 else None,
+        sequence_parallel=ex.sequence_parallel,
+        context_parallel=ex.cp,
+        recompute_granularity=ex.recompute_granularity,
+        recompute_method=ex.recompute_method,
+        recompute_num_layers=ex.recompute_num_layers,
+        gradient_accumulation_fusion=gradient_accumulation_fusion_available(ex.attention_backend),
     )
 
 
@@ -61,7 +89,11 @@ def build_training_model(plan: RunPlan) -> TrainingModel:
     wrapped = Float16Module(config, model) if plan.dtype == "bfloat16" else model
     ddp = DistributedDataParallel(
         config=config,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.dist_optim),
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.dist_optim,
+            overlap_grad_reduce=plan.execution.overlap_grad_reduce,
+            overlap_param_gather=plan.execution.overlap_param_gather, bucket_size=plan.execution.ddp_bucket_size,
+        ),
         module=wrapped,
     )
     config.finalize_model_grads_func = finalize_model_grads
@@ -74,7 +106,7 @@ def build_training_model(plan: RunPlan) -> TrainingModel:
             optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
             clip_grad=cfg.clip_grad, bf16=plan.dtype == "bfloat16", params_dtype=DTYPES[plan.dtype],
-            use_distributed_optimizer=cfg.dist_optim,
+            use_distributed_optimizer=cfg.dist_optim, overlap_param_gather=plan.execution.overlap_param_gather,
         ),
         [ddp],
     )

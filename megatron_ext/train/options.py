@@ -44,8 +44,30 @@ class TrainConfig:
     dist_optim: bool = opt(False, "Shard optimizer state across data-parallel ranks.")
     distributed_backend: str | None = opt(None, "torch.distributed backend (default: nccl on GPU, gloo on CPU).",
                                           choices=["nccl", "gloo", "mpi"])
-    sequence_parallel: bool = opt(False, "Sequence parallelism (GPU with Transformer Engine).")
-    recompute: bool = opt(False, "Recompute activations of every layer in the backward pass.")
+    cp: int = opt(1, "Context parallel size: each sequence is split over this many GPUs (Transformer Engine; "
+                     "--micro-batch-size 1).")
+    sequence_parallel: bool | None = opt(None, "Sequence parallelism over the --tp group (Transformer Engine); "
+                                               "default: on with Transformer Engine when --tp > 1, unless "
+                                               "--eval-generate-samples (generation runs without it).")
+    overlap_grad_reduce: bool | None = opt(None, "Overlap the data-parallel gradient reduction with the backward "
+                                                 "pass (default: on).")
+    overlap_param_gather: bool | None = opt(None, "Overlap the parameter all-gather of --dist-optim with the next "
+                                                  "forward pass (default: on with --dist-optim).")
+    ddp_bucket_size: int | None = opt(None, "Gradient reduction bucket size in parameters (default: megatron-core's, "
+                                            "max(40M, 1M x data-parallel size)).")
+    # --- attention and memory -------------------------------------------------------------
+    attention_backend: str = opt("auto", "Layer and attention implementation: te (Transformer Engine), sdpa "
+                                         "(torch scaled_dot_product_attention: flash kernels without TE), local "
+                                         "(megatron's reference kernel); auto: te where it is importable with CUDA, "
+                                         "else sdpa.", choices=["auto", "te", "sdpa", "local"])
+    recompute_granularity: str = opt("auto", "Activation recomputation in the backward pass: selective (core "
+                                             "attention), full (whole layers) or none; auto: selective with the local "
+                                             "kernel (its S x S scores), none with sdpa and te (flash kernels keep "
+                                             "no scores).", choices=["auto", "none", "selective", "full"])
+    recompute_method: str = opt("uniform", "Full recomputation: uniform (groups of --recompute-num-layers layers) or "
+                                           "block (the first --recompute-num-layers layers of each pipeline stage).",
+                                choices=["uniform", "block"])
+    recompute_num_layers: int = opt(1, "Layers per recomputed group (uniform) or recomputed layers per stage (block).")
     # --- batches and schedule --------------------------------------------------------------
     micro_batch_size: int = opt(1, "Samples (packed sequences) per micro batch per data-parallel rank.")
     global_batch_size: int | None = opt(None, "Samples per optimizer step (stage default: 256 / 128).")
@@ -114,17 +136,25 @@ def fields() -> list[dataclasses.Field]:
     return list(dataclasses.fields(TrainConfig))
 
 
+def is_switch(field: dataclasses.Field) -> bool:
+    """A `bool | None` option: None means "decided from the other options", so it has an --x/--no-x pair."""
+    return field.type in ("bool | None", bool | None)
+
+
 def to_argv(values: dict) -> list[str]:
-    """Trainer command-line arguments for the given field values (unset / False ones omitted)."""
+    """Trainer command-line arguments for the given field values (unset / False ones omitted, except
+    an explicit False of a switch, which is its --no-x form)."""
     argv: list[str] = []
     by_name = {f.name: f for f in fields()}
     for name, value in values.items():
         if name not in by_name:
             raise KeyError(f"unknown trainer option {name}")
-        if value is None or value is False or value == []:
+        if value is None or value == [] or (value is False and not is_switch(by_name[name])):
             continue
         flag = option_name(name)
-        if value is True:
+        if value is False:
+            argv.append("--no-" + flag[2:])
+        elif value is True:
             argv.append(flag)
         elif isinstance(value, (list, tuple)):
             for item in value:

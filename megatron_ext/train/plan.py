@@ -15,6 +15,7 @@ from pathlib import Path
 from megatron_ext.checkpoint import layout
 from megatron_ext.errors import UserError
 from megatron_ext.model.arch import LlavaArch
+from megatron_ext.train.execution import Execution, resolve_execution
 from megatron_ext.train.options import TrainConfig
 
 DEFAULT_MAX_SEQ_LENGTH = 2048
@@ -34,6 +35,7 @@ class RunPlan:
     train_iters: int
     seq_length: int
     dtype: str
+    execution: Execution  # attention backend, SP/CP, recompute, overlap, sequence alignment
     skip_ranges: tuple[tuple[int, int], ...]
 
     def skipped(self, iteration: int) -> bool:
@@ -48,6 +50,7 @@ class RunPlan:
             "train_iters": self.train_iters,
             "seq_length": self.seq_length,
             "dtype": self.dtype,
+            "execution": self.execution.summary(),
             "start": str(self.start.path) if self.start else None,
             "resume": str(self.resume.path) if self.resume else None,
             "tokenizer_dir": str(self.tokenizer_dir),
@@ -91,16 +94,6 @@ def _apply_class_token_choice(hf_config: dict, no_add_class_token: bool) -> dict
     return {**hf_config, "vision_feature_select_strategy": "default"}
 
 
-def _check_fp8(config: TrainConfig) -> None:
-    if not config.fp8:
-        return
-    from megatron_ext.model.specs import te_available
-
-    if not te_available():
-        raise UserError("--fp8 needs Transformer Engine on a CUDA GPU; install it with "
-                        "pip install 'megatron-ext[gpu]' or run inside the Singularity image (--sif-path)")
-
-
 def _train_iters(config: TrainConfig, samples_per_step: int) -> int:
     if config.train_iters is not None:
         if config.train_iters < 1:
@@ -114,7 +107,8 @@ def _train_iters(config: TrainConfig, samples_per_step: int) -> int:
     return max(1, math.ceil(config.epochs * train_samples / samples_per_step))
 
 
-def make_plan(config: TrainConfig, world_size: int, on_gpu: bool) -> RunPlan:
+def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | None = None) -> RunPlan:
+    """`te`: Transformer Engine is usable here (default: imported to find out)."""
     config = config.resolved()
     if config.save and not config.save_dir:
         raise UserError("--save needs --save-dir")
@@ -122,10 +116,12 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool) -> RunPlan:
         raise UserError("--data-path is required (a prepared energon dataset or a metadataset YAML)")
     if not Path(config.data_path).exists():
         raise UserError(f"--data-path {config.data_path} does not exist")
-    if config.tp < 1 or config.pp < 1 or world_size % (config.tp * config.pp):
-        raise UserError(f"--tp {config.tp} x --pp {config.pp} = {config.tp * config.pp} does not divide the "
-                        f"number of processes ({world_size})")
-    dp = world_size // (config.tp * config.pp)
+    if te is None:
+        from megatron_ext.model.backends import te_available
+
+        te = te_available()
+    execution = resolve_execution(config, world_size, te)
+    dp = execution.data_parallel_size
     per_step = config.micro_batch_size * dp
     if config.micro_batch_size < 1 or config.global_batch_size < 1 or config.global_batch_size % per_step:
         raise UserError(f"--global-batch-size {config.global_batch_size} must be a multiple of --micro-batch-size "
@@ -134,7 +130,6 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool) -> RunPlan:
         raise UserError("--eval-generate-samples needs --eval-interval (evaluations are when answers are generated)")
     if config.eval_generate_samples < 0 or config.eval_max_new_tokens < 1:
         raise UserError("--eval-generate-samples must be >= 0 and --eval-max-new-tokens >= 1")
-    _check_fp8(config)
     skip_ranges = parse_skip_ranges(config.skip_train_iteration_range)
 
     resume = layout.latest_complete_snapshot(Path(config.save_dir)) if config.save_dir else None
@@ -162,14 +157,16 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool) -> RunPlan:
     if tokenizer_dir is None or not tokenizer_dir.is_dir():
         raise UserError(f"--tokenizer-load-dir {tokenizer_dir}: no tokenizer directory found; pass the HF LLaVA directory")
 
-    seq_length = config.seq_length or min(DEFAULT_MAX_SEQ_LENGTH, arch.text.max_position_embeddings)
+    # An explicit --seq-length was checked against the alignment; the default is rounded down to it.
+    default_length = min(DEFAULT_MAX_SEQ_LENGTH, arch.text.max_position_embeddings)
+    seq_length = config.seq_length or default_length - default_length % execution.alignment.total
     if seq_length <= arch.img_seq_len:
         raise UserError(f"--seq-length {seq_length} leaves no room for text after {arch.img_seq_len} image embeddings")
     if config.packing_seq_length and config.packing_seq_length > seq_length:
         raise UserError(f"--packing-seq-length {config.packing_seq_length} exceeds --seq-length {seq_length}")
 
     dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
-    config = dataclasses.replace(config, seq_length=seq_length)
+    config = dataclasses.replace(config, seq_length=seq_length, attention_backend=execution.attention_backend)
     return RunPlan(
         config=config,
         arch=arch,
@@ -183,5 +180,6 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool) -> RunPlan:
         train_iters=_train_iters(config, config.global_batch_size),
         seq_length=seq_length,
         dtype=dtype,
+        execution=execution,
         skip_ranges=skip_ranges,
     )

@@ -13,6 +13,7 @@ from functools import partial
 import torch
 
 from megatron_ext.distributed import device
+from megatron_ext.model.inputs import ModelInputs
 
 
 @dataclass
@@ -27,18 +28,6 @@ class StepResult:
         return math.isfinite(self.loss)
 
 
-def combined_length(input_ids: torch.Tensor, image_token_index: int, img_seq_len: int, max_length: int,
-                    pipeline_parallel: bool) -> int:
-    """The language-model sequence length LLaVAModel makes of this batch (images expanded).
-
-    Mirrors LLaVAModel._preprocess_data: under pipeline parallelism it pads to the max length.
-    """
-    if pipeline_parallel:
-        return max_length
-    images = (input_ids == image_token_index).sum(dim=1)
-    return int(min(max_length, (input_ids.shape[1] + images * (img_seq_len - 1)).max()))
-
-
 def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     loss_mask = loss_mask.float()
     total = (per_token_loss.float() * loss_mask).sum()
@@ -46,23 +35,11 @@ def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return total, tokens, {"loss": torch.stack([total.detach(), tokens.float()])}
 
 
-def make_forward_step(arch, seq_length: int, pipeline_parallel: bool):
-    from megatron_ext.data.packing import packed_attention_mask
-
-    dev = device()
+def make_forward_step(inputs: ModelInputs):
+    """megatron's forward_step_func over micro-batch dicts, laid out for the model by `inputs`."""
 
     def forward_step(data_iterator, model):
-        batch = {k: v.to(dev) if torch.is_tensor(v) else v for k, v in next(data_iterator).items()}
-        mask = None
-        if int(batch["segment_ids"].max()) > 1:
-            length = combined_length(batch["input_ids"], arch.image_token_index, arch.img_seq_len, seq_length,
-                                     pipeline_parallel)
-            mask = packed_attention_mask(batch["input_ids"], batch["segment_ids"], arch.image_token_index,
-                                         arch.img_seq_len, length)
-        # An empty images tensor (not None) is how LLaVAModel takes a text-only batch.
-        output, loss_mask = model(images=batch["images"], input_ids=batch["input_ids"],
-                                  position_ids=None, attention_mask=mask, labels=batch["labels"],
-                                  loss_mask=batch["loss_mask"])
+        output, loss_mask = model(**inputs(next(data_iterator)))
         return output, partial(_loss_func, loss_mask)
 
     return forward_step
@@ -75,9 +52,10 @@ def reduce_loss(losses: list[dict]) -> tuple[float, int]:
     summed = torch.zeros(2, dtype=torch.float64, device=device())
     for item in losses:
         summed += item["loss"].to(summed)
-    # Only the last pipeline stage has losses: spread them over the stage group, then sum over DP.
+    # Only the last pipeline stage has losses: spread them over the stage group, then sum over DP
+    # (context-parallel ranks each hold part of every sequence).
     torch.distributed.all_reduce(summed, group=parallel_state.get_pipeline_model_parallel_group())
-    torch.distributed.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+    torch.distributed.all_reduce(summed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     total, tokens = summed.tolist()
     return (total / tokens if tokens else float("nan")), int(tokens)
 

@@ -18,9 +18,12 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.data.packing import sample_lengths
+from megatron_ext.distributed import device
 from megatron_ext.errors import UserError
 from megatron_ext.eval.evaluation import AnswerEvaluation
 from megatron_ext.fsutil import write_jsonl
+from megatron_ext.model.inputs import ModelInputs
 from megatron_ext.train import checkpointing
 from megatron_ext.train.data import samples_digest
 from megatron_ext.train.flops import iteration_flops
@@ -52,8 +55,6 @@ class _StopSignal:
         self.received = True
 
     def any_rank(self) -> bool:
-        from megatron_ext.distributed import device
-
         flag = torch.tensor([int(self.received)], device=device())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
@@ -67,11 +68,18 @@ def _memory_gb() -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
-def _batch_stats(micro_batches: list[dict]) -> torch.Tensor:
-    """[samples, tokens (non-padding), images, truncated, skipped] of this rank's micro batches."""
-    total = torch.zeros(5, dtype=torch.float64)
+BATCH_STATS = ("samples", "positions", "squared_lengths", "model_positions", "images", "truncated", "skipped")
+
+
+def batch_stats(micro_batches: list[dict], inputs: ModelInputs) -> torch.Tensor:
+    """`BATCH_STATS` of these micro batches (also bench/gpu_bench.py's counts). positions: language-model positions holding samples
+    (image embeddings included); model_positions: all the positions the model computes, padding
+    included; squared_lengths: the sum of each sample's squared length (its attention work)."""
+    total = torch.zeros(len(BATCH_STATS), dtype=torch.float64)
     for b in micro_batches:
-        total += torch.tensor([b["num_samples"], int((b["segment_ids"] > 0).sum()), b["images"].shape[0],
+        lengths = sample_lengths(b["input_ids"], b["segment_ids"], inputs.image_token_index, inputs.img_seq_len).double()
+        total += torch.tensor([b["num_samples"], lengths.sum(), (lengths**2).sum(),
+                               b["input_ids"].shape[0] * inputs.combined_length(b["input_ids"]), b["images"].shape[0],
                                b["num_truncated"], b["num_skipped"]], dtype=torch.float64)
     return total
 
@@ -84,7 +92,6 @@ class Trainer:
 
         self.plan = plan
         self.cfg = plan.config
-        self.pipeline_parallel = self.cfg.pp > 1
         self.trained: TrainingModel = build_training_model(plan)
         self.train_data = TrainData(plan)
         self.val_data = ValData(plan) if self.cfg.eval_interval else None
@@ -103,7 +110,8 @@ class Trainer:
             checkpointing.prepare_save_dir(plan)
         self.metrics = MetricsLogger(self.cfg.save_dir if self.cfg.save else None, plan.summary(),
                                      wandb=self.cfg.wandb, project=self.cfg.wandb_project, name=self.cfg.name)
-        self.forward_step = make_forward_step(plan.arch, plan.seq_length, self.pipeline_parallel)
+        self.inputs = ModelInputs.for_model(plan.arch, self.trained.model, device())
+        self.forward_step = make_forward_step(self.inputs)
         self.stop = _StopSignal()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.last_saved = plan.resume.path if plan.resume else None
@@ -115,7 +123,7 @@ class Trainer:
 
     def _iteration(self) -> tuple[StepResult | None, torch.Tensor, str]:
         micro_batches = self.train_data.next_micro_batches(self.plan.num_microbatches)
-        stats = _batch_stats(micro_batches)
+        stats = batch_stats(micro_batches, self.inputs)
         torch.distributed.all_reduce(stats, group=self.dp_group)
         # Which samples the global batch held, in data-parallel rank order: equal fingerprints mean
         # two runs (or a run and its resumption) saw the same data.
@@ -144,12 +152,13 @@ class Trainer:
             )
 
     def _record(self, result: StepResult | None, stats: torch.Tensor, digest: str, seconds: float, lr: float) -> dict:
-        samples, tokens, images, truncated, skipped = stats.tolist()
+        batch = dict(zip(BATCH_STATS, stats.tolist()))
+        samples = batch["samples"]
         self.counters["samples"] += int(samples)
-        self.counters["truncated_samples"] += int(truncated)
-        self.counters["skipped_samples"] += int(skipped)
-        flops = iteration_flops(self.plan.arch, text_tokens=tokens + images * (self.plan.arch.img_seq_len - 1),
-                                images=images, seq_length=self.plan.seq_length, lm_trained=not self.cfg.freeze_lm,
+        self.counters["truncated_samples"] += int(batch["truncated"])
+        self.counters["skipped_samples"] += int(batch["skipped"])
+        flops = iteration_flops(self.plan.arch, positions=batch["positions"], squared_lengths=batch["squared_lengths"],
+                                images=batch["images"], lm_trained=not self.cfg.freeze_lm,
                                 vit_trained=self.cfg.unfreeze_vit)
         record = {
             "iteration": self.iteration,
@@ -165,7 +174,8 @@ class Trainer:
             "skipped": result is None,
             "iteration_time_s": seconds,
             "samples_per_s": samples / seconds,
-            "tokens_per_s": tokens / seconds,
+            "tokens_per_s": batch["positions"] / seconds,
+            "padding_share": 1.0 - batch["positions"] / batch["model_positions"],
             "tflops_per_gpu": flops / seconds / self.plan.world_size / 1e12,
             "memory_gb": _memory_gb(),
         }
@@ -173,6 +183,10 @@ class Trainer:
 
     # --- evaluation and saving ----------------------------------------------------------------
     def evaluate(self) -> dict:
+        with self.trained.parameters_gathered():
+            return self._evaluate()
+
+    def _evaluate(self) -> dict:
         total, tokens = 0.0, 0
         for micro_batches in self.val_data.global_batches():
             loss, n = eval_loss(self.trained.ddp, self.forward_step, micro_batches, self.plan.seq_length,
@@ -189,8 +203,9 @@ class Trainer:
         return result
 
     def save(self) -> None:
-        self.last_saved = checkpointing.save_snapshot(self.plan, self.trained, self.iteration,
-                                                      {"counters": self.counters}, self.train_data)
+        with self.trained.parameters_gathered():
+            self.last_saved = checkpointing.save_snapshot(self.plan, self.trained, self.iteration,
+                                                          {"counters": self.counters}, self.train_data)
 
     def _due(self, interval: int | None) -> bool:
         return bool(interval) and self.iteration % interval == 0
@@ -238,7 +253,8 @@ def run(config: TrainConfig) -> int:
         return 2
     if plan.config.deterministic:
         torch.use_deterministic_algorithms(True)
-    init_parallel(plan.config.tp, plan.config.pp, seed=plan.config.seed, backend=plan.config.distributed_backend)
+    init_parallel(plan.config.tp, plan.config.pp, seed=plan.config.seed, backend=plan.config.distributed_backend,
+                  cp=plan.config.cp)
     if rank == 0:
         print("resolved configuration:\n" + json.dumps(plan.summary(), indent=2, default=str), flush=True)
     trainer = None

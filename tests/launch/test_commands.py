@@ -140,8 +140,12 @@ def test_gpus_all_and_gpu_ids(launcher, inputs):
     assert started["env"]["CUDA_VISIBLE_DEVICES"] == "1,3"
 
 
-def test_interface_fp8_deterministic_and_debug(launcher, inputs):
-    launch(launcher, inputs, "--interface", "lo", "--fp8", "--deterministic", "--debug", "-g", "2", gpus=2)
+def test_interface_fp8_deterministic_and_debug(launcher, inputs, tmp_path):
+    # A machine with GPUs where Transformer Engine is installed (an empty stand-in package: run.py only looks for it).
+    (tmp_path / "site" / "transformer_engine").mkdir(parents=True)
+    (tmp_path / "site" / "transformer_engine" / "__init__.py").write_text("")
+    launch(launcher, inputs, "--interface", "lo", "--fp8", "--deterministic", "--debug", "-g", "2", gpus=2,
+           env=launcher.env(gpus=2, PYTHONPATH=str(tmp_path / "site")))
     started = launcher.launched()
     env = started["env"]
     assert (env["NCCL_SOCKET_IFNAME"], env["GLOO_SOCKET_IFNAME"]) == ("lo", "lo")

@@ -53,7 +53,19 @@ CASES = {
     "rank range": (["--node", "2", "-r", "2", "-m", "10.0.0.1"], 0, "-r/--rank 2 must be in 0..1"),
     "interface": (["--interface", "nosuchif0"], 0, "--interface nosuchif0"),
     "nccl on cpu": (["--backend", "nccl"], 0, "--backend nccl needs CUDA GPUs"),
-    "fp8 on cpu": (["--fp8"], 0, "--fp8 needs CUDA GPUs"),
+    "fp8 on cpu": (["--fp8"], 0, "--fp8 needs Transformer Engine with CUDA, which is not importable here"),
+    "fp8 with sdpa": (["--sif-path", "SIF", "--fp8", "--", "--attention-backend", "sdpa"], 1,
+                      "--fp8 needs Transformer Engine layers; it cannot run with --attention-backend sdpa"),
+    "te backend without TE": (["--", "--attention-backend", "te"], 0, "--attention-backend te needs Transformer Engine"),
+    "te backend on a GPU without TE": (["--", "--attention-backend", "te"], 1,
+                                       "--attention-backend te needs Transformer Engine"),
+    "sequence parallel without TE": (["-g", "2", "--tp", "2", "--", "--sequence-parallel"], 0,
+                                     "--sequence-parallel needs Transformer Engine"),
+    "context parallel without TE": (["-g", "2", "--cp", "2"], 0, "--cp 2 (context parallelism) needs Transformer Engine"),
+    "tp x pp x cp": (["-g", "4", "--sif-path", "SIF", "--cp", "3"], 4,
+                     "--tp 1 x --pp 1 x --cp 3 = 3 does not divide the number of processes (4)"),
+    "seq length for fp8": (["--sif-path", "SIF", "--fp8", "--", "--seq-length", "2040"], 1,
+                           "--seq-length 2040 must be a multiple of 16 for --fp8; use 2048"),
     "skip range": (["--skip-train-iteration-range", "110-100"], 0, "--skip-train-iteration-range '110-100'"),
     "unknown flag": (["--tpp", "2"], 0, "No such option '--tpp'"),
     "passthrough typo": (["--", "--trian-iters", "5"], 0, "trainer options after --: No such option '--trian-iters'"),
@@ -93,6 +105,7 @@ def test_error_is_one_line_and_nothing_starts(launcher, inputs, tmp_path, busy_p
         "OTHER_IDS": str(write_tokenizer(tmp_path / "other_ids", {"<image>": 5, "<pad>": 6})),
         "NO_TRAIN": str(write_prepared_dataset(tmp_path / "no_train", {"a.tar": 5}, {"train": [], "val": ["a.tar"]})),
         "BUSY": str(busy_port),
+        "SIF": str(tmp_path / "afile"),
     }
     result = launcher.run(*_argv(args, values, inputs), gpus=gpus)
     assert result.returncode == 2, (result.stdout, result.stderr)

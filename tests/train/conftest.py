@@ -23,8 +23,8 @@ def trainer_args(checkpoint: Path, data: Path, save_dir: Path, **options) -> lis
     return args
 
 
-def train(nproc: int, *args, timeout: float = 240, check: bool = True):
-    return run_torchrun(nproc, "scripts/train/pretrain_llava.py", *args, timeout=timeout, check=check)
+def train(nproc: int, *args, timeout: float = 240, check: bool = True, env: dict | None = None):
+    return run_torchrun(nproc, "scripts/train/pretrain_llava.py", *args, timeout=timeout, check=check, env=env)
 
 
 def metrics(save_dir: Path, split: str = "train") -> dict[int, dict]:

@@ -1,0 +1,258 @@
+"""Training throughput of a LLaVA on one device: tokens/s, TFLOP/s, MFU and peak memory.
+
+    python bench/gpu_bench.py                          # ~1B LLaVA, sdpa, packed to 4096, bf16 on GPU
+    python bench/gpu_bench.py --attention-backend local --no-packing --recompute-granularity full
+    python bench/gpu_bench.py --sweep                  # every variant below, each in its own process
+    python bench/gpu_bench.py --preset tiny            # the same code on a tiny model (CPU, CI)
+
+The model is built locally from configs with random weights: `1b` has Llama-3.2-1B's shape
+(hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192, vocab 128256, tied embeddings) and a
+CLIP ViT-L/14-336 tower (576 image positions). Samples are synthetic LLaVA-1.5-like: one image
+and 30-435 text tokens (605-1011 positions, as in bench/data_bench.py's mix), the answer part
+trained. The trainer's own pieces run them: `train.model_setup.build_training_model` (megatron
+DDP, Adam, the stage-2 freeze: ViT frozen), `data.batching.BatchLayout` (knapsack packing,
+alignment padding) and `train.step.train_step`.
+
+FLOPs are `train.flops.iteration_flops`, the trainer's count: matmuls only, 2 per multiply-add;
+causal attention counted per sample over L^2 / 2 (query, key) pairs; the frozen ViT forward only
+(1x), the projector and LM 3x; no recomputation. MFU = TFLOP/s / --peak-tflops (989: H100 SXM
+bf16 dense). tokens/s counts language-model positions holding samples (image embeddings
+included, padding not). The last line printed is a JSON object with `tokens_per_s`,
+`tflops_per_gpu`, `mfu` and `peak_mem_gib` (with --sweep: every variant under `variants`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+@dataclass(frozen=True)
+class Preset:
+    text: dict  # transformers LlamaConfig arguments
+    vision: dict  # transformers CLIPVisionConfig arguments
+    seq_length: int
+    samples_per_step: int
+    text_tokens: tuple[int, int]  # range of text tokens per sample
+
+
+PRESETS = {
+    "1b": Preset(
+        text=dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                  intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                  rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                  tie_word_embeddings=True, head_dim=64),
+        vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                    image_size=336, patch_size=14, hidden_act="quick_gelu"),
+        seq_length=4096, samples_per_step=64, text_tokens=(30, 435)),
+    "tiny": Preset(
+        text=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=1000, max_position_embeddings=1024),
+        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    image_size=56, patch_size=14),
+        seq_length=256, samples_per_step=16, text_tokens=(8, 120)),
+}
+
+# --sweep: the variants BENCHMARKS.md reports (TE ones only where Transformer Engine is present).
+SWEEP = {
+    "sdpa, packed": [],
+    "local, packed": ["--attention-backend", "local"],
+    "sdpa, unpacked": ["--no-packing"],
+    "sdpa, packed, full recompute": ["--recompute-granularity", "full"],
+    "local, packed, selective recompute": ["--attention-backend", "local", "--recompute-granularity", "selective"],
+}
+TE_SWEEP = {
+    "te, packed": ["--attention-backend", "te"],
+    "te, packed, fp8": ["--attention-backend", "te", "--fp8"],
+}
+
+
+def llava_config(preset: Preset) -> dict:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    text = LlamaConfig(**preset.text)
+    config = LlavaConfig(text_config=text.to_dict(), vision_config=CLIPVisionConfig(**preset.vision).to_dict(),
+                         image_token_index=text.vocab_size - 1, projector_hidden_act="gelu", vision_feature_layer=-2,
+                         vision_feature_select_strategy="default", tie_word_embeddings=text.tie_word_embeddings)
+    return {**config.to_dict(), "pad_token_id": text.vocab_size - 2}
+
+
+def make_plan(preset: Preset, options: dict, iters: int):
+    """A RunPlan as the trainer makes one, without checkpoint, tokenizer or dataset."""
+    import torch
+
+    from megatron_ext.model.arch import LlavaArch
+    from megatron_ext.model.backends import te_available
+    from megatron_ext.train.execution import resolve_execution
+    from megatron_ext.train.options import TrainConfig
+    from megatron_ext.train.plan import RunPlan
+
+    hf_config = llava_config(preset)
+    config = TrainConfig(stage=2, seq_length=preset.seq_length, train_iters=iters, **options).resolved()
+    execution = resolve_execution(config, world_size=1, te=te_available())
+    return RunPlan(config=config, arch=LlavaArch.from_hf_config(hf_config), hf_config=hf_config, start=None,
+                   resume=None, tokenizer_dir=REPO, world_size=1, data_parallel_size=1, num_microbatches=1,
+                   train_iters=iters, seq_length=preset.seq_length,
+                   dtype="bfloat16" if torch.cuda.is_available() else "float32", execution=execution, skip_ranges=())
+
+
+def synthetic_micro_batches(plan, preset: Preset, packing: bool, rng: np.random.Generator) -> list[dict]:
+    """One optimizer step's micro batches (one packed sequence or one sample each)."""
+    import torch
+    from megatron.energon import Sample
+
+    from megatron_ext.data.batching import BatchLayout
+    from megatron_ext.train.data import as_dict
+
+    arch = plan.arch
+    size = arch.vision.image_size
+    layout = BatchLayout(pad_token_id=arch.pad_token_id, image_token_index=arch.image_token_index,
+                         img_seq_len=arch.img_seq_len, max_length=preset.seq_length, image_shape=(3, size, size),
+                         alignment=plan.execution.alignment)
+    samples = []
+    for i in range(preset.samples_per_step):
+        n = int(rng.integers(*preset.text_tokens))
+        ids = rng.integers(0, arch.text.vocab_size - 2, n)
+        ids[1] = arch.image_token_index
+        labels = np.append(ids[1:], arch.pad_token_id)
+        answer = np.arange(n) >= int(0.4 * n)  # the last 60% of the tokens are the trained answer
+        answer[-1] = False
+        images = [torch.randn(3, size, size)]
+        samples.append(layout.sample(Sample(__key__=str(i), __restore_key__=()), ids, labels, answer, images, False))
+    groups = [layout.pack(pack) for pack in layout.packs(samples)] if packing else samples
+    return [as_dict(layout.batch([group])) for group in groups]
+
+
+def _synchronize():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_memory_gib() -> float:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: int, peak_tflops: float) -> dict:
+
+    from megatron_ext.distributed import device, init_parallel, shutdown
+    from megatron_ext.model.inputs import ModelInputs
+    from megatron_ext.train.flops import iteration_flops
+    from megatron_ext.train.model_setup import build_training_model
+    from megatron_ext.train.step import make_forward_step, train_step
+    from megatron_ext.train.trainer import BATCH_STATS, batch_stats
+
+    preset = PRESETS[preset_name]
+    plan = make_plan(preset, options, warmup + iters)
+    init_parallel(1, 1, seed=1234)
+    trained = build_training_model(plan)
+    inputs = ModelInputs.for_model(plan.arch, trained.model, device())
+    forward_step = make_forward_step(inputs)
+    rng = np.random.default_rng(0)
+    steps = [synthetic_micro_batches(plan, preset, packing, rng) for _ in range(warmup + iters)]
+    timed = dict(zip(BATCH_STATS, sum(batch_stats(step, inputs) for step in steps[warmup:]).tolist()))
+    losses = []
+    for step, micro_batches in enumerate(steps):
+        if step == warmup:
+            _synchronize()
+            start = time.perf_counter()
+        losses.append(train_step(trained, forward_step, micro_batches, plan.seq_length, micro_batch_size=1).loss)
+    _synchronize()
+    seconds = time.perf_counter() - start
+    flops = iteration_flops(plan.arch, positions=timed["positions"], squared_lengths=timed["squared_lengths"],
+                            images=timed["images"], lm_trained=True, vit_trained=False)
+    tflops = flops / seconds / 1e12
+    shutdown()
+    return {
+        "preset": preset_name, "attention_backend": plan.execution.attention_backend, "packing": packing,
+        "recompute": plan.execution.recompute_granularity or "none", "fp8": plan.execution.fp8,
+        "dtype": plan.dtype, "seq_length": plan.seq_length, "iterations": iters,
+        "micro_batches_per_step": round(sum(len(s) for s in steps[warmup:]) / iters, 2),
+        "parameters": sum(p.numel() for p in trained.model.parameters()),
+        "loss_first": losses[0], "loss_last": losses[-1],
+        "padding_share": 1 - timed["positions"] / timed["model_positions"],
+        "step_time_s": seconds / iters, "tokens_per_s": timed["positions"] / seconds, "tflops_per_gpu": tflops,
+        "mfu": tflops / peak_tflops, "peak_mem_gib": _peak_memory_gib(),
+    }
+
+
+def _device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+def sweep(argv: list[str]) -> dict:
+    """Every variant in its own process (clean peak memory), same other options."""
+    from megatron_ext.model.backends import te_available
+
+    variants = {**SWEEP, **(TE_SWEEP if te_available() else {})}
+    results = {}
+    for name, extra in variants.items():
+        proc = subprocess.run([sys.executable, __file__, *argv, *extra], capture_output=True, text=True)
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            results[name] = {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+        else:
+            results[name] = json.loads(lines[-1])
+        print(f"{name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
+    print("| variant | tokens/s | TFLOP/s | MFU | peak GiB | step s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"| {name} | failed: {r['error']} | | | | |")
+        else:
+            print(f"| {name} | {r['tokens_per_s']:.0f} | {r['tflops_per_gpu']:.3g} | {r['mfu']:.2%} | "
+                  f"{r['peak_mem_gib']:.1f} | {r['step_time_s']:.3f} |")
+    return {"device": _device_name(), "variants": results}
+
+
+@click.command()
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="1b", show_default=True)
+@click.option("--attention-backend", type=click.Choice(["auto", "te", "sdpa", "local"]), default="sdpa",
+              show_default=True)
+@click.option("--packing/--no-packing", default=True, show_default=True,
+              help="Pack samples into sequences of the preset's length (else one sample per micro batch).")
+@click.option("--recompute-granularity", type=click.Choice(["none", "selective", "full"]), default="none",
+              show_default=True)
+@click.option("--fp8", is_flag=True, help="FP8 through Transformer Engine (--attention-backend te).")
+@click.option("--iters", type=int, default=10, show_default=True, help="Timed optimizer steps.")
+@click.option("--warmup", type=int, default=3, show_default=True, help="Untimed steps first.")
+@click.option("--peak-tflops", type=float, default=989.0, show_default=True,
+              help="Peak dense TFLOP/s the MFU is taken against (989: H100 SXM bf16).")
+@click.option("--sweep", "run_sweep", is_flag=True, help="Run every variant of BENCHMARKS.md, each in its own process.")
+def main(preset, attention_backend, packing, recompute_granularity, fp8, iters, warmup, peak_tflops, run_sweep):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if run_sweep:
+        argv = ["--preset", preset, "--iters", str(iters), "--warmup", str(warmup), "--peak-tflops", str(peak_tflops)]
+        print(json.dumps(sweep(argv)))
+        return
+    options = {"attention_backend": attention_backend, "recompute_granularity": recompute_granularity, "fp8": fp8,
+               "packing_seq_length": PRESETS[preset].seq_length if packing else None}
+    result = run_one(preset, options, packing, iters, warmup, peak_tflops)
+    print(json.dumps({"device": _device_name(), **result}))
+
+
+if __name__ == "__main__":
+    main()

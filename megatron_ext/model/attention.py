@@ -1,0 +1,105 @@
+"""Core attention on PyTorch's own kernels, for layer specs without Transformer Engine.
+
+megatron-core 0.16's local `DotProductAttention` materialises the S x S score matrix and runs a
+softmax over it: memory and time quadratic in the sequence, no flash kernel. `SDPAttention` has
+the same constructor and forward interface and computes the same function with
+`torch.nn.functional.scaled_dot_product_attention`, which picks a flash / cuDNN / memory-efficient
+kernel on GPU (grouped-query attention without repeating K/V) and runs everywhere, CPU included.
+
+Three input forms, as megatron-core's attention layer hands them over:
+- unpacked `[s, b, heads, dim]`, causal or bidirectional by `attn_mask_type`;
+- with a dense `attention_mask` (megatron's convention: True = masked out), e.g. packed rows of a
+  micro batch larger than one;
+- packed THD `[t, heads, dim]` with `PackedSeqParams`: each sub-sequence is attended separately
+  (causally), one kernel call each, so no mask is materialised and the flash kernel stays usable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _causal(mask_type) -> bool:
+    from megatron.core.transformer.enums import AttnMaskType
+
+    return mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
+
+
+class SDPAttention(torch.nn.Module):
+    """Drop-in `core_attention` for megatron-core's `SelfAttention` (same arguments as DotProductAttention)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__()
+        from megatron.core.utils import divide
+
+        if config.context_parallel_size != 1:
+            raise ValueError("context parallelism needs Transformer Engine attention (--attention-backend te)")
+        if config.window_size is not None or getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError("sliding-window attention and softmax variants need --attention-backend local or te")
+        tp = pg_collection.tp.size() if pg_collection is not None else _tensor_parallel_size()
+        self.config = config
+        self.attn_mask_type = attn_mask_type
+        self.heads = divide(config.num_attention_heads, tp)
+        self.groups = divide(config.num_query_groups, tp)
+        # apply_query_key_layer_scaling divides and re-multiplies the scores by the layer number in
+        # DotProductAttention (an fp16 overflow guard); the net scale is this one.
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None:
+            raise ValueError("attention bias is not supported by the sdpa attention backend")
+        causal = _causal(self.attn_mask_type if attn_mask_type is None else attn_mask_type)
+        dropout = self.dropout if self.training else 0.0
+        with self._dropout_rng(dropout):
+            if packed_seq_params is not None:
+                return self._packed(query, key, value, packed_seq_params, causal, dropout)
+            # [s, b, h, d] -> [b, h, s, d] and back to [s, b, h * d]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out = self._attend(q, k, v, attention_mask, causal, dropout)
+            return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+    def _packed(self, query, key, value, params, causal: bool, dropout: float):
+        """THD: [t, h, d] holding several sequences back to back; the boundaries the rotary
+        embedding used (the padded ones when given) delimit them here too."""
+        cu_seqlens = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        bounds = cu_seqlens.tolist()
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+            outs.append(self._attend(q, k, v, None, causal, dropout)[0].transpose(0, 1))
+        return torch.cat(outs).reshape(query.shape[0], -1)
+
+    def _attend(self, q, k, v, attention_mask, causal: bool, dropout: float):
+        """[b, h, sq, d] attention; a given mask replaces the causal rule (it already holds it)."""
+        mask = None
+        if attention_mask is not None:
+            mask, causal = ~attention_mask, False
+        elif causal and q.shape[-2] != k.shape[-2]:
+            # Fewer queries than keys: they are the last positions (SDPA's own is_causal aligns top-left).
+            sq, sk = q.shape[-2], k.shape[-2]
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
+            causal = False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                              scale=self.softmax_scale, enable_gqa=self.heads != self.groups)
+
+    def _dropout_rng(self, dropout: float):
+        if dropout == 0.0 or self.config.sequence_parallel:
+            return contextlib.nullcontext()
+        from megatron.core import tensor_parallel
+
+        # Heads differ across TP ranks, so their dropout draws from the model-parallel RNG stream.
+        return tensor_parallel.get_cuda_rng_tracker().fork()
+
+
+def _tensor_parallel_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()

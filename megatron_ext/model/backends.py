@@ -1,0 +1,37 @@
+"""Which layer implementation runs: Transformer Engine, or megatron-core's local layers with torch
+SDPA or megatron's reference attention kernel. Imports no torch until asked whether TE is usable
+(the launcher checks a command without it).
+
+- `te`: TE layers (fused norms, FP8, THD packed attention, sequence/context parallelism); GPU only.
+- `sdpa`: local layers with `attention.SDPAttention` (flash / cuDNN kernels on GPU; runs on CPU).
+- `local`: local layers with megatron's `DotProductAttention` (the S x S reference kernel).
+"""
+
+from __future__ import annotations
+
+from megatron_ext.errors import UserError
+
+ATTENTION_BACKENDS = ("te", "sdpa", "local")
+TE_MISSING = ("Transformer Engine with CUDA, which is not importable here; install the gpu extra "
+              "(pip install 'megatron-ext[gpu]') or run inside the Singularity image (--sif-path)")
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_backend(requested: str, te: bool) -> str:
+    """"auto" means te where Transformer Engine is usable (`te`), else sdpa; te without it is refused."""
+    if requested == "auto":
+        return "te" if te else "sdpa"
+    if requested not in ATTENTION_BACKENDS:
+        raise UserError(f"--attention-backend {requested!r}: choose auto, {', '.join(ATTENTION_BACKENDS)}")
+    if requested == "te" and not te:
+        raise UserError(f"--attention-backend te needs {TE_MISSING}; or use --attention-backend sdpa")
+    return requested

@@ -1,0 +1,81 @@
+"""A micro batch (the task encoder's `LlavaBatch` as a dict) as `LLaVAModel.forward` arguments.
+
+Packed samples must not attend to each other, and each attention backend is told so its own way:
+- te, sdpa: a one-row micro batch goes as THD (`PackedSeqParams`, cu_seqlens in the combined
+  sequence, where an image token is `img_seq_len` positions). Transformer Engine needs it for
+  packing and context parallelism, megatron-core's RoPE restarts positions at every sample, and
+  the sdpa backend attends each sub-sequence with a causal kernel call. Unpacked one-row batches
+  take the same path (one sub-sequence), so there is one way per backend.
+- local (any micro batch size), sdpa with several packed rows: a dense block-diagonal mask.
+- unpacked rows: the layers' causal mask; padding sits at the end of a row, where nothing real
+  attends to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_ext.data.packing import combined_seq_len, packed_attention_mask, thd_boundaries
+from megatron_ext.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    image_token_index: int
+    img_seq_len: int
+    seq_length: int  # the model's language_max_sequence_length
+    pipeline_parallel: bool  # LLaVAModel then pads every batch to seq_length
+    backend: str  # resolved: te | sdpa | local
+    dtype: torch.dtype  # compute dtype: images are cast to it (the ViT's weights have it)
+    device: torch.device
+
+    @classmethod
+    def for_model(cls, arch, model, device: torch.device) -> "ModelInputs":
+        """For this rank's LLaVAModel of `arch` (`provider.build_model`), under the current parallel state."""
+        from megatron.core import parallel_state
+
+        return cls(arch.image_token_index, arch.img_seq_len, model.language_model.max_sequence_length,
+                   parallel_state.get_pipeline_model_parallel_world_size() > 1, model.attention_backend,
+                   model.config.params_dtype, device)
+
+    def combined_length(self, input_ids: torch.Tensor) -> int:
+        return combined_seq_len(input_ids, self.image_token_index, self.img_seq_len, self.seq_length,
+                                pad_to_max=self.pipeline_parallel)
+
+    def __call__(self, batch: dict) -> dict:
+        input_ids, segment_ids = batch["input_ids"], batch["segment_ids"]
+        kwargs = {
+            "images": batch["images"].to(self.device, self.dtype),
+            "input_ids": input_ids.to(self.device),
+            "position_ids": None,
+            "attention_mask": None,
+            "labels": batch["labels"].to(self.device),
+            "loss_mask": batch["loss_mask"].to(self.device),
+        }
+        packed = int(segment_ids.max()) > 1
+        length = self.combined_length(input_ids)
+        if self.backend != "local" and input_ids.shape[0] == 1:
+            kwargs["packed_seq_params"] = self.packed_seq_params(input_ids, segment_ids, length)
+        elif packed:
+            if self.backend == "te":
+                raise UserError("packed micro batches of several rows cannot use Transformer Engine attention: "
+                                "use --micro-batch-size 1 (one packed sequence per micro batch)")
+            kwargs["attention_mask"] = packed_attention_mask(input_ids, segment_ids, self.image_token_index,
+                                                             self.img_seq_len, length).to(self.device)
+        return kwargs
+
+    def packed_seq_params(self, input_ids: torch.Tensor, segment_ids: torch.Tensor, length: int):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        bounds = thd_boundaries(input_ids, segment_ids, self.image_token_index, self.img_seq_len, length)
+        # TE reads cu_seqlens on the GPU; the sdpa backend slices by them on the host, so they stay there.
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int32,
+                                  device=self.device if self.backend == "te" else torch.device("cpu"))
+        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        # Samples are padded to what context parallelism needs, so the padded boundaries are the same.
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                               cu_seqlens_q_padded=cu_seqlens, cu_seqlens_kv_padded=cu_seqlens,
+                               max_seqlen_q=longest, max_seqlen_kv=longest)
+

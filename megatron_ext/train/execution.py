@@ -1,0 +1,122 @@
+"""How a run executes on its devices: attention backend, sequence and context parallelism, FP8,
+activation recomputation, communication overlap, and the sequence lengths these need.
+
+`resolve_execution` fills in every "auto" and checks the combination, raising one UserError that
+names the flag. The launcher calls it before anything starts and the trainer again when it plans
+its run (where Transformer Engine is really imported), so both refuse the same things in the same
+words. Imports no torch: run.py --dry-run stays fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from megatron_ext.errors import UserError
+from megatron_ext.model.backends import TE_MISSING, resolve_backend
+from megatron_ext.model.sequence_alignment import SequenceAlignment, round_up, sequence_alignment
+from megatron_ext.train.options import TrainConfig
+
+
+@dataclass(frozen=True)
+class Execution:
+    data_parallel_size: int
+    attention_backend: str  # te | sdpa | local
+    sequence_parallel: bool
+    cp: int
+    fp8: bool
+    recompute_granularity: str | None  # None | selective | full
+    recompute_method: str
+    recompute_num_layers: int
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+    ddp_bucket_size: int | None
+    alignment: SequenceAlignment
+
+    @property
+    def thd_packing(self) -> bool:
+        """Packed samples reach the attention as THD sub-sequences (te, sdpa); the local kernel
+        takes a block-diagonal mask instead."""
+        return self.attention_backend != "local"
+
+    def summary(self) -> dict:
+        return asdict(self)
+
+
+def _needs_te(what: str, requested: str, backend: str) -> None:
+    if backend == "te":
+        return
+    if requested != "auto":
+        raise UserError(f"{what} needs Transformer Engine layers; it cannot run with --attention-backend {requested} "
+                        "(use --attention-backend te or auto)")
+    raise UserError(f"{what} needs {TE_MISSING}")
+
+
+def resolve_execution(config: TrainConfig, world_size: int, te: bool) -> Execution:
+    """`config` with stage defaults resolved; `te`: Transformer Engine is usable where the trainer runs."""
+    requested = config.attention_backend
+    backend = resolve_backend(requested, te)
+    if config.fp8:
+        _needs_te("--fp8", requested, backend)
+    if config.sequence_parallel:
+        _needs_te("--sequence-parallel", requested, backend)
+    for flag, value in (("--tp", config.tp), ("--pp", config.pp), ("--cp", config.cp)):
+        if value < 1:
+            raise UserError(f"{flag} {value} must be >= 1")
+    if config.cp > 1:
+        _needs_te(f"--cp {config.cp} (context parallelism)", requested, backend)
+        if config.micro_batch_size != 1:
+            raise UserError(f"--cp {config.cp} splits one sequence per micro batch over the context-parallel ranks: "
+                            f"use --micro-batch-size 1 (got {config.micro_batch_size})")
+    model_parallel = config.tp * config.pp * config.cp
+    if world_size % model_parallel:
+        layout = f"--tp {config.tp} x --pp {config.pp}" + (f" x --cp {config.cp}" if config.cp > 1 else "")
+        raise UserError(f"{layout} = {model_parallel} does not divide the number of processes ({world_size})")
+    if backend == "te" and config.packing_seq_length and config.micro_batch_size != 1:
+        raise UserError(f"--packing-seq-length with Transformer Engine attention packs one sequence per micro batch: "
+                        f"use --micro-batch-size 1 (got {config.micro_batch_size}) and a longer --packing-seq-length "
+                        "for more tokens per micro batch")
+    if config.overlap_param_gather and not config.dist_optim:
+        raise UserError("--overlap-param-gather overlaps the all-gather of --dist-optim; add --dist-optim")
+    if config.recompute_num_layers < 1:
+        raise UserError(f"--recompute-num-layers must be >= 1, got {config.recompute_num_layers}")
+    if config.ddp_bucket_size is not None and config.ddp_bucket_size < 1:
+        raise UserError(f"--ddp-bucket-size must be >= 1, got {config.ddp_bucket_size}")
+
+    generates = config.eval_generate_samples > 0
+    if generates and (config.sequence_parallel or config.cp > 1):
+        raise UserError("--eval-generate-samples generates answers, which megatron-core's LLaVAModel cannot do under "
+                        "sequence or context parallelism: drop it (score a checkpoint with scripts/eval/evaluate.py) "
+                        "or use --no-sequence-parallel and --cp 1")
+    sequence_parallel = config.sequence_parallel
+    if sequence_parallel is None:
+        sequence_parallel = backend == "te" and config.tp > 1 and not generates
+    recompute = config.recompute_granularity
+    if recompute == "auto":
+        recompute = "selective" if backend == "local" else "none"
+    alignment = sequence_alignment(config.tp, config.cp, sequence_parallel, config.fp8)
+    if config.seq_length is not None and config.seq_length % alignment.total:
+        raise UserError(f"--seq-length {config.seq_length} must be a multiple of {alignment.total} for "
+                        f"{_alignment_reason(config, sequence_parallel)}; use {round_up(config.seq_length, alignment.total)}")
+    return Execution(
+        data_parallel_size=world_size // model_parallel,
+        attention_backend=backend,
+        sequence_parallel=sequence_parallel,
+        cp=config.cp,
+        fp8=config.fp8,
+        recompute_granularity=None if recompute == "none" else recompute,
+        recompute_method=config.recompute_method,
+        recompute_num_layers=config.recompute_num_layers,
+        overlap_grad_reduce=True if config.overlap_grad_reduce is None else config.overlap_grad_reduce,
+        overlap_param_gather=config.dist_optim if config.overlap_param_gather is None else config.overlap_param_gather,
+        ddp_bucket_size=config.ddp_bucket_size,
+        alignment=alignment,
+    )
+
+
+def _alignment_reason(config: TrainConfig, sequence_parallel: bool) -> str:
+    reasons = [f"sequence parallelism over --tp {config.tp}"] if sequence_parallel else []
+    if config.cp > 1:
+        reasons.append(f"--cp {config.cp}")
+    if config.fp8:
+        reasons.append("--fp8")
+    return " and ".join(reasons)

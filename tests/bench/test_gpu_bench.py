@@ -1,0 +1,35 @@
+"""bench/gpu_bench.py runs end to end on its tiny preset (the code the GPU figures come from)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO_ROOT, child_env
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+
+def _bench(*args) -> dict:
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "gpu_bench.py"), "--preset", "tiny",
+                           "--iters", "2", "--warmup", "1", *args], capture_output=True, text=True, timeout=240,
+                          env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("args", [(), ("--attention-backend", "local", "--no-packing", "--recompute-granularity",
+                                       "selective", "--peak-tflops", "0.5")], ids=["sdpa-packed", "local-unpacked"])
+def test_prints_throughput_as_a_final_json_line(args):
+    result = _bench(*args)
+    for key in ("tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib"):
+        assert result[key] > 0, key
+    peak = float(args[-1]) if args else 989.0
+    assert result["mfu"] == pytest.approx(result["tflops_per_gpu"] / peak)
+    assert result["attention_backend"] == ("local" if args else "sdpa")
+    assert result["packing"] is not bool(args)
+    # Packs hold several samples: fewer micro batches than the 16 samples of a step.
+    assert (result["micro_batches_per_step"] < 16) is not bool(args)

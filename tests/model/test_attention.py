@@ -1,0 +1,125 @@
+"""The sdpa core attention computes what plain softmax attention computes, in every form
+megatron-core's attention layer hands it (no process group needed)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_ext.model.attention import SDPAttention
+
+HEADS, GROUPS, DIM = 4, 2, 8
+
+
+def _attention(mask_type: str, heads: int = HEADS, groups: int = GROUPS, tp: int = 1):
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=heads * DIM, num_attention_heads=heads,
+                               num_query_groups=groups, kv_channels=DIM, attention_dropout=0.0,
+                               use_cpu_initialization=True)
+    group = SimpleNamespace(size=lambda: tp)
+    return SDPAttention(config, 1, AttnMaskType[mask_type], pg_collection=SimpleNamespace(tp=group))
+
+
+def _reference(q, k, v, allowed):
+    """softmax(q k^T / sqrt(d)) v with K/V repeated per query group. q: [b, h, sq, d]; allowed: [b|1, 1, sq, sk]."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+
+
+def _qkv(s: int, b: int, heads: int = HEADS, groups: int = GROUPS):
+    """megatron layout [s, b, heads, dim], float64 so differences are the kernels' and not rounding."""
+    gen = torch.Generator().manual_seed(s * 10 + b)
+    return [torch.randn(s, b, n, DIM, generator=gen, dtype=torch.float64, requires_grad=True)
+            for n in (heads, groups, groups)]
+
+
+def _bhsd(t):
+    return t.permute(1, 2, 0, 3)
+
+
+def _sbh(out):  # [b, h, s, d] -> [s, b, h * d]
+    return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
+def _check(got, expected, inputs):
+    assert got.shape == expected.shape
+    assert torch.allclose(got, expected, atol=1e-10)
+    grads = torch.autograd.grad((got * torch.arange(got.numel()).reshape(got.shape).cos()).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * torch.arange(got.numel()).reshape(got.shape).cos()).sum(), inputs)
+    for a, b in zip(grads, expected_grads):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 2), (4, 4), (4, 1)])
+def test_causal_with_grouped_query_attention(heads, groups):
+    q, k, v = _qkv(7, 2, heads, groups)
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()[None, None]
+    got = _attention("causal", heads, groups)(q, k, v, None)
+    _check(got, _sbh(_reference(_bhsd(q), _bhsd(k), _bhsd(v), causal)), (q, k, v))
+
+
+def test_bidirectional_vision_attention():
+    q, k, v = _qkv(5, 3)
+    got = _attention("no_mask")(q, k, v, None)
+    _check(got, _sbh(_reference(_bhsd(q), _bhsd(k), _bhsd(v), torch.ones(1, 1, 5, 5, dtype=torch.bool))), (q, k, v))
+
+
+def test_dense_mask_in_megatrons_convention_replaces_the_causal_rule():
+    from megatron_ext.data.packing import packed_attention_mask
+
+    q, k, v = _qkv(6, 2)
+    # Row 0: samples of 4 and 2 positions; row 1: one sample of 3, then padding.
+    mask = packed_attention_mask(torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 0, 0, 0]]),
+                                 torch.tensor([[1, 1, 1, 1, 2, 2], [1, 1, 1, 0, 0, 0]]), 99, 1, 6)
+    got = _attention("causal")(q, k, v, mask)
+    _check(got, _sbh(_reference(_bhsd(q), _bhsd(k), _bhsd(v), ~mask)), (q, k, v))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_thd_attends_each_sub_sequence_causally(padded):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    q, k, v = (t[:, 0] for t in _qkv(9, 1))  # THD: [t, heads, dim]
+    cu = torch.tensor([0, 4, 6, 9], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu if not padded else torch.tensor([0, 3, 5, 7]).int(),
+                             cu_seqlens_kv=cu, cu_seqlens_q_padded=cu if padded else None,
+                             cu_seqlens_kv_padded=cu if padded else None, max_seqlen_q=4, max_seqlen_kv=4)
+    got = _attention("padding_causal")(q, k, v, None, packed_seq_params=params)
+    segment = torch.repeat_interleave(torch.arange(3), cu.diff())
+    allowed = (segment[:, None] == segment[None, :]) & torch.ones(9, 9, dtype=torch.bool).tril()
+    expected = _reference(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], allowed[None, None])
+    _check(got, expected[0].transpose(0, 1).reshape(9, -1), (q, k, v))
+
+
+def test_fewer_queries_than_keys_are_the_last_positions():
+    q, k, v = _qkv(6, 1)
+    q_last = q[-2:]
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril()[-2:][None, None]
+    got = _attention("causal")(q_last, k, v, None)
+    _check(got, _sbh(_reference(_bhsd(q_last), _bhsd(k), _bhsd(v), allowed)), (q, k, v))
+
+
+def test_heads_are_split_over_tensor_parallel_ranks():
+    attention = _attention("causal", heads=8, groups=4, tp=2)
+    assert (attention.heads, attention.groups) == (4, 2)
+    q, k, v = _qkv(5, 1, 4, 2)  # this rank's share
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
+    _check(attention(q, k, v, None), _sbh(_reference(_bhsd(q), _bhsd(k), _bhsd(v), causal)), (q, k, v))
+
+
+def test_refuses_what_it_cannot_compute():
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, context_parallel_size=2)
+    with pytest.raises(ValueError, match="context parallelism needs Transformer Engine"):
+        SDPAttention(config, 1, AttnMaskType.causal, pg_collection=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)))
+    q, k, v = _qkv(3, 1)
+    with pytest.raises(ValueError, match="attention bias"):
+        _attention("causal")(q, k, v, None, attention_bias=torch.zeros(1))

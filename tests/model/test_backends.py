@@ -1,0 +1,73 @@
+"""The attention backends and batch layouts compute the same per-token losses through megatron-core's
+LLaVAModel (fp32, CPU, a GQA model with images): sdpa equals megatron's reference kernel, packed
+samples equal the same samples alone, aligned (padded) batches equal unpadded ones, at TP1 and TP2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_torchrun
+
+WORKER = str(Path(__file__).with_name("backend_worker.py"))
+LAYOUTS = ("unpacked", "unpacked-rows", "packed", "packed-rows")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, megatron_clip) -> dict[int, dict]:
+    """The worker's losses at TP1 and TP2."""
+    out = {}
+    for tp in (1, 2):
+        path = tmp_path_factory.mktemp(f"backends_tp{tp}") / "losses.json"
+        run_torchrun(tp, WORKER, megatron_clip, path, timeout=300)
+        out[tp] = json.loads(path.read_text())
+        assert out[tp]["tp"] == tp
+    return out
+
+
+@pytest.fixture(params=[1, 2], ids=["tp1", "tp2"])
+def losses(request, runs) -> dict:
+    return runs[request.param]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and all(len(a[k]) == len(b[k]) > 0 for k in a)
+    return max(abs(x - y) for k in a for x, y in zip(a[k], b[k]))
+
+
+def _mean(losses: dict) -> float:
+    values = [x for v in losses.values() for x in v]
+    return sum(values) / len(values)
+
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + tuple(f"aligned {name}" for name in LAYOUTS))
+def test_sdpa_equals_the_reference_kernel(losses, layout):
+    assert _max_diff(losses[f"sdpa/{layout}"], losses[f"local/{layout}"]) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "local"])
+def test_packed_samples_equal_the_same_samples_alone(losses, backend):
+    assert max(losses[f"{backend}/pack sizes"]) >= 3
+    unpacked = losses[f"{backend}/unpacked"]
+    for layout in ("unpacked-rows", "packed", "packed-rows"):
+        assert _max_diff(losses[f"{backend}/{layout}"], unpacked) <= 1e-5, layout
+    # Not kept apart (no THD boundaries, no mask), packed samples see each other: the check has teeth.
+    assert _max_diff(losses[f"{backend}/packed, samples not kept apart"], unpacked) > 1e-2
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "local"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_aligned_batches_give_the_loss_of_unpadded_ones(losses, backend, layout):
+    plain, aligned = losses[f"{backend}/{layout}"], losses[f"{backend}/aligned {layout}"]
+    assert _max_diff(aligned, plain) <= 1e-5
+    assert _mean(aligned) == pytest.approx(_mean(plain), rel=1e-6)
+
+
+def test_tensor_parallel_ranks_give_the_losses_of_one(runs):
+    for name in ("sdpa/packed", "sdpa/unpacked-rows", "local/packed-rows", "sdpa/aligned packed"):
+        assert _max_diff(runs[2][name], runs[1][name]) <= 1e-5, name

@@ -1,0 +1,88 @@
+"""How a run executes: backends, sequence/context parallelism, FP8, recomputation and overlap,
+resolved and refused in one line before anything starts (no torch needed)."""
+
+from __future__ import annotations
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from megatron_ext.errors import UserError
+from megatron_ext.train.execution import resolve_execution
+from megatron_ext.train.options import TrainConfig
+
+
+def _resolve(world: int = 1, te: bool = False, **options):
+    return resolve_execution(TrainConfig(stage=2, **options).resolved(), world, te)
+
+
+def test_auto_picks_te_where_it_is_usable_else_sdpa():
+    assert _resolve(te=True).attention_backend == "te"
+    assert _resolve(te=False).attention_backend == "sdpa"
+    assert _resolve(te=True, attention_backend="local").attention_backend == "local"
+
+
+def test_defaults_follow_the_backend_and_layout():
+    te_tp2 = _resolve(world=4, te=True, tp=2, dist_optim=True)
+    assert te_tp2.sequence_parallel and te_tp2.alignment.total == 2 and te_tp2.data_parallel_size == 2
+    assert te_tp2.recompute_granularity is None
+    assert te_tp2.overlap_grad_reduce and te_tp2.overlap_param_gather
+    assert not _resolve(world=2, te=True, tp=2, sequence_parallel=False).sequence_parallel
+    # Generation during training runs without sequence parallelism.
+    assert not _resolve(world=2, te=True, tp=2, eval_interval=5, eval_generate_samples=2).sequence_parallel
+    local = _resolve(attention_backend="local")
+    assert local.recompute_granularity == "selective" and not local.overlap_param_gather
+    full = _resolve(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "block", 2)
+    cp = _resolve(world=8, te=True, tp=2, cp=2)
+    assert (cp.alignment.total, cp.alignment.per_sample, cp.data_parallel_size) == (8, 4, 2)
+    assert _resolve(te=True, fp8=True).alignment.total == 16
+
+
+REFUSED = {
+    "te without TE": (dict(attention_backend="te"), "--attention-backend te needs Transformer Engine with CUDA"),
+    "fp8 without TE": (dict(fp8=True), "--fp8 needs Transformer Engine with CUDA, which is not importable here"),
+    "fp8 with sdpa": (dict(fp8=True, attention_backend="sdpa", te=True),
+                      "--fp8 needs Transformer Engine layers; it cannot run with --attention-backend sdpa"),
+    "sp with local": (dict(world=2, tp=2, sequence_parallel=True, attention_backend="local", te=True),
+                      "--sequence-parallel needs Transformer Engine layers; it cannot run with --attention-backend local"),
+    "sp without TE": (dict(world=2, tp=2, sequence_parallel=True), "--sequence-parallel needs Transformer Engine"),
+    "cp without TE": (dict(world=2, cp=2), "--cp 2 (context parallelism) needs Transformer Engine"),
+    "cp micro batch": (dict(world=2, cp=2, te=True, micro_batch_size=2),
+                       "--cp 2 splits one sequence per micro batch over the context-parallel ranks: use --micro-batch-size 1"),
+    "layout": (dict(world=4, tp=2, cp=3, te=True), "--tp 2 x --pp 1 x --cp 3 = 6 does not divide the number of processes (4)"),
+    "packed rows under TE": (dict(te=True, packing_seq_length=4096, micro_batch_size=2),
+                             "--packing-seq-length with Transformer Engine attention packs one sequence per micro batch"),
+    "param gather": (dict(overlap_param_gather=True), "--overlap-param-gather overlaps the all-gather of --dist-optim"),
+    "seq length": (dict(world=4, tp=4, te=True, seq_length=2050),
+                   "--seq-length 2050 must be a multiple of 4 for sequence parallelism over --tp 4; use 2052"),
+    "generation under sp": (dict(world=2, tp=2, te=True, sequence_parallel=True, eval_interval=5, eval_generate_samples=2),
+                            "--eval-generate-samples generates answers"),
+    "recompute layers": (dict(recompute_num_layers=0), "--recompute-num-layers must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_refused_in_one_line_naming_the_flag(name):
+    options, message = REFUSED[name]
+    with pytest.raises(UserError) as info:
+        _resolve(**options)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_switches_round_trip_through_the_command_line():
+    from megatron_ext.train.cli import trainer_options
+    from megatron_ext.train.options import to_argv
+
+    seen = {}
+
+    @click.command()
+    @trainer_options
+    def command(config):
+        seen["config"] = config
+
+    argv = to_argv({"sequence_parallel": False, "overlap_grad_reduce": True, "cp": 2})
+    assert argv == ["--no-sequence-parallel", "--overlap-grad-reduce", "--cp", "2"]
+    assert CliRunner().invoke(command, argv).exit_code == 0
+    config = seen["config"]
+    assert (config.sequence_parallel, config.overlap_grad_reduce, config.overlap_param_gather, config.cp) == (False, True, None, 2)
