@@ -7,10 +7,8 @@ Megatron-LM does, so TP/PP/DP layouts start from identical weights.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
-import socket
 
 import torch
 
@@ -18,10 +16,12 @@ from megatron_ext import cpu_support
 from megatron_ext.errors import UserError
 
 
-def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def local_store():
+    """A TCPStore server on a port the OS picks, for processes of this machine to meet at (a port
+    found free and then released could be taken by someone else before it is bound again)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def device() -> torch.device:
@@ -45,7 +45,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str | Non
         if "MASTER_ADDR" in os.environ:  # started by torchrun (or SLURM + env), env:// rendezvous
             dist.init_process_group(**options)
         else:  # a lone process: a world of one, leaving the environment as it was for child processes
-            dist.init_process_group(**options, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            dist.init_process_group(**options, store=local_store(), rank=0, world_size=1)
     world = dist.get_world_size()
     if world % (tp * pp * cp):
         raise UserError(f"--tp {tp} x --pp {pp} x --cp {cp} = {tp * pp * cp} does not divide the number of "

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing.process
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,40 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def _in_process_only(item):
+    """A test not marked `multiprocess` (and the fixtures set up for it) starts no process and no
+    torch.distributed process group: `pytest -m "not multiprocess"` is the quick, in-process subset."""
+    if item.get_closest_marker("multiprocess"):
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{item.nodeid} starts a process (or a fixture it uses does): mark it multiprocess")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refuse)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        patch.setattr(os, "fork", refuse)
+        patch.setattr(os, "forkpty", refuse)
+        yield
+    distributed = sys.modules.get("torch.distributed")
+    assert not (distributed and distributed.is_initialized()), \
+        f"{item.nodeid} initialised torch.distributed: mark it multiprocess"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _in_process_only(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _in_process_only(item):
+        yield
 
 
 @pytest.fixture(scope="session")

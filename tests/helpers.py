@@ -1,13 +1,14 @@
-"""Running real scripts and torchrun jobs from tests, always with a timeout."""
+"""Running real scripts and torchrun jobs from tests: always with a timeout, always in a process
+group of their own that is killed afterwards, so no trainer outlives its test."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
-
-from megatron_ext.distributed import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,29 +27,66 @@ def child_env(gpu: bool = False, **extra: str) -> dict[str, str]:
     return env
 
 
-def _checked(cmd: list[str], proc: subprocess.CompletedProcess, check: bool) -> subprocess.CompletedProcess:
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
-    return proc
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc`, its process group and every process it started: torchrun starts each rank in
+    a session of its own, so the group alone would leave the ranks running (as a node failure would not)."""
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    proc.wait()
+    psutil.wait_procs(family, timeout=30)
 
 
-def run_script(script: str, *args, timeout: float = 300, env: dict | None = None, check: bool = True,
-               cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`python scripts/<script> args...`; output captured; a hang fails the test after `timeout` s."""
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / script), *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or child_env(),
-                          cwd=cwd or REPO_ROOT)
-    return _checked(cmd, proc, check)
+@contextlib.contextmanager
+def started(cmd: list[str], **popen):
+    """`cmd` started in a new process group, killed with everything it started when the block ends."""
+    popen.setdefault("env", child_env())
+    popen.setdefault("cwd", REPO_ROOT)
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+    try:
+        yield proc
+    finally:
+        kill_tree(proc)
+
+
+def run(cmd: list[str], *, timeout: float, env: dict | None = None, check: bool = True,
+        cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`cmd` with output captured; a hang fails the test after `timeout` s, its process group killed."""
+    with started(cmd, env=env or child_env(), cwd=cwd or REPO_ROOT, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, text=True) as proc:
+        out, err = proc.communicate(timeout=timeout)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-6000:]}")
+    return result
+
+
+def run_python(path: str | Path, *args, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """`python path args...` (a path relative to the repository root, or absolute)."""
+    return run([sys.executable, str(REPO_ROOT / path), *map(str, args)], timeout=timeout, **kwargs)
+
+
+def run_script(script: str, *args, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """`python scripts/<script> args...`."""
+    return run_python(Path("scripts") / script, *args, timeout=timeout, **kwargs)
 
 
 def run_torchrun(nproc: int, target: str, *args, timeout: float = 300, env: dict | None = None,
                  check: bool = True) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node N target args...` on a free port (target: a .py path or `-m module`)."""
+    """`torchrun --standalone --nproc-per-node N target args...` (target: a .py path or `-m module`);
+    --standalone has torchrun bind a free port itself."""
     target_args = target.split() if target.startswith("-m ") else [target]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", *target_args, *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or child_env(), cwd=REPO_ROOT)
-    return _checked(cmd, proc, check)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           *target_args, *map(str, args)]
+    return run(cmd, timeout=timeout, env=env, check=check)
 
 
 def hf_tensors(hf_dir: Path) -> dict:

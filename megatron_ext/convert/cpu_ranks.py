@@ -44,8 +44,9 @@ def hide_gpus() -> None:
 def _rank_main(rank: int, world_size: int, port: int, workdir: str, fn: Callable, args: tuple) -> None:
     import torch
 
+    # The parent hosts the rendezvous store (as torchrun's agent does): every rank connects to it.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     from megatron_ext.logs import setup_logging
 
     setup_logging(rank=rank)
@@ -68,11 +69,12 @@ def run_on_cpu_ranks(fn: Callable, world_size: int, *args) -> Any:
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
-    from megatron_ext.distributed import free_port
+    from megatron_ext.distributed import local_store
 
+    store = local_store()
     with tempfile.TemporaryDirectory(prefix="megatron_ext-ranks-") as workdir, cpu_only_env():
         try:
-            mp.start_processes(_rank_main, args=(world_size, free_port(), workdir, fn, args), nprocs=world_size,
+            mp.start_processes(_rank_main, args=(world_size, store.port, workdir, fn, args), nprocs=world_size,
                                join=True, start_method="spawn")
         except ProcessException:
             errors = sorted(Path(workdir).glob("error-*.txt"))

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT, child_env
+from tests.helpers import run_python
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
 def _bench(*args) -> dict:
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "gpu_bench.py"), "--preset", "tiny",
-                           "--iters", "2", "--warmup", "1", *args], capture_output=True, text=True, timeout=240,
-                          env=child_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_python("bench/gpu_bench.py", "--preset", "tiny", "--iters", "2", "--warmup", "1", *args, timeout=240)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -101,6 +101,7 @@ def test_problems_found_by_the_workers_name_the_tensors_and_leave_no_output(llav
     assert not out.exists() and not list(out.parent.iterdir())  # no temporary directory left either
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("runtime", ["singularity", "apptainer"])
 def test_sif_path_reruns_the_conversion_inside_the_container(llava_clip, tmp_path, runtime):
     """A fake runtime on PATH records how it was called; nothing is converted outside it."""

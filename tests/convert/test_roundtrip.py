@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO_ROOT, child_env, hf_tensors, run_torchrun
+from tests.helpers import hf_tensors, run_python, run_torchrun
 
 FIXTURES = {"clip": "llava_clip", "qwen": "llava_qwen2_siglip", "padded": "llava_padded"}
 # Plus "bf16": llava_clip saved in bfloat16, as most published checkpoints are.
@@ -31,15 +31,11 @@ def _bf16_copy(src: Path, dst: Path) -> Path:
 @pytest.fixture(scope="module")
 def converted(request, tmp_path_factory):
     """OUT/megatron/NAME/LAYOUT, OUT/hf/NAME/LAYOUT, OUT/logits, OUT/megatron/trained, OUT/hf/trained."""
-    import subprocess
-    import sys
-
     hf_dirs = {name: request.getfixturevalue(fixture) for name, fixture in FIXTURES.items()}
     out = tmp_path_factory.mktemp("roundtrip")
     hf_dirs["bf16"] = _bf16_copy(hf_dirs["clip"], out / "hf_bf16")
     run_torchrun(4, "tests/convert/convert_worker.py", out, *(f"{n}={p}" for n, p in hf_dirs.items()), timeout=300)
-    subprocess.run([sys.executable, str(REPO_ROOT / "tests/convert/export_worker.py"), str(out)], check=True,
-                   timeout=200, env=child_env(), capture_output=True)
+    run_python("tests/convert/export_worker.py", out, timeout=200)
     return out, hf_dirs
 
 

@@ -58,6 +58,7 @@ def _shard_members(out):
     return members
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_bad_samples_are_counted_and_reported(messy_input, tmp_path):
     out = tmp_path / "out"
@@ -86,6 +87,7 @@ def test_bad_samples_are_counted_and_reported(messy_input, tmp_path):
     assert "skipped 7 samples" in report.summary()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_strict_stops_at_the_first_bad_sample_and_writes_nothing(messy_input, tmp_path):
     out = tmp_path / "strict"
@@ -100,6 +102,7 @@ def test_strict_stops_at_the_first_bad_sample_and_writes_nothing(messy_input, tm
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".strict")]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_json_that_is_not_a_list_is_one_clear_error(tmp_path):
     path = tmp_path / "data.json"
@@ -122,6 +125,7 @@ def test_failed_prepare_leaves_no_dataset(messy_input, tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_jsonl_question_answer_input(tmp_path):
     (tmp_path / "a.jpg").write_bytes(jpeg())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
+import shutil
 import sys
 
 import pytest
@@ -10,17 +10,20 @@ import yaml
 
 from megatron_ext.data.prepared import dir_split_counts, split_counts
 from megatron_ext.errors import UserError
+from tests.helpers import run
 
 
+@pytest.mark.multiprocess
 def test_prepared_directory_counts_per_split(prepared):
     assert dir_split_counts(prepared) == {"train": 12, "val": 12, "test": 0}
     counts = split_counts(prepared)
     assert counts["train"].samples == 12 and counts["train"].members == [(str(prepared), 1.0, 12)]
 
 
+@pytest.mark.multiprocess
 def test_excluded_shards_and_samples_are_not_counted(prepared, tmp_path):
     copy = tmp_path / "copy"
-    subprocess.run(["cp", "-r", str(prepared), str(copy)], check=True)
+    shutil.copytree(prepared, copy)
     split_file = copy / ".nv-meta" / "split.yaml"
     config = yaml.safe_load(split_file.read_text())
     train_shard = sorted(p.name for p in copy.glob("*.tar"))[0]
@@ -30,6 +33,7 @@ def test_excluded_shards_and_samples_are_not_counted(prepared, tmp_path):
     assert dir_split_counts(copy) == {"train": 8, "val": 11, "test": 0}
 
 
+@pytest.mark.multiprocess
 def test_metadataset_blends_count_their_members(prepared, tmp_path):
     (tmp_path / "blend.yaml").write_text(yaml.safe_dump({
         "__module__": "megatron.energon", "__class__": "MetadatasetV2",
@@ -63,7 +67,8 @@ def test_not_a_prepared_dataset_is_one_clear_error(tmp_path):
         split_counts(tmp_path / "join.yaml")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_module_imports_no_torch():
     code = "import sys, megatron_ext.data.prepared; sys.exit('torch' in sys.modules or 'megatron.energon' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+    assert run([sys.executable, "-c", code], timeout=60, check=False).returncode == 0

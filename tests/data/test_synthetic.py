@@ -28,6 +28,7 @@ def test_same_seed_same_dataset_and_answers_match_pictures(tmp_path):
         assert sum(h.count("<image>") for h in human) == 1
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_cli_synthetic_japanese_to_prepared_dataset(tmp_path):
     run_script("data/make_synthetic_dataset.py", "--output-dir", tmp_path / "src", "--num-samples", 10,

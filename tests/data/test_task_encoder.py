@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 
 import numpy as np
@@ -19,7 +18,7 @@ from megatron_ext.data.task_encoder import LlavaTaskEncoder
 from megatron_ext.errors import UserError
 from megatron_ext.model.arch import LlavaArch
 from tests.data.conftest import jpeg, records_by_key
-from tests.helpers import child_env
+from tests.helpers import run
 
 END = "<|end|>"
 
@@ -40,15 +39,15 @@ def _segments(batch, row):
     return [(key, ids == k + 1) for k, key in enumerate(keys)]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_energon_info_counts_the_built_samples(prepared):
-    proc = subprocess.run([sys.executable, "-m", "megatron.energon.cli.main", "info", str(prepared)],
-                          capture_output=True, text=True, timeout=120, env=child_env())
-    assert proc.returncode == 0, proc.stderr
+    proc = run([sys.executable, "-m", "megatron.energon.cli.main", "info", str(prepared)], timeout=120)
     assert re.search(r"\(24 samples, .* in 6 shards\)", proc.stdout)
     assert re.search(r"`train`: 50%, 12 samples", proc.stdout) and re.search(r"`val`: 50%, 12 samples", proc.stdout)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("packing", [None, 200])
 def test_loss_mask_selects_exactly_the_assistant_answers(prepared, synthetic_json, llava_clip, packing):
     """Round trip LLaVA JSON -> shards -> loader: per sample, the tokens the loss trains on decode to
@@ -82,6 +81,7 @@ def test_loss_mask_selects_exactly_the_assistant_answers(prepared, synthetic_jso
         assert int((widths * (batch.segment_ids > 0)).sum(1).max()) <= packing
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("fixture", ["llava_clip", "llava_qwen2_siglip"])
 def test_images_equal_the_hf_processor_output(request, prepared, synthetic_json, fixture):
     """Pixels from the shards equal HF LLaVA's processor on the original image files."""
@@ -135,6 +135,7 @@ def _write_prepared(path, samples):
     run_energon_prepare(path, "1,1,0", 1)
 
 
+@pytest.mark.multiprocess
 def test_bad_samples_in_shards_are_skipped_and_counted(tmp_path, llava_clip):
     good = {"jpg": jpeg(), "txt": "Red.", "json": json.dumps({"question": "<image>\nColor?"})}
     samples = [dict(good, __key__=f"{i:03d}") for i in range(6)]
@@ -147,6 +148,7 @@ def test_bad_samples_in_shards_are_skipped_and_counted(tmp_path, llava_clip):
     assert sorted(k for b in batches for k in b.__key__) == ["000", "002", "003", "005"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_train_loader_with_workers_packs_and_resumes(tmp_path, prepared, llava_clip):
     arch = _arch(llava_clip)

@@ -43,11 +43,20 @@ def _same_text(a: str, b: str) -> bool:
     return " ".join(a.split()) == " ".join(b.split())
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_turns_about_an_image_then_reset_image_and_exit(megatron_clip, images, hf_reference):
+    term = Terminal("--megatron-dir", megatron_clip, "--image", images[0], "--max-new-tokens", MAX_NEW_TOKENS)
+    try:
+        _converse(term, images, hf_reference)
+    finally:
+        term.child.close(force=True)  # the chat (a session leader in its pty) does not outlive the test
+    assert term.child.exitstatus == 0
+
+
+def _converse(term, images, hf_reference):
     from megatron_ext.eval.prompts import load_image
 
-    term = Terminal("--megatron-dir", megatron_clip, "--image", images[0], "--max-new-tokens", MAX_NEW_TOKENS)
     assert f"about {images[0]}" in term.banner and "/image PATH" in term.banner
 
     first_q, second_q = "Describe this image.", "What else do you see?"
@@ -77,5 +86,3 @@ def test_two_turns_about_an_image_then_reset_image_and_exit(megatron_clip, image
 
     term.child.sendline("/exit")
     term.child.expect_exact(pexpect.EOF)
-    term.child.close()
-    assert term.child.exitstatus == 0

@@ -62,6 +62,7 @@ def test_trainer_validation_equals_evaluate_on_the_saved_checkpoint(megatron_cli
     assert f"predictions and metrics written to {out}" in proc.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_fast_n_on_an_hf_checkpoint_and_bad_input(llava_clip, train_data, tmp_path):
     out = tmp_path / "eval"

@@ -54,6 +54,7 @@ def test_megatron_greedy_tokens_equal_transformers_generate(layout, megatron_cli
     assert {r["finish_reason"] for r in results} == {"length"}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_hf_single_prompt_streams_the_answer_to_the_terminal(llava_clip, images, hf_reference):
     from megatron_ext.eval.prompts import load_image
@@ -65,6 +66,7 @@ def test_hf_single_prompt_streams_the_answer_to_the_terminal(llava_clip, images,
     assert proc.stdout.strip() == hf_reference.text(expected)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_bad_input_gives_one_clear_line(llava_clip, megatron_clip, images, tmp_path):
     not_an_image = tmp_path / "notes.png"

@@ -120,6 +120,7 @@ def test_missing_tokenizer_is_one_clear_error(tmp_path, tiny_hf):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_cli_errors_are_one_line(tmp_path, tiny_hf):
     missing = run_script("convert/build_llava_jp.py", "--save-dir", tmp_path / "a", "--text-model", tmp_path / "nope",
@@ -135,6 +136,7 @@ def test_cli_errors_are_one_line(tmp_path, tiny_hf):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_cli_makes_tiny_models_then_llava(tmp_path):
     from transformers import AutoConfig, AutoTokenizer

@@ -7,8 +7,10 @@ lines, so a test sees exactly what would have been started; nvidia-smi lists $ST
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.checkpoint import layout
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, kill_tree
 
 RUN_PY = REPO_ROOT / "scripts" / "train" / "run.py"
 STANDINS = ("torchrun", "singularity", "apptainer", "nvidia-smi")
@@ -39,7 +41,8 @@ def record(**entry):
         f.write(json.dumps({{"name": role, **entry}}) + "\\n")
 
 if role != "child":
-    record(argv=sys.argv[1:], env=dict(os.environ), pgid=os.getpgid(0), ppid=os.getppid())
+    record(argv=sys.argv[1:], env=dict(os.environ), pid=os.getpid(), pgid=os.getpgid(0), ppid=os.getppid(),
+           parent_pgid=os.getpgid(os.getppid()))
 print(f"{{role}} says hello on stdout", flush=True)
 print(f"{{role}} says hello on stderr", file=sys.stderr, flush=True)
 if os.environ.get("STANDIN_WAIT"):
@@ -85,16 +88,24 @@ class Launcher:
         return env
 
     def popen(self, *args, gpus: int = 0, env: dict | None = None, **kwargs) -> subprocess.Popen:
+        """run.py in a session of its own (stop it with `stop`)."""
         self.record_file.unlink(missing_ok=True)
         return subprocess.Popen([sys.executable, str(RUN_PY), *map(str, args)], cwd=self.cwd,
-                                env=env or self.env(gpus), text=True, **kwargs)
+                                env=env or self.env(gpus), text=True, start_new_session=True, **kwargs)
+
+    def stop(self, proc: subprocess.Popen) -> None:
+        """Kill run.py's process group and the group every stand-in it started leads."""
+        kill_tree(proc)
+        for pgid in {r["pgid"] for r in self.records() if "pgid" in r}:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
 
     def run(self, *args, gpus: int = 0, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
         proc = self.popen(*args, gpus=gpus, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             out, err = proc.communicate(timeout=timeout)
         finally:
-            proc.kill()
+            self.stop(proc)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def records(self) -> list[dict]:

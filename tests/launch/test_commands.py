@@ -54,7 +54,8 @@ def test_single_node_cpu_and_dry_run_prints_exactly_what_runs(launcher, inputs):
     assert config.megatron_load_dir == str(inputs.checkpoint) and config.data_path == str(inputs.data)
     assert config.name == "exp" and config.distributed_backend is None
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in started["env"] and "NCCL_SOCKET_IFNAME" not in started["env"]
-    assert started["pgid"] != started["ppid"]  # its own process group
+    # torchrun leads a process group of its own, apart from run.py's (the ranks it starts join it).
+    assert started["pgid"] == started["pid"] != started["parent_pgid"]
 
 
 @pytest.mark.parametrize("stage,extra,gbs,lr,freeze_lm,iters", [

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from tests.helpers import run
 from tests.launch.conftest import RUN_PY
 
 HEAVY = {"torch", "megatron", "transformers", "numpy", "safetensors", "tokenizers", "webdataset"}
@@ -34,9 +34,7 @@ def test_readme_stage2_example_dry_run_imports_nothing_heavy(launcher, inputs, t
             "--megatron-load-dir", str(inputs.checkpoint), "--save-dir", str(tmp_path / "save"),
             "--tokenizer-load-dir", str(inputs.tokenizer), "--sif-path", str(sif), "--stage", "2",
             "--save-interval", "2000", "--wandb", "--data-path", str(inputs.data), "--dry-run"]
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args)], capture_output=True, text=True, timeout=50,
-                          cwd=tmp_path, env=launcher.env(gpus=8))
-    assert proc.returncode == 0, proc.stderr
+    proc = run([sys.executable, "-c", PROBE, json.dumps(args)], timeout=50, cwd=tmp_path, env=launcher.env(gpus=8))
     command, report = proc.stdout.strip().splitlines()
     assert json.loads(report) == {"status": 0, "heavy": []}, proc.stderr
     assert command.startswith("SINGULARITYENV_CUDA_DEVICE_MAX_CONNECTIONS=1 singularity exec --nv ") and " torchrun --nnodes 1 --nproc-per-node 8 " in command

@@ -47,7 +47,7 @@ def test_signal_reaches_the_whole_group_and_sets_the_status(launcher, inputs, si
         proc.send_signal(sig)  # to run.py alone, as a terminal's Ctrl-C reaches only the foreground group
         _, err = proc.communicate(timeout=30)
     finally:
-        proc.kill()
+        launcher.stop(proc)
     assert proc.returncode == 128 + sig, err
     got = {r["name"]: r["signal"] for r in launcher.records() if "signal" in r}
     assert got == {"torchrun": sig, "child": sig}

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from megatron_ext.checkpoint import layout
-from tests.helpers import REPO_ROOT, child_env, run_script
+from tests.helpers import run_script, started
 from tests.train.conftest import metrics, trainer_args
 
 
@@ -26,6 +26,7 @@ def _expected_digests(checkpoint, data, iterations: int) -> list[str]:
     return [samples_digest([k for _ in range(2) for k in as_dict(next(batches))["keys"]]) for _ in range(iterations)]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_loss_falls_and_skipped_iterations_consume_their_data(tmp_path, megatron_clip, train_data):
     save = tmp_path / "run"
@@ -43,13 +44,13 @@ def test_loss_falls_and_skipped_iterations_consume_their_data(tmp_path, megatron
     assert last < first - 1.0, (first, last)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, megatron_clip, train_data):
     save = tmp_path / "run"
     command = [sys.executable, "scripts/train/pretrain_llava.py",
                *trainer_args(megatron_clip, train_data, save, train_iters=100000, save_interval=None)]
-    with open(tmp_path / "log", "w") as out:
-        proc = subprocess.Popen(command, cwd=REPO_ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
+    with open(tmp_path / "log", "w") as out, started(command, stdout=out, stderr=subprocess.STDOUT) as proc:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not ((save / "metrics.jsonl").is_file()
                                                    and len((save / "metrics.jsonl").read_text().splitlines()) >= 3):
@@ -62,6 +63,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, megatron_clip, t
     assert "signal received at iteration" in (tmp_path / "log").read_text()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_repeated_nonfinite_losses_stop_naming_the_last_good_checkpoint(tmp_path, megatron_clip, train_data):
     save = tmp_path / "run"

@@ -7,39 +7,40 @@ import pytest
 from tests.helpers import child_env, run_script
 from tests.train.conftest import trainer_args
 
+# (trainer options, extra environment, the one line it must print)
+CASES = {
+    "global batch": (dict(global_batch_size=5), {}, "--global-batch-size 5 must be a multiple of --micro-batch-size 2"),
+    # As if started by torchrun with 3 processes: TP 2 cannot divide them.
+    "layout": (dict(tp=2), {"WORLD_SIZE": "3", "RANK": "0"},
+               "error: --tp 2 x --pp 1 = 2 does not divide the number of processes (3)"),
+    "not a checkpoint": (dict(megatron_load_dir="PLAIN"), {}, "is not a megatron_ext checkpoint"),
+    "fp8 without TE": (dict(fp8=True), {}, "--fp8 needs Transformer Engine with CUDA"),
+    "te without TE": (dict(attention_backend="te"), {}, "--attention-backend te needs Transformer Engine"),
+    "generation needs evaluations": (dict(eval_generate_samples=4), {},
+                                     "error: --eval-generate-samples needs --eval-interval (evaluations are when "
+                                     "answers are generated)"),
+}
 
-def _fails(tmp_path, *args, env=None):
-    proc = run_script("train/pretrain_llava.py", *args, check=False, timeout=120, env=env)
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_line_before_training(tmp_path, megatron_clip, train_data, name):
+    options, env, message = CASES[name]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    options = {k: plain if v == "PLAIN" else v for k, v in options.items()}
+    checkpoint = options.pop("megatron_load_dir", megatron_clip)
+    proc = run_script("train/pretrain_llava.py", *trainer_args(checkpoint, train_data, tmp_path / "save", **options),
+                      check=False, timeout=120, env=child_env(**env))
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert lines and lines[-1].startswith("error: ") and "Traceback" not in proc.stdout + proc.stderr
+    assert message in lines[-1]
     assert not (tmp_path / "save").exists()
-    return lines[-1]
 
 
-@pytest.mark.timeout(300)
-def test_bad_input_is_one_line_before_training(tmp_path, megatron_clip, train_data):
-    args = lambda **kw: trainer_args(megatron_clip, train_data, tmp_path / "save", **kw)  # noqa: E731
-
-    line = _fails(tmp_path, *args(global_batch_size=5))
-    assert "--global-batch-size 5 must be a multiple of --micro-batch-size 2" in line
-
-    # As if started by torchrun with 3 processes: TP 2 cannot divide them.
-    line = _fails(tmp_path, *args(tp=2), env=child_env(WORLD_SIZE="3", RANK="0"))
-    assert line == "error: --tp 2 x --pp 1 = 2 does not divide the number of processes (3)"
-
-    not_a_checkpoint = tmp_path / "plain"
-    not_a_checkpoint.mkdir()
-    line = _fails(tmp_path, *trainer_args(not_a_checkpoint, train_data, tmp_path / "save"))
-    assert line.startswith(f"error: --megatron-load-dir {not_a_checkpoint} is not a megatron_ext checkpoint")
-
-    line = _fails(tmp_path, *args(fp8=True))
-    assert "--fp8 needs Transformer Engine" in line and "pip install" in line
-
-    line = _fails(tmp_path, *args(eval_generate_samples=4))
-    assert line == "error: --eval-generate-samples needs --eval-interval (evaluations are when answers are generated)"
-
-
+@pytest.mark.multiprocess
 def test_plan_derives_stage_defaults_and_iterations(megatron_clip, train_data):
     from megatron_ext.train.options import TrainConfig
     from megatron_ext.train.plan import make_plan

@@ -1,0 +1,77 @@
+"""Worker for test_parallel_losses: three training steps on the same global batches in any layout.
+
+Usage: torchrun --nproc-per-node N invariance_worker.py CHECKPOINT DATA OUT_JSON OPTIONS_JSON
+
+The trainer's own plan, model, optimizer and step (megatron DDP, per-token loss) run on fixed
+samples, so every layout sees the same global batch: data-parallel replica r takes samples r, r +
+DP, ... of it, as micro batches of --micro-batch-size samples, or packed into sequences of
+--packing-seq-length. Rank 0 writes each step's loss and gradient norm.
+"""
+
+import json
+import os
+import sys
+
+from megatron.energon import VQASample
+from PIL import Image
+
+ITERS, GLOBAL_BATCH, SEQ = 3, 4, 192
+WORDS = "red green blue cat dog bird tree house car boat sky field river hill cup chair".split()
+
+
+def samples(count: int) -> list[VQASample]:
+    out = []
+    for i in range(count):
+        words = [WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(3 + i % 5)]
+        question = f"What is shown next to the {words[0]}?" if i % 2 else "Describe the picture."
+        image = Image.new("RGB", (40 + 7 * i, 30 + 11 * (i % 4)), (20 * i % 255, 90, 200 - 13 * i % 200))
+        out.append(VQASample(__key__=f"s{i}", __restore_key__=(), image=image, context=question,
+                             answers=" ".join(words).capitalize() + "."))
+    return out
+
+
+def main():
+    checkpoint, data, out, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    from megatron.core import parallel_state
+
+    from megatron_ext.data.task_encoder import LlavaTaskEncoder
+    from megatron_ext.distributed import device, init_parallel, shutdown
+    from megatron_ext.model.inputs import ModelInputs
+    from megatron_ext.train import checkpointing
+    from megatron_ext.train.data import as_dict
+    from megatron_ext.train.model_setup import build_training_model
+    from megatron_ext.train.options import TrainConfig
+    from megatron_ext.train.plan import make_plan
+    from megatron_ext.train.step import make_forward_step, train_step
+
+    config = TrainConfig(megatron_load_dir=checkpoint, data_path=data, stage=2, lr=1e-3, seq_length=SEQ,
+                         global_batch_size=GLOBAL_BATCH, train_iters=ITERS, num_workers=0, **options)
+    plan = make_plan(config, int(os.environ["WORLD_SIZE"]), on_gpu=False)
+    cfg = plan.config
+    init_parallel(cfg.tp, cfg.pp, seed=cfg.seed, cp=cfg.cp)
+    trained = build_training_model(plan)
+    checkpointing.load_weights(trained, plan.start, with_optimizer=False)
+    forward_step = make_forward_step(ModelInputs.for_model(plan.arch, trained.model, device()))
+    encoder = LlavaTaskEncoder.for_model(str(plan.tokenizer_dir), plan.arch, seq_length=plan.seq_length,
+                                         packing_seq_length=cfg.packing_seq_length, alignment=plan.execution.alignment)
+    encoded = [encoder.postencode_sample(encoder.preencode_sample(s)) for s in samples(ITERS * GLOBAL_BATCH)]
+    rank, replicas = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    steps = []
+    for it in range(ITERS):
+        mine = encoded[it * GLOBAL_BATCH:(it + 1) * GLOBAL_BATCH][rank::replicas]
+        if cfg.packing_seq_length:
+            rows = [[encoder.pack_selected_samples(pack)] for pack in encoder.select_samples_to_pack(mine)]
+        else:
+            rows = [mine[i:i + cfg.micro_batch_size] for i in range(0, len(mine), cfg.micro_batch_size)]
+        micro_batches = [as_dict(encoder.batch(row)) for row in rows]
+        result = train_step(trained, forward_step, micro_batches, plan.seq_length, cfg.micro_batch_size)
+        steps.append({"loss": result.loss, "grad_norm": float(result.grad_norm), "tokens": result.loss_tokens,
+                      "micro_batches": len(micro_batches)})
+    if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0 \
+            and parallel_state.is_pipeline_first_stage():
+        json.dump({"steps": steps, "execution": plan.execution.summary()}, open(out, "w"))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
