@@ -17,12 +17,16 @@ from megatron_ext.errors import UserError
 RUNTIMES = ("singularity", "apptainer")
 
 
+def installed_runtime() -> str | None:
+    """`singularity`, or `apptainer` where that is the installed name; None when neither is."""
+    return next((name for name in RUNTIMES if shutil.which(name)), None)
+
+
 def container_runtime() -> str:
-    """`singularity`, or `apptainer` where that is the installed name."""
-    for name in RUNTIMES:
-        if shutil.which(name):
-            return name
-    raise UserError("--sif-path needs singularity or apptainer on PATH; neither was found")
+    runtime = installed_runtime()
+    if runtime is None:
+        raise UserError("--sif-path needs singularity or apptainer on PATH; neither was found")
+    return runtime
 
 
 def check_sif(sif: str | Path, flag: str = "--sif-path") -> Path:

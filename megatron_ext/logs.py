@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 
 
@@ -15,6 +16,27 @@ class _DropNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         return not any(noise in message for noise in self.NOISE)
+
+
+def _one_line_for_fallbacks(show, rank: int):
+    """megatron-core warns at every import (a dozen times, on every rank) that Transformer Engine or
+    Apex is missing and it falls back to torch: one line on rank 0 says so instead, on a GPU machine
+    (where installing them matters: TE layers, FP8); on a CPU, where they cannot be, only with --debug."""
+    said = []
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if "not installed" in text and ("Apex" in text or "Transformer Engine" in text):
+            if not said and rank == 0:
+                on_gpu = sys.modules["torch"].cuda.is_available() if "torch" in sys.modules else False
+                logging.getLogger("megatron_ext").log(
+                    logging.INFO if on_gpu else logging.DEBUG,
+                    "Transformer Engine / Apex not installed here: megatron-core uses its torch implementations")
+            said.append(text)
+            return
+        show(message, category, filename, lineno, file, line)
+
+    return showwarning
 
 
 def setup_logging(verbose: bool = False, rank: int | None = None) -> None:
@@ -30,7 +52,7 @@ def setup_logging(verbose: bool = False, rank: int | None = None) -> None:
         handler.addFilter(_DropNoise())
     for name in ("transformers", "megatron"):
         logging.getLogger(name).addFilter(_DropNoise())
-    warnings.filterwarnings("ignore", message=".*Apex (is|are) not installed.*")
+    warnings.showwarning = _one_line_for_fallbacks(warnings.showwarning, rank)
     # Raised by megatron-core's own defaults and energon's hard-coded pin_memory on CPU.
     warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
     warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true.*")

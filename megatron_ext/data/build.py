@@ -114,10 +114,10 @@ def build_energon_dataset(
     input_path = Path(input_path).expanduser().resolve()
     output_dir = check_output_dir(output_dir, force, "--output-dir")
     split_ratio = parse_split_ratio(split_ratio)
+    kind, records = read_records(input_path)
     image_root = Path(image_root).expanduser().resolve() if image_root else input_path.parent
     if not image_root.is_dir():
         raise UserError(f"--image-root {image_root} is not a directory")
-    kind, records = read_records(input_path)
     report = BuildReport(input=str(input_path), output_dir=str(output_dir))
     with atomic_output_dir(output_dir) as tmp:
         samples = _samples(kind, image_root, records, num_workers)

@@ -13,11 +13,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from megatron_ext.checkpoint import layout
 from megatron_ext.errors import UserError
 from megatron_ext.eval.generation import Generator, new_token_budget
 from megatron_ext.eval.prompts import EncodedPrompt, PromptEncoder, stop_token_ids
 from megatron_ext.eval.sampling import SamplingOptions
+from megatron_ext.model.backends import compute_dtype
 
 MEGATRON_FLAG = "--megatron-dir"
 HF_FLAG = "--hf-dir"
@@ -31,6 +34,7 @@ class ModelSource:
     template_name: str
     encoder: PromptEncoder
     context_length: int  # the language model's max_position_embeddings
+    dtype: str  # compute dtype, resolved
     snapshot: layout.Snapshot | None = None
 
     @property
@@ -46,10 +50,11 @@ class ModelSource:
 
             if world_size() > 1:
                 raise UserError(f"{HF_FLAG}: HF checkpoints run in one process; start the script without torchrun")
-            return HFGenerator.load(self.path, self.processor)
+            return HFGenerator.load(self.path, self.processor, self.dtype)
         from megatron_ext.eval.megatron_generator import MegatronGenerator
 
-        model = load_megatron_model(self.snapshot, *self.parallel_layout(tp, pp), seq_length=self.context_length)
+        model = load_megatron_model(self.snapshot, *self.parallel_layout(tp, pp), seq_length=self.context_length,
+                                    dtype=self.dtype)
         return MegatronGenerator(model, self.snapshot.arch, self.processor, stop_token_ids(self.processor.tokenizer))
 
     def parallel_layout(self, tp: int | None, pp: int | None) -> tuple[int, int]:
@@ -74,14 +79,14 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def load_megatron_model(snapshot: layout.Snapshot, tp: int, pp: int, seq_length: int):
-    """This rank's LLaVAModel with the snapshot's weights, in the snapshot's dtype (collective)."""
+def load_megatron_model(snapshot: layout.Snapshot, tp: int, pp: int, seq_length: int, dtype: str):
+    """This rank's LLaVAModel with the snapshot's weights, computing in `dtype` (collective)."""
     from megatron_ext.checkpoint.model_io import load_model_weights
     from megatron_ext.distributed import init_parallel
     from megatron_ext.model.provider import ModelOptions, build_model
 
     init_parallel(tp, pp)
-    model = build_model(snapshot.arch, ModelOptions(seq_length=seq_length, dtype=snapshot.dtype, init_weights=False,
+    model = build_model(snapshot.arch, ModelOptions(seq_length=seq_length, dtype=dtype, init_weights=False,
                                                     parallel_output=True))
     load_model_weights(model, snapshot.path)
     return model.eval()
@@ -115,9 +120,11 @@ def _trained_template(snapshot: layout.Snapshot | None) -> tuple[str | None, str
     return run.get("chat_template"), run.get("lang", "en")
 
 
-def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template: str | None = None) -> ModelSource:
+def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template: str | None = None,
+                    dtype: str = "auto") -> ModelSource:
     """Exactly one of `megatron_dir` / `hf_dir`. The chat template: `chat_template` if given, else the
-    one a trained snapshot was trained with, else the tokenizer's own (else the English default)."""
+    one a trained snapshot was trained with, else the tokenizer's own (else the English default).
+    `dtype`: the compute dtype (`backends.compute_dtype`), whatever the checkpoint stores."""
     from megatron_ext.data.chat_template import resolve_chat_template
     from megatron_ext.hf import loading
     from megatron_ext.model.arch import LlavaArch
@@ -140,4 +147,4 @@ def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template:
     name, template = resolve_chat_template(chat_template or trained_name, lang, processor.tokenizer)
     return ModelSource(kind=kind, path=snapshot.root if snapshot else path, processor=processor, template_name=name,
                        encoder=PromptEncoder(processor, template), context_length=arch.text.max_position_embeddings,
-                       snapshot=snapshot)
+                       dtype=compute_dtype(dtype, torch.cuda.is_available()), snapshot=snapshot)

@@ -14,6 +14,8 @@ def checkpoint_options(func):
         click.option("--tp", type=int, help="Tensor-parallel size to run at (Megatron; default: as saved if the process count fits, else 1)."),
         click.option("--pp", type=int, help="Pipeline-parallel size to run at (Megatron; default: as saved if the process count fits, else 1)."),
         click.option("--chat-template", help="'tokenizer', a name from configs/chat_templates or a .jinja file (default: as trained, else the tokenizer's)."),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+                     help="Compute dtype, whatever the checkpoint stores (auto: bfloat16 on GPU, float32 on CPU)."),
     ]):
         func = decorator(func)
     return func

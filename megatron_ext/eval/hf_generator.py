@@ -19,12 +19,13 @@ class HFGenerator(Generator):
         self.stop_ids = stop_token_ids(processor.tokenizer, model.generation_config)
 
     @classmethod
-    def load(cls, hf_dir: str | Path, processor, flag: str = "--hf-dir") -> "HFGenerator":
+    def load(cls, hf_dir: str | Path, processor, dtype: str, flag: str = "--hf-dir") -> "HFGenerator":
         from transformers import LlavaForConditionalGeneration
 
         from megatron_ext.hf import loading
+        from megatron_ext.model.provider import DTYPES
 
-        model = loading.load_pretrained(LlavaForConditionalGeneration, str(hf_dir), flag)
+        model = loading.load_pretrained(LlavaForConditionalGeneration, str(hf_dir), flag, dtype=DTYPES[dtype])
         return cls(model, processor)
 
     def _new_tokens(self, prompt: EncodedPrompt, options: SamplingOptions, budget: int, streamer) -> list[int]:

@@ -9,7 +9,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext.container import REPO_ROOT, check_sif, container_command, container_env, container_runtime
+from megatron_ext.container import (
+    REPO_ROOT,
+    RUNTIMES,
+    check_sif,
+    container_command,
+    container_env,
+    container_runtime,
+    installed_runtime,
+)
 from megatron_ext.errors import UserError
 from megatron_ext.launch.topology import Topology
 from megatron_ext.train.options import TrainConfig
@@ -26,6 +34,7 @@ class LaunchCommand:
     argv: list[str]
     env: dict[str, str]  # set on top of the inherited environment
     log_file: Path | None  # output is also written here (--slurm-output-name)
+    notes: tuple[str, ...] = ()
 
     def shell(self) -> str:
         """The command as one line a POSIX shell runs as is."""
@@ -77,14 +86,21 @@ def _bindable(path: Path) -> Path:
 
 
 def build_command(topology: Topology, config: TrainConfig, trainer_argv: list[str], paths: list[Path],
-                  sif_path: str | None, interface: str | None, output_name: str | None) -> LaunchCommand:
+                  sif_path: str | None, interface: str | None, output_name: str | None,
+                  dry_run: bool = False) -> LaunchCommand:
+    """The command and its environment. A dry run prints the container command even where no
+    container runtime is installed (written for singularity, which apptainer also answers to)."""
     env = trainer_env(topology, config, interface)
     torchrun = [*topology.torchrun_args(), str(TRAINER_SCRIPT), *trainer_argv]
+    notes = ()
     if sif_path:
         sif = check_sif(sif_path)
-        runtime = container_runtime()
+        runtime = installed_runtime() if dry_run else container_runtime()
+        if runtime is None:
+            runtime = RUNTIMES[0]
+            notes = ("neither singularity nor apptainer is installed here: the command is for a machine that has it",)
         argv = container_command(sif, ["torchrun", *torchrun], binds=[_bindable(p) for p in paths], runtime=runtime)
         env = container_env(env, runtime)
     else:
         argv = [torchrun_executable(), *torchrun]
-    return LaunchCommand(argv=argv, env=env, log_file=log_file(output_name, topology))
+    return LaunchCommand(argv=argv, env=env, log_file=log_file(output_name, topology), notes=notes)

@@ -8,7 +8,6 @@ given after `--` and checked by the trainer's own parser (`passthrough_options`)
 
 from __future__ import annotations
 
-import sys
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +15,9 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from megatron_ext.errors import UserError
+from megatron_ext.errors import UserError, run_command
 from megatron_ext.train.cli import click_kwargs, trainer_options
-from megatron_ext.train.options import TrainConfig, fields, option_name
+from megatron_ext.train.options import TrainConfig, fields, is_switch, option_name
 
 
 @dataclass(frozen=True)
@@ -111,6 +110,8 @@ def _click_option(flag: Flag):
     decls = [d for d in (flag.short, flag.name) if d] + [flag.dest]
     if flag.to:
         field = next(f for f in fields() if f.name == flag.to)
+        if is_switch(field):  # --x/--no-x, as the trainer takes it
+            decls = [f"{flag.name}/--no-{flag.name[2:]}", flag.dest]
         kwargs = click_kwargs(field, typing.get_type_hints(TrainConfig)[flag.to])
         kwargs["help"] = " ".join(filter(None, [kwargs["help"], flag.help]))
         if flag.name != option_name(flag.to):
@@ -180,16 +181,9 @@ def passthrough_options(argv: list[str]) -> dict[str, Any]:
 
 
 def invoke(command: click.Command, argv: list[str]) -> None:
-    """Run run.py's click `command` on `argv`: ranges spread, `--` split off, usage errors on one line.
+    """Run run.py's click `command` on `argv`: ranges spread, `--` split off, errors on one line.
 
     The command receives the trainer arguments after `--` as `ctx.obj`; its return value is the exit status.
     """
     argv, passthrough = split_argv(argv)
-    try:
-        status = command.main(args=argv, prog_name="run.py", obj=passthrough, standalone_mode=False)
-    except click.ClickException as exc:
-        print(f"error: {exc.format_message()}", file=sys.stderr)
-        sys.exit(2)
-    except click.Abort:
-        sys.exit(130)
-    sys.exit(status or 0)
+    run_command(command, argv, obj=passthrough, prog_name="run.py")

@@ -16,6 +16,7 @@ from megatron_ext.launch.network import check_interface
 from megatron_ext.launch.slurm import slurm_job
 from megatron_ext.launch.topology import Topology, resolve_topology
 from megatron_ext.launch.trainer_args import TrainerSetup, trainer_setup
+from megatron_ext.train import run_lock
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class Launch:
         lines = [f"{t.nnodes} node(s) x {t.nproc_per_node} {device} process(es): tp {c.tp} x pp {c.pp}{cp} x dp {dp}; "
                  f"global batch {c.global_batch_size} = micro batch {c.micro_batch_size} x dp {dp} x "
                  f"{c.global_batch_size // (c.micro_batch_size * dp)} micro-batches; stage {c.stage}"]
-        lines += t.notes + self.trainer.notes
+        lines += t.notes + self.trainer.notes + list(self.command.notes)
         if self.command.log_file:
             lines.append(f"output also written to {self.command.log_file}")
         return lines
@@ -41,6 +42,15 @@ class Launch:
 def _check_devices(topology: Topology, values: dict) -> None:
     if not topology.on_gpu and values["distributed_backend"] == "nccl":
         raise UserError("--backend nccl needs CUDA GPUs and none were found; use --backend gloo (the CPU default)")
+
+
+def _check_save_dir_free(config, topology: Topology) -> None:
+    """A live run on --save-dir: refused here already on one node (the trainer's lock decides on several,
+    where this node's run.py may start after rank 0 took the lock)."""
+    if config.save and config.save_dir and topology.nnodes == 1:
+        holder = run_lock.live_holder(config.save_dir)
+        if holder is not None:
+            raise run_lock.in_use_error(config.save_dir, holder)
 
 
 def _transformer_engine(topology: Topology, sif_path: str | None) -> bool:
@@ -62,9 +72,10 @@ def prepare(values: dict, passthrough_argv: list[str], env: Mapping[str, str]) -
     flag_values = {field: list(values[field]) if isinstance(values[field], tuple) else values[field] for field in TRAINER_FLAGS}
     setup = trainer_setup(flag_values, passthrough, topology.world_size,
                           _transformer_engine(topology, values["sif_path"]))
+    _check_save_dir_free(setup.config, topology)
     output_name = values["slurm_output_name"]
     command = build_command(topology, setup.config, setup.argv, setup.paths, values["sif_path"],
-                            values["interface"], output_name)
+                            values["interface"], output_name, dry_run=values["dry_run"])
     return Launch(topology=topology, trainer=setup, command=command)
 
 

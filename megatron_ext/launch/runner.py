@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_ext import lifetime
+
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -30,13 +32,14 @@ def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> i
     """Run `argv` with `env` added to this environment; returns its exit status.
 
     The child gets a process group of its own, so Ctrl-C reaches it only through the launcher:
-    SIGINT and SIGTERM (scancel) are passed to the whole group, torchrun and every rank.
+    SIGINT and SIGTERM (scancel) are passed to the whole group, torchrun and every rank. If this
+    process dies without forwarding anything (SIGKILL), the child dies with it (`lifetime`).
     """
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
     pipe = subprocess.PIPE if log_file is not None else None
-    proc = subprocess.Popen(argv, env={**os.environ, **env}, process_group=0, stdout=pipe,
-                            stderr=subprocess.STDOUT if pipe else None)
+    proc = subprocess.Popen(argv, env={**os.environ, **env, **lifetime.launcher_marker()}, process_group=0,
+                            preexec_fn=lifetime.die_with_parent, stdout=pipe, stderr=subprocess.STDOUT if pipe else None)
 
     def forward(signum, _frame):
         try:

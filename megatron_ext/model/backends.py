@@ -1,6 +1,6 @@
-"""Which layer implementation runs: Transformer Engine, or megatron-core's local layers with torch
-SDPA or megatron's reference attention kernel. Imports no torch until asked whether TE is usable
-(the launcher checks a command without it).
+"""What a model computes with: the layer implementation (Transformer Engine, or megatron-core's
+local layers with torch SDPA or megatron's reference attention kernel) and the compute dtype.
+Imports no torch until asked whether TE is usable (the launcher checks a command without it).
 
 - `te`: TE layers (fused norms, FP8, THD packed attention, sequence/context parallelism); GPU only.
 - `sdpa`: local layers with `attention.SDPAttention` (flash / cuDNN kernels on GPU; runs on CPU).
@@ -24,6 +24,14 @@ def te_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def compute_dtype(requested: str, on_gpu: bool) -> str:
+    """"auto": bfloat16 on a GPU, float32 on a CPU (CPU kernels are fp32; bf16 there is slow or missing),
+    whatever dtype a checkpoint stores."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if on_gpu else "float32"
 
 
 def resolve_backend(requested: str, te: bool) -> str:

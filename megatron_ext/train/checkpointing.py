@@ -137,12 +137,9 @@ def _prune(root: Path, keep_last: int) -> None:
 
 
 def load_weights(trained: TrainingModel, snapshot: layout.Snapshot, with_optimizer: bool) -> None:
-    """Load model weights (any saved TP/PP) and, if asked and present, the optimizer state."""
+    """Load model weights (any saved TP/PP) and, if asked, the optimizer state the snapshot holds."""
     from megatron.core import dist_checkpointing
 
-    if with_optimizer and not snapshot.meta.get("has_optimizer"):
-        log.warning("%s has no optimizer state (saved without --save-optim): starting Adam from zero", snapshot.path)
-        with_optimizer = False
     try:
         load_model_weights(trained.model, snapshot.path)
         if with_optimizer:
@@ -156,11 +153,24 @@ def load_weights(trained: TrainingModel, snapshot: layout.Snapshot, with_optimiz
         trained.optimizer.reload_model_params()
 
 
+def _rank0_warning(message: str, *args) -> None:
+    """One line for the run, not one per rank."""
+    if torch.distributed.get_rank() == 0:
+        log.warning(message, *args)
+
+
 def load_resume_state(plan: RunPlan, trained: TrainingModel, train_data) -> dict:
-    """Restore a run from its latest snapshot: weights, optimizer (--load-optim), schedule, RNG and
-    the data loader position (when the data-parallel layout is unchanged). Returns the common state."""
+    """Restore a run from its latest snapshot: weights, optimizer state (when saved, unless
+    --no-load-optim), schedule, RNG and the data loader position (when the data-parallel layout is
+    unchanged). Returns the common state."""
     snapshot = plan.resume
-    load_weights(trained, snapshot, plan.config.load_optim)
+    saved_optimizer = bool(snapshot.meta.get("has_optimizer"))
+    if plan.config.load_optim is False:
+        _rank0_warning("--no-load-optim: resuming %s with Adam's moments started afresh", snapshot.path)
+    elif not saved_optimizer:
+        _rank0_warning("%s holds no optimizer state (saved without --save-optim): Adam's moments start afresh",
+                       snapshot.path)
+    load_weights(trained, snapshot, with_optimizer=saved_optimizer and plan.config.load_optim is not False)
     state_dir = snapshot.train_state_dir
     common = torch.load(state_dir / COMMON_FILE, weights_only=False)
     trained.scheduler.load_state_dict(common["scheduler"])

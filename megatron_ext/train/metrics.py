@@ -1,7 +1,9 @@
 """Training records: one line to the console, JSON lines to metrics.jsonl, TensorBoard, W&B.
 
-Only global rank 0 writes. metrics.jsonl (under --save-dir) is appended to, so a resumed run
-continues the same file; each record carries its `iteration`.
+Only global rank 0 writes. A resumed run continues the same records: metrics.jsonl (under
+--save-dir) is appended to, each record carrying its `iteration`; TensorBoard drops the events
+after the iteration resumed from (a run killed after its last checkpoint logged some); W&B
+continues the run whose id --save-dir keeps in WANDB_ID_FILE.
 """
 
 from __future__ import annotations
@@ -10,11 +12,15 @@ import json
 import logging
 import math
 import os
+import secrets
 from pathlib import Path
+
+from megatron_ext.fsutil import atomic_write_text
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_run_id"
 
 
 def _fmt(key: str, value) -> str:
@@ -25,8 +31,19 @@ def _fmt(key: str, value) -> str:
     return f"{key} {value}"
 
 
+def _wandb_run_id(out_dir: str) -> str:
+    """The W&B run id of this save directory: kept in WANDB_ID_FILE, made on the first run."""
+    path = Path(out_dir) / WANDB_ID_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(4)
+    atomic_write_text(path, run_id)
+    return run_id
+
+
 class MetricsLogger:
-    def __init__(self, out_dir: str | None, run_config: dict, *, wandb: bool, project: str, name: str | None):
+    def __init__(self, out_dir: str | None, run_config: dict, *, wandb: bool, project: str, name: str | None,
+                 resumed_at: int | None = None):
         import torch.distributed as dist
 
         self.enabled = dist.get_rank() == 0
@@ -39,12 +56,13 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             Path(out_dir).mkdir(parents=True, exist_ok=True)
-            self.tensorboard = SummaryWriter(log_dir=str(Path(out_dir) / "tensorboard"))
+            self.tensorboard = SummaryWriter(log_dir=str(Path(out_dir) / "tensorboard"),
+                                             purge_step=None if resumed_at is None else resumed_at + 1)
         if wandb:
             import wandb as wandb_lib
 
-            self.wandb = wandb_lib.init(project=project, name=name, config=run_config,
-                                        dir=out_dir or os.getcwd(), resume="allow")
+            self.wandb = wandb_lib.init(project=project, name=name, config=run_config, dir=out_dir or os.getcwd(),
+                                        id=_wandb_run_id(out_dir) if out_dir else None, resume="allow")
 
     def log(self, record: dict, prefix: str = "train") -> None:
         if not self.enabled:

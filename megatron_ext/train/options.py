@@ -35,7 +35,8 @@ class TrainConfig:
     save_dir: str | None = opt(None, "Checkpoint directory; re-running with the same directory resumes from its latest checkpoint.")
     save_interval: int | None = opt(None, "Save every N iterations (and always at the end).")
     save_optim: bool = opt(False, "Include optimizer state in checkpoints.")
-    load_optim: bool = opt(False, "Load optimizer state when resuming.")
+    load_optim: bool | None = opt(None, "Load the optimizer state when resuming (default: whenever the checkpoint "
+                                        "holds it; --no-load-optim starts Adam's moments afresh).")
     keep_last: int = opt(3, "Keep the newest K checkpoints (0 keeps all).")
     exit_interval: int | None = opt(None, "Save and exit after iteration N.")
     # --- parallelism -----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 from megatron_ext.checkpoint import layout
 from megatron_ext.errors import UserError
 from megatron_ext.model.arch import LlavaArch
+from megatron_ext.model.backends import compute_dtype
 from megatron_ext.train.execution import Execution, resolve_execution
 from megatron_ext.train.options import TrainConfig
 
@@ -133,12 +134,12 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
     skip_ranges = parse_skip_ranges(config.skip_train_iteration_range)
 
     resume = layout.latest_complete_snapshot(Path(config.save_dir)) if config.save_dir else None
-    if resume is not None and config.load_optim and resume.meta.get("has_optimizer"):
+    if resume is not None and config.load_optim is not False and resume.meta.get("has_optimizer"):
         saved = resume.trainer_options.get("dist_optim")
         if saved is not None and saved != config.dist_optim:
             raise UserError(f"--save-dir {config.save_dir}: its optimizer state was saved "
                             f"{'with' if saved else 'without'} --dist-optim; resume with the same setting "
-                            "or drop --load-optim")
+                            "or give --no-load-optim (Adam's moments then start afresh)")
     start = None
     if config.megatron_load_dir and not config.init:
         start = layout.find_snapshot(config.megatron_load_dir, "--megatron-load-dir")
@@ -165,7 +166,7 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
     if config.packing_seq_length and config.packing_seq_length > seq_length:
         raise UserError(f"--packing-seq-length {config.packing_seq_length} exceeds --seq-length {seq_length}")
 
-    dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    dtype = compute_dtype(config.dtype, on_gpu)
     config = dataclasses.replace(config, seq_length=seq_length, attention_backend=execution.attention_backend)
     return RunPlan(
         config=config,

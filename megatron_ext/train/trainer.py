@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext import lifetime
 from megatron_ext.data.packing import sample_lengths
 from megatron_ext.distributed import device
-from megatron_ext.errors import UserError
+from megatron_ext.errors import UserError, report
 from megatron_ext.eval.evaluation import AnswerEvaluation
 from megatron_ext.fsutil import write_jsonl
 from megatron_ext.model.inputs import ModelInputs
@@ -31,6 +32,7 @@ from megatron_ext.train.metrics import MetricsLogger
 from megatron_ext.train.model_setup import TrainingModel, build_training_model
 from megatron_ext.train.options import TrainConfig
 from megatron_ext.train.plan import RunPlan, make_plan
+from megatron_ext.train.run_lock import RunLock
 from megatron_ext.train.step import StepResult, eval_loss, make_forward_step, train_step
 
 log = logging.getLogger(__name__)
@@ -109,7 +111,8 @@ class Trainer:
         if self.cfg.save:
             checkpointing.prepare_save_dir(plan)
         self.metrics = MetricsLogger(self.cfg.save_dir if self.cfg.save else None, plan.summary(),
-                                     wandb=self.cfg.wandb, project=self.cfg.wandb_project, name=self.cfg.name)
+                                     wandb=self.cfg.wandb, project=self.cfg.wandb_project, name=self.cfg.name,
+                                     resumed_at=self.iteration if plan.resume is not None else None)
         self.inputs = ModelInputs.for_model(plan.arch, self.trained.model, device())
         self.forward_step = make_forward_step(self.inputs)
         self.stop = _StopSignal()
@@ -239,17 +242,33 @@ class Trainer:
         self.train_data.close()
 
 
+def _lock_save_dir(plan: RunPlan) -> RunLock | None:
+    """Rank 0 takes --save-dir's run lock; every rank learns whether it got it (collective)."""
+    if not plan.config.save:
+        return None
+    lock, error = None, [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            lock = RunLock(plan.config.save_dir).acquire()
+        except UserError as exc:
+            error = [str(exc)]
+    torch.distributed.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise UserError(error[0])
+    return lock
+
+
 def run(config: TrainConfig) -> int:
     """Entry point under torchrun. Returns the process exit status."""
     from megatron_ext.distributed import init_parallel, shutdown
 
+    lifetime.watch_launcher()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:
         plan = make_plan(config, world, torch.cuda.is_available())
     except UserError as exc:
-        if rank == 0:
-            print(f"error: {exc}", flush=True)
+        report(str(exc))
         return 2
     if plan.config.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -257,16 +276,18 @@ def run(config: TrainConfig) -> int:
                   cp=plan.config.cp)
     if rank == 0:
         print("resolved configuration:\n" + json.dumps(plan.summary(), indent=2, default=str), flush=True)
-    trainer = None
+    trainer = lock = None
     try:
+        lock = _lock_save_dir(plan)
         trainer = Trainer(plan)
         trainer.train()
         return 0
     except (UserError, TrainingStopped) as exc:
-        if rank == 0:
-            print(f"error: {exc}", flush=True)
+        report(str(exc))
         return 2 if isinstance(exc, UserError) else 1
     finally:
         if trainer is not None:
             trainer.close()
+        if lock is not None:
+            lock.release()
         shutdown()

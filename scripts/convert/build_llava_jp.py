@@ -9,7 +9,7 @@ missing, creates a fresh 2-layer GELU projector, and writes model + tokenizer + 
 import click
 
 from megatron_ext.container import rerun_in_container
-from megatron_ext.errors import cli_entry
+from megatron_ext.errors import run_command
 from megatron_ext.hf.build_llava import DEFAULT_VISION_MODEL, build_llava
 from megatron_ext.logs import setup_logging
 
@@ -25,7 +25,6 @@ from megatron_ext.logs import setup_logging
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the projector's initial weights.")
 @click.option("--force", is_flag=True, help="Replace a non-empty --save-dir.")
 @click.option("--sif-path", type=click.Path(dir_okay=False), help="Run inside this Singularity/Apptainer image.")
-@cli_entry
 def main(save_dir, text_model, vision_model, vocab_size_padding, dtype, seed, force, sif_path):
     if sif_path:
         rerun_in_container(sif_path, binds=[save_dir, text_model, vision_model])
@@ -35,4 +34,4 @@ def main(save_dir, text_model, vision_model, vocab_size_padding, dtype, seed, fo
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -13,7 +13,7 @@ import sys
 import click
 
 from megatron_ext.container import rerun_in_container
-from megatron_ext.errors import UserError, cli_entry
+from megatron_ext.errors import UserError, run_command
 
 
 @click.command()
@@ -25,7 +25,6 @@ from megatron_ext.errors import UserError, cli_entry
 @click.option("--prompt", default="Describe this image.", show_default=True, help="User prompt.")
 @click.option("--max-diff", type=float, help="Fail (exit 1) when max |dlogit| exceeds this.")
 @click.option("--sif-path", type=click.Path(dir_okay=False), help="Run inside this Singularity/Apptainer image.")
-@cli_entry
 def main(hf_dir, megatron_dir, tp, pp, image, prompt, max_diff, sif_path):
     if sif_path:
         rerun_in_container(sif_path, binds=[hf_dir, megatron_dir, image])
@@ -50,4 +49,4 @@ def _open_image(path):
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -10,7 +10,7 @@ restored by convert_megatron_to_hf.py). Runs on CPU with N*M worker processes.
 import click
 
 from megatron_ext.container import rerun_in_container
-from megatron_ext.errors import cli_entry
+from megatron_ext.errors import run_command
 
 
 @click.command()
@@ -20,7 +20,6 @@ from megatron_ext.errors import cli_entry
 @click.option("--megatron-dir", required=True, type=click.Path(file_okay=False), help="Where to write the Megatron checkpoint.")
 @click.option("--force", is_flag=True, help="Replace a non-empty --megatron-dir.")
 @click.option("--sif-path", type=click.Path(dir_okay=False), help="Run inside this Singularity/Apptainer image.")
-@cli_entry
 def main(tp, pp, hf_dir, megatron_dir, force, sif_path):
     if sif_path:
         rerun_in_container(sif_path, binds=[hf_dir, megatron_dir])
@@ -33,4 +32,4 @@ def main(tp, pp, hf_dir, megatron_dir, force, sif_path):
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -11,7 +11,7 @@ the tokenizer stored in the checkpoint.
 import click
 
 from megatron_ext.container import rerun_in_container
-from megatron_ext.errors import cli_entry
+from megatron_ext.errors import run_command
 
 
 @click.command()
@@ -24,7 +24,6 @@ from megatron_ext.errors import cli_entry
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file.")
 @click.option("--force", is_flag=True, help="Replace a non-empty --hf-dir.")
 @click.option("--sif-path", type=click.Path(dir_okay=False), help="Run inside this Singularity/Apptainer image.")
-@cli_entry
 def main(tp, pp, megatron_dir, hf_dir, tokenizer_dir, max_shard_size, force, sif_path):
     if sif_path:
         rerun_in_container(sif_path, binds=[megatron_dir, hf_dir, tokenizer_dir])
@@ -37,4 +36,4 @@ def main(tp, pp, megatron_dir, hf_dir, tokenizer_dir, max_shard_size, force, sif
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

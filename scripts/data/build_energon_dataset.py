@@ -13,7 +13,7 @@ OUT/build_report.json. OUT appears only when everything succeeded.
 import click
 
 from megatron_ext.data.build import REPORT_FILE, build_energon_dataset
-from megatron_ext.errors import cli_entry
+from megatron_ext.errors import run_command
 from megatron_ext.logs import setup_logging
 
 
@@ -26,7 +26,6 @@ from megatron_ext.logs import setup_logging
 @click.option("--num-workers", type=click.IntRange(min=0), default=4, show_default=True, help="Processes that check and encode images.")
 @click.option("--strict", is_flag=True, help="Fail on the first bad sample instead of skipping it.")
 @click.option("--force", is_flag=True, help="Replace a non-empty --output-dir.")
-@cli_entry
 def main(input_path, output_dir, image_root, split_ratio, samples_per_shard, num_workers, strict, force):
     setup_logging()
     report = build_energon_dataset(input_path, output_dir, image_root, split_ratio, samples_per_shard,
@@ -36,4 +35,4 @@ def main(input_path, output_dir, image_root, split_ratio, samples_per_shard, num
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

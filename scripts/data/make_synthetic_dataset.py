@@ -8,7 +8,7 @@ Then: python scripts/data/build_energon_dataset.py D/llava.json --image-root D -
 import click
 
 from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
-from megatron_ext.errors import cli_entry
+from megatron_ext.errors import run_command
 from megatron_ext.fsutil import check_output_dir
 
 
@@ -23,7 +23,6 @@ from megatron_ext.fsutil import check_output_dir
 @click.option("--image-format", type=click.Choice(["jpg", "png"]), default="jpg", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--force", is_flag=True, help="Replace a non-empty --output-dir.")
-@cli_entry
 def main(output_dir, num_samples, multi_turn_fraction, min_size, max_size, lang, image_format, seed, force):
     check_output_dir(output_dir, force, "--output-dir")
     spec = SyntheticSpec(num_samples=num_samples, multi_turn_fraction=multi_turn_fraction, min_size=min(min_size, max_size),
@@ -33,4 +32,4 @@ def main(output_dir, num_samples, multi_turn_fraction, min_size, max_size, lang,
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from megatron_ext.errors import cli_entry
+from megatron_ext.errors import run_command
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 from megatron_ext.hf.tiny_models import TinyTextSpec, make_all
 from megatron_ext.logs import setup_logging
@@ -24,7 +24,6 @@ from megatron_ext.logs import setup_logging
 @click.option("--tie-word-embeddings", is_flag=True, help="Share the input embedding with the LM head.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--force", is_flag=True, help="Replace a non-empty --save-dir.")
-@cli_entry
 def main(save_dir, text_arch, tie_word_embeddings, seed, force):
     setup_logging()
     save_dir = check_output_dir(save_dir, force, "--save-dir")
@@ -36,4 +35,4 @@ def main(save_dir, text_arch, tie_word_embeddings, seed, force):
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

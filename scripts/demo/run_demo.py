@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from megatron_ext.demo import DemoSettings, first_sample, run_demo
-from megatron_ext.errors import cli_entry
+from megatron_ext.errors import run_command
 from megatron_ext.logs import setup_logging
 
 
@@ -22,7 +22,6 @@ from megatron_ext.logs import setup_logging
               help="Stage 1 training iterations.")
 @click.option("--stage2-iters", type=int, default=DemoSettings.stage2_iters, show_default=True,
               help="Stage 2 training iterations (fewer: faster, worse answers).")
-@cli_entry
 def main(output_dir, stage1_iters, stage2_iters):
     setup_logging()
     start = time.perf_counter()
@@ -49,4 +48,4 @@ def main(output_dir, stage1_iters, stage2_iters):
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -9,7 +9,7 @@ Type a message and press Enter; /image PATH switches to another image (new conve
 
 import click
 
-from megatron_ext.errors import cli_entry
+from megatron_ext.errors import run_command
 from megatron_ext.eval.cli_options import checkpoint_options, make_sampling, sampling_options
 
 
@@ -17,8 +17,7 @@ from megatron_ext.eval.cli_options import checkpoint_options, make_sampling, sam
 @checkpoint_options
 @click.option("--image", type=click.Path(dir_okay=False), help="Image to talk about (or /image PATH later).")
 @sampling_options(default_max_new_tokens=256)
-@cli_entry
-def main(megatron_dir, hf_dir, tp, pp, chat_template, image, max_new_tokens, temperature, top_p, seed):
+def main(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image, max_new_tokens, temperature, top_p, seed):
     from megatron_ext.distributed import shutdown
     from megatron_ext.eval.chat import run_chat
     from megatron_ext.eval.checkpoints import open_checkpoint
@@ -26,7 +25,7 @@ def main(megatron_dir, hf_dir, tp, pp, chat_template, image, max_new_tokens, tem
 
     setup_logging()
     options = make_sampling(max_new_tokens, temperature, top_p, seed)
-    source = open_checkpoint(megatron_dir, hf_dir, chat_template)
+    source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype)
     try:
         run_chat(source, options, tp=tp, pp=pp, image=image)
     finally:
@@ -34,4 +33,4 @@ def main(megatron_dir, hf_dir, tp, pp, chat_template, image, max_new_tokens, tem
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

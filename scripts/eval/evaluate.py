@@ -9,7 +9,7 @@ perplexity for Megatron checkpoints; exact match, BLEU, ROUGE-L and CIDEr), and 
 
 import click
 
-from megatron_ext.errors import cli_entry
+from megatron_ext.errors import run_command
 from megatron_ext.eval.cli_options import checkpoint_options, make_sampling, sampling_options
 
 
@@ -22,8 +22,7 @@ from megatron_ext.eval.cli_options import checkpoint_options, make_sampling, sam
 @click.option("--force", is_flag=True, help="Replace a non-empty --output-dir.")
 @click.option("--seq-length", type=int, help="Truncate samples for the loss as the trainer does (default: the trained --seq-length, else the model's context).")
 @sampling_options(default_max_new_tokens=64)
-@cli_entry
-def main(megatron_dir, hf_dir, tp, pp, chat_template, data_path, split, fast_n, output_dir, force, seq_length,
+def main(megatron_dir, hf_dir, tp, pp, chat_template, dtype, data_path, split, fast_n, output_dir, force, seq_length,
          max_new_tokens, temperature, top_p, seed):
     from megatron_ext.distributed import shutdown
     from megatron_ext.eval.checkpoints import open_checkpoint
@@ -32,7 +31,7 @@ def main(megatron_dir, hf_dir, tp, pp, chat_template, data_path, split, fast_n, 
 
     setup_logging()
     options = make_sampling(max_new_tokens, temperature, top_p, seed)
-    source = open_checkpoint(megatron_dir, hf_dir, chat_template)
+    source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype)
     try:
         run_evaluation(source, options, data_path=data_path, split=split, fast_n=fast_n, output_dir=output_dir,
                        force=force, tp=tp, pp=pp, seq_length=seq_length)
@@ -41,4 +40,4 @@ def main(megatron_dir, hf_dir, tp, pp, chat_template, data_path, split, fast_n, 
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -10,7 +10,7 @@ A single prompt is streamed to the terminal; --input-jsonl lines are {"image", "
 
 import click
 
-from megatron_ext.errors import cli_entry
+from megatron_ext.errors import run_command
 from megatron_ext.eval.cli_options import checkpoint_options, make_sampling, sampling_options
 
 
@@ -21,8 +21,7 @@ from megatron_ext.eval.cli_options import checkpoint_options, make_sampling, sam
 @click.option("--input-jsonl", type=click.Path(dir_okay=False), help="Batch mode: one {\"image\", \"prompt\"} per line.")
 @click.option("--output-jsonl", type=click.Path(dir_okay=False), help="Write the answers here (default: stdout).")
 @sampling_options(default_max_new_tokens=128)
-@cli_entry
-def main(megatron_dir, hf_dir, tp, pp, chat_template, image, prompt, input_jsonl, output_jsonl, max_new_tokens,
+def main(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image, prompt, input_jsonl, output_jsonl, max_new_tokens,
          temperature, top_p, seed):
     from megatron_ext.distributed import shutdown
     from megatron_ext.eval.batch import generate_answers
@@ -31,7 +30,7 @@ def main(megatron_dir, hf_dir, tp, pp, chat_template, image, prompt, input_jsonl
 
     setup_logging()
     options = make_sampling(max_new_tokens, temperature, top_p, seed)
-    source = open_checkpoint(megatron_dir, hf_dir, chat_template)
+    source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype)
     try:
         generate_answers(source, options, tp=tp, pp=pp, image=image, prompt=prompt, input_jsonl=input_jsonl,
                          output_jsonl=output_jsonl)
@@ -40,4 +39,4 @@ def main(megatron_dir, hf_dir, tp, pp, chat_template, image, prompt, input_jsonl
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

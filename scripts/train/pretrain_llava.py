@@ -6,12 +6,16 @@
 Every option is a field of megatron_ext/train/options.py (see --help).
 """
 
-import sys
-
 import click
 
+from megatron_ext import lifetime
+from megatron_ext.errors import run_command
 from megatron_ext.logs import setup_logging
 from megatron_ext.train.cli import trainer_options
+
+# The processes of a run end with the one that started them (megatron_ext/lifetime.py). At module
+# level, so the helper processes megatron-core spawns (they import this script again) do too.
+lifetime.die_with_parent()
 
 
 @click.command(context_settings={"max_content_width": 100})
@@ -20,8 +24,8 @@ def main(config):
     setup_logging(verbose=config.debug)
     from megatron_ext.train.trainer import run
 
-    sys.exit(run(config))
+    return run(config)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -12,14 +12,12 @@ import sys
 
 import click
 
-from megatron_ext.errors import cli_entry
 from megatron_ext.launch.flags import invoke, launcher_options
 
 
 @click.command(context_settings={"max_content_width": 110, "help_option_names": ["-h", "--help"]})
 @launcher_options
 @click.pass_obj
-@cli_entry
 def main(passthrough, **values):
     """Launch scripts/train/pretrain_llava.py under torchrun. Trainer options without a flag here go after `--`."""
     from megatron_ext.launch.launcher import main as launch

@@ -23,7 +23,8 @@ LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"]
 def _bf16_copy(src: Path, dst: Path) -> Path:
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    LlavaForConditionalGeneration.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(dst)
+    # Sharded with an index, as the Hub ships checkpoints.
+    LlavaForConditionalGeneration.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(dst, max_shard_size="300KB")
     AutoProcessor.from_pretrained(src).save_pretrained(dst)
     return dst
 

@@ -55,6 +55,30 @@ def test_megatron_greedy_tokens_equal_transformers_generate(layout, megatron_cli
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_a_bf16_hub_style_checkpoint_generates_on_cpu(llava_clip, images, tmp_path):
+    """As the Hub ships LLaVA: bf16, sharded safetensors with an index. Converted to Megatron, it
+    generates on CPU in fp32 (the default there), the tokens transformers gives on the HF checkpoint."""
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from megatron_ext.convert.to_megatron import convert
+    from tests.eval.conftest import HFReference
+
+    hub = tmp_path / "hub"
+    LlavaForConditionalGeneration.from_pretrained(llava_clip, dtype=torch.bfloat16).save_pretrained(
+        hub, max_shard_size="300KB")
+    AutoProcessor.from_pretrained(llava_clip).save_pretrained(hub)
+    assert (hub / "model.safetensors.index.json").is_file() and len(list(hub.glob("*.safetensors"))) > 1
+    megatron = convert(hub, tmp_path / "megatron", tp=1, pp=1)
+    requests, answers = _requests(tmp_path, images), tmp_path / "answers.jsonl"
+    run_script("eval/generate.py", "--megatron-dir", megatron, "--input-jsonl", requests, "--output-jsonl", answers,
+               "--max-new-tokens", MAX_NEW_TOKENS, timeout=120)
+    results = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert [r["token_ids"] for r in results] == _expected(HFReference(hub), images)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_hf_single_prompt_streams_the_answer_to_the_terminal(llava_clip, images, hf_reference):
     from megatron_ext.eval.prompts import load_image

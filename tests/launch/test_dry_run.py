@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.helpers import run
-from tests.launch.conftest import RUN_PY
+from tests.launch.conftest import RUN_PY, Launcher, make_standins
 
 HEAVY = {"torch", "megatron", "transformers", "numpy", "safetensors", "tokenizers", "webdataset"}
 
@@ -38,4 +38,22 @@ def test_readme_stage2_example_dry_run_imports_nothing_heavy(launcher, inputs, t
     command, report = proc.stdout.strip().splitlines()
     assert json.loads(report) == {"status": 0, "heavy": []}, proc.stderr
     assert command.startswith("SINGULARITYENV_CUDA_DEVICE_MAX_CONNECTIONS=1 singularity exec --nv ") and " torchrun --nnodes 1 --nproc-per-node 8 " in command
+    assert launcher.records() == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_dry_run_with_an_image_where_no_container_runtime_is_installed(inputs, tmp_path):
+    bin_dir = make_standins(tmp_path / "bin", names=("torchrun", "nvidia-smi"))
+    launcher = Launcher(bin_dir=bin_dir, record_file=tmp_path / "record.jsonl", cwd=tmp_path)
+    sif = tmp_path / "demo.sif"
+    sif.write_text("image")
+    args = ["--megatron-load-dir", inputs.checkpoint, "--data-path", inputs.data, "--sif-path", sif]
+    dry = launcher.run(*args, "--dry-run", gpus=2)
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.startswith("SINGULARITYENV_CUDA_DEVICE_MAX_CONNECTIONS=1 singularity exec --nv ")
+    assert "neither singularity nor apptainer is installed here" in dry.stderr
+    real = launcher.run(*args, gpus=2)
+    assert real.returncode == 2 and real.stderr.strip() == \
+        "error: --sif-path needs singularity or apptainer on PATH; neither was found"
     assert launcher.records() == []

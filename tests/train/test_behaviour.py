@@ -71,7 +71,7 @@ def test_repeated_nonfinite_losses_stop_naming_the_last_good_checkpoint(tmp_path
     proc = run_script("train/pretrain_llava.py", *trainer_args(megatron_clip, train_data, save, train_iters=20,
                       lr=1e30, clip_grad=0, save_interval=1, max_nonfinite_steps=3), timeout=300, check=False)
     assert proc.returncode == 1
-    message = proc.stdout.strip().splitlines()[-1]
+    message = proc.stderr.strip().splitlines()[-1]
     records = metrics(save)
     stopped = max(records)
     assert message.startswith("error: loss was not finite for 3 iterations in a row")

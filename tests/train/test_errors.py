@@ -34,9 +34,8 @@ def test_bad_input_is_one_line_before_training(tmp_path, megatron_clip, train_da
     proc = run_script("train/pretrain_llava.py", *trainer_args(checkpoint, train_data, tmp_path / "save", **options),
                       check=False, timeout=120, env=child_env(**env))
     assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert lines and lines[-1].startswith("error: ") and "Traceback" not in proc.stdout + proc.stderr
-    assert message in lines[-1]
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("error: ") and message in proc.stderr
     assert not (tmp_path / "save").exists()
 
 

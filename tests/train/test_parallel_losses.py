@@ -1,6 +1,6 @@
 """Every parallel layout trains like one process: the same global batches give the same losses and
-gradient norms (fp32, CPU) at TP2, PP2, TP2 x PP2, DP2, DP2 with the distributed optimizer, and
-TP2 with packed samples (THD attention)."""
+gradient norms (fp32, CPU) at TP2 x PP2, DP2, DP2 with the distributed optimizer, and TP2 with
+packed samples (THD attention)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from tests.helpers import run_torchrun
 
 WORKER = str(Path(__file__).with_name("invariance_worker.py"))
 LAYOUTS = {
-    "tp2": (2, {"tp": 2}),
-    "pp2": (2, {"pp": 2}),
     "tp2 x pp2": (4, {"tp": 2, "pp": 2}),
     "dp2": (2, {}),
     "dp2, distributed optimizer": (2, {"dist_optim": True}),

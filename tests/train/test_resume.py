@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,12 +17,12 @@ from megatron_ext.checkpoint import layout
 from tests.helpers import child_env, kill_tree, run_python, run_script, started
 from tests.train.conftest import metrics, train, trainer_args
 
-ITERS, EVERY, KILL_AFTER = 16, 4, 8
+ITERS, EVERY = 12, 2
 
 
 def _args(save_dir, checkpoint, data):
     return trainer_args(checkpoint, data, save_dir, train_iters=ITERS, save_interval=EVERY, save_optim=True,
-                        load_optim=True, dist_optim=True, num_workers=1)
+                        dist_optim=True, num_workers=1)
 
 
 def _command(save_dir, checkpoint, data):
@@ -30,41 +30,82 @@ def _command(save_dir, checkpoint, data):
             "scripts/train/pretrain_llava.py", *_args(save_dir, checkpoint, data)]
 
 
-def _kill_after_checkpoint(command, save_dir, log):
-    """Start the run and SIGKILL torchrun and every rank (a node failure) once iteration KILL_AFTER is saved."""
-    latest = save_dir / "latest_checkpointed_iteration.txt"
-    with open(log, "w") as out, started(command, stdout=out, stderr=subprocess.STDOUT) as proc:
+def _published_snapshots_are_complete(save_dir) -> int:
+    """No partial snapshot is ever visible: every iter_* has its metadata, `latest` names one. Returns it."""
+    for snapshot in save_dir.glob("iter_*"):
+        assert (snapshot / layout.METADATA_FILE).is_file(), snapshot
+    latest = int((save_dir / layout.LATEST_FILE).read_text())
+    assert (save_dir / layout.snapshot_name(latest) / layout.METADATA_FILE).is_file()
+    return latest
+
+
+def _kill(command, save_dir, log, when) -> bool:
+    """Start the run; SIGKILL torchrun and every rank (a node failure) once `when()` says so.
+    Returns False when the run finished first."""
+    with open(log, "a") as out, started(command, stdout=out, stderr=subprocess.STDOUT) as proc:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            if latest.is_file() and int(latest.read_text() or 0) >= KILL_AFTER:
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, f"the run hung; see {log}"
+            if when():
                 kill_tree(proc)
-                break
-            time.sleep(0.05)
-    assert proc.returncode == -signal.SIGKILL, f"the run was not killed mid-way (status {proc.returncode}); see {log}"
+                return True
+            time.sleep(0.02)
+    assert proc.returncode == 0, f"the run failed; see {log}"
+    return False
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(600)
-def test_killed_run_resumes_exactly(tmp_path, megatron_clip, train_data):
+@pytest.mark.timeout(900)
+def test_killed_again_and_again_the_run_ends_as_if_never_killed(tmp_path, megatron_clip, train_data):
+    """kill -9 of the whole run at random moments, once in the middle of writing a snapshot, each time
+    resumed by the same command (optimizer state, data position, RNG, schedule restored without
+    --load-optim): every iteration's loss, gradient norm and samples equal an uninterrupted run's."""
     reference = tmp_path / "uninterrupted"
     train(2, *_args(reference, megatron_clip, train_data), timeout=300)
 
-    resumed = tmp_path / "killed"
-    _kill_after_checkpoint(_command(resumed, megatron_clip, train_data), resumed, tmp_path / "killed.log")
-    saved = int((resumed / "latest_checkpointed_iteration.txt").read_text())
-    assert KILL_AFTER <= saved < ITERS and layout.find_snapshot(resumed).iteration == saved
-    run = train(2, *_args(resumed, megatron_clip, train_data), timeout=300)
-    assert f"resumed from {resumed / layout.snapshot_name(saved)}" in run.stdout + run.stderr
+    save, log = tmp_path / "killed", tmp_path / "killed.log"
+    command = _command(save, megatron_clip, train_data)
+    rng = random.Random(7)
 
-    expected, got = metrics(reference), metrics(resumed)
+    def after_checkpoint():
+        snapshot = layout.latest_complete_snapshot(save)
+        return snapshot is not None and snapshot.iteration >= 4
+
+    moments = [
+        after_checkpoint,
+        lambda: bool(list(save.glob(".tmp-iter_*"))),  # while a snapshot is being written
+        _after(rng.uniform(4.0, 12.0)),  # at random (start-up included)
+    ]
+    kills = 0
+    for when in moments:
+        kills += _kill(command, save, log, when)
+        if (save / layout.LATEST_FILE).exists():
+            _published_snapshots_are_complete(save)
+    assert kills >= 2, f"the run ended before it could be killed {len(moments)} times; see {log}"
+    _kill(command, save, log, lambda: False)  # and finally to the end
+    assert _published_snapshots_are_complete(save) == ITERS
+
+    expected, got = metrics(reference), metrics(save)
     assert sorted(got) == list(range(1, ITERS + 1))
-    for iteration in range(saved + 1, ITERS + 1):
-        assert got[iteration]["samples_digest"] == expected[iteration]["samples_digest"], iteration
-        assert got[iteration]["loss"] == expected[iteration]["loss"], iteration
-        assert got[iteration]["grad_norm"] == expected[iteration]["grad_norm"], iteration
-        assert got[iteration]["lr"] == expected[iteration]["lr"], iteration
-    # Keep-last-3 pruned the older snapshots of the resumed run; its newest is the final one.
-    assert sorted(p.name for p in resumed.glob("iter_*")) == ["iter_0000008", "iter_0000012", "iter_0000016"]
+    for iteration in range(1, ITERS + 1):
+        for key in ("samples_digest", "loss", "grad_norm", "lr"):
+            assert got[iteration][key] == expected[iteration][key], (iteration, key)
+    assert log.read_text().count("resumed from") >= kills
+    # TensorBoard dropped what a killed run logged after its checkpoint: each iteration once, as resumed.
+    assert _events(save / "tensorboard", "train/loss") == [(i, pytest.approx(got[i]["loss"]))
+                                                           for i in range(1, ITERS + 1)]
+
+
+def _after(seconds: float):
+    """A moment `seconds` after the run (re)starts (the clock starts at the first question)."""
+    start = []
+
+    def when():
+        if not start:
+            start.append(time.monotonic())
+        return time.monotonic() - start[0] >= seconds
+
+    return when
 
 
 def _records(save_dir, split="train") -> list[dict]:
@@ -82,65 +123,107 @@ def _lr(iteration: int, *, peak: float, minimum: float, warmup: int, total: int)
     return minimum + (peak - minimum) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-def test_resume_at_tp2_pp2_and_into_another_layout(tmp_path, megatron_clip, train_data):
-    base = dict(train_iters=4, save_optim=True, load_optim=True, lr_warmup_fraction=0.5, min_lr=1e-4)
-    reference = tmp_path / "tp2pp2"
-    train(4, *trainer_args(megatron_clip, train_data, reference, tp=2, pp=2, save_interval=2, keep_last=0,
-                           eval_interval=2, eval_iters=1, wandb=True, **base), timeout=400)
-    expected = metrics(reference)
+def _events(tensorboard_dir, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    # What a run records: its metrics, the schedule, TensorBoard events and an offline W&B run.
+    events = EventAccumulator(str(tensorboard_dir))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+BASE = dict(train_iters=4, save_optim=True, lr_warmup_fraction=0.5, min_lr=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory, megatron_clip, train_data):
+    """Four iterations at TP2, checkpoints at 2 and 4, evaluations, TensorBoard and offline W&B."""
+    save = tmp_path_factory.mktemp("tp2") / "run"
+    train(2, *trainer_args(megatron_clip, train_data, save, tp=2, save_interval=2, keep_last=0, eval_interval=2,
+                           eval_iters=1, wandb=True, **BASE), timeout=300)
+    return save
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_what_a_run_records(tp2_run):
+    expected = metrics(tp2_run)
     assert sorted(expected) == [1, 2, 3, 4]
     assert set(expected[1]) == {"split", "iteration", "loss", "lr", "grad_norm", "loss_tokens", "samples",
                                 "samples_digest", "skipped_samples", "truncated_samples", "update", "skipped",
                                 "iteration_time_s", "samples_per_s", "tokens_per_s", "padding_share",
                                 "tflops_per_gpu", "memory_gb"}
-    assert [set(r) for r in _records(reference, "val")] == [{"split", "iteration", "loss", "perplexity",
-                                                              "loss_tokens"}] * 2
+    assert [set(r) for r in _records(tp2_run, "val")] == [{"split", "iteration", "loss", "perplexity",
+                                                            "loss_tokens"}] * 2
     for iteration, record in expected.items():
         assert record["lr"] == pytest.approx(_lr(iteration, peak=1e-3, minimum=1e-4, warmup=2, total=4), abs=1e-12)
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(reference / "tensorboard"))
-    events.Reload()
-    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("train/loss")] == \
-        [(i, expected[i]["loss"]) for i in range(1, 5)]
-    assert [e.step for e in events.Scalars("val/perplexity")] == [2, 4]
-    (run,) = (reference / "wandb").glob("offline-run-*/run-*.wandb")  # the records W&B syncs later
+    assert _events(tp2_run / "tensorboard", "train/loss") == [(i, pytest.approx(expected[i]["loss"])) for i in range(1, 5)]
+    assert [step for step, _ in _events(tp2_run / "tensorboard", "val/perplexity")] == [2, 4]
+    (run,) = (tp2_run / "wandb").glob("offline-run-*/run-*.wandb")  # the records W&B syncs later
     assert all(key in run.read_bytes() for key in (b"seq_length", b"train/loss", b"val/perplexity"))
 
-    # The same layout, resumed from the checkpoint at iteration 2 (as after a crash right after it).
-    resumed = tmp_path / "tp2pp2-resumed"
-    shutil.copytree(reference, resumed, ignore=shutil.ignore_patterns("iter_0000004", "metrics.jsonl", "wandb",
-                                                                      "tensorboard"))
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_exit_interval_then_the_same_command_continues_exactly(tmp_path, tp2_run, megatron_clip, train_data):
+    """--save-optim without --load-optim: re-running the command restores the optimizer state too."""
+    expected = metrics(tp2_run)
+    save = tmp_path / "run"
+    args = trainer_args(megatron_clip, train_data, save, tp=2, wandb=True, **BASE)
+    train(2, *args, "--exit-interval", "2", timeout=300)
+    assert layout.find_snapshot(save).iteration == 2 and sorted(metrics(save)) == [1, 2]
+    train(2, *args, timeout=300)
+    got = metrics(save)
+    assert sorted(got) == [1, 2, 3, 4]
+    for iteration in range(1, 5):
+        for key in ("samples_digest", "loss", "grad_norm", "lr"):
+            assert got[iteration][key] == expected[iteration][key], (iteration, key)
+    # W&B continues the same run (two sessions, one run id); TensorBoard has each iteration once.
+    sessions = sorted((save / "wandb").glob("offline-run-*"))
+    assert len(sessions) == 2 and len({path.name.rsplit("-", 1)[1] for path in sessions}) == 1
+    assert [step for step, _ in _events(save / "tensorboard", "train/loss")] == [1, 2, 3, 4]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_resume_into_another_layout(tmp_path, tp2_run, megatron_clip, train_data):
+    """TP2's checkpoint at iteration 2, continued at TP1: resharded on load, the same run to float noise."""
+    expected = metrics(tp2_run)
+    moved = tmp_path / "tp1"
+    shutil.copytree(tp2_run, moved, ignore=shutil.ignore_patterns("iter_0000004", "metrics.jsonl", "wandb",
+                                                                  "tensorboard"))
+    layout.mark_latest(moved, 2)
+    train(1, *trainer_args(megatron_clip, train_data, moved, **BASE), timeout=300)
+    got = metrics(moved)
+    assert sorted(got) == [3, 4]
+    for iteration in (3, 4):
+        assert got[iteration]["samples_digest"] == expected[iteration]["samples_digest"]
+        assert got[iteration]["loss"] == pytest.approx(expected[iteration]["loss"], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_resume_at_tp2_x_pp2_continues_exactly(tmp_path, megatron_clip, train_data):
+    reference = tmp_path / "tp2pp2"
+    train(4, *trainer_args(megatron_clip, train_data, reference, tp=2, pp=2, save_interval=2, keep_last=0, **BASE),
+          timeout=400)
+    expected = metrics(reference)
+    # Resumed from the checkpoint at iteration 2 (as after a crash right after it).
+    resumed = tmp_path / "resumed"
+    shutil.copytree(reference, resumed, ignore=shutil.ignore_patterns("iter_0000004", "metrics.jsonl", "tensorboard"))
     layout.mark_latest(resumed, 2)
-    train(4, *trainer_args(megatron_clip, train_data, resumed, tp=2, pp=2, **base), timeout=400)
+    train(4, *trainer_args(megatron_clip, train_data, resumed, tp=2, pp=2, **BASE), timeout=400)
     got = metrics(resumed)
     assert sorted(got) == [3, 4]
     for iteration in (3, 4):
         for key in ("samples_digest", "loss", "grad_norm", "lr"):
             assert got[iteration][key] == expected[iteration][key], (iteration, key)
 
-    # --exit-interval at TP2, then the same command at TP1: the checkpoint is resharded on load.
-    moved = tmp_path / "tp2-then-tp1"
-    train(2, *trainer_args(megatron_clip, train_data, moved, tp=2, exit_interval=2, **base), timeout=300)
-    assert layout.find_snapshot(moved).iteration == 2 and sorted(metrics(moved)) == [1, 2]
-    train(1, *trainer_args(megatron_clip, train_data, moved, **base), timeout=300)
-    got = metrics(moved)
-    assert sorted(got) == [1, 2, 3, 4]
-    for iteration in range(1, 5):
-        assert got[iteration]["samples_digest"] == expected[iteration]["samples_digest"]
-        assert got[iteration]["loss"] == pytest.approx(expected[iteration]["loss"], rel=1e-5)
-
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_a_failed_save_leaves_the_previous_checkpoint_current(tmp_path, megatron_clip, train_data):
     save = tmp_path / "run"
-    args = trainer_args(megatron_clip, train_data, save, train_iters=3, save_interval=1, save_optim=True,
-                        load_optim=True)
+    args = trainer_args(megatron_clip, train_data, save, train_iters=3, save_interval=1, save_optim=True)
     proc = run_python("tests/train/failing_save.py", *args, env=child_env(FAIL_SAVE="2"), check=False, timeout=300)
     assert proc.returncode != 0 and "injected checkpoint writer failure" in proc.stderr
     # The failed snapshot was never published: the latest is the last complete one.

@@ -1,0 +1,54 @@
+"""A run and its save directory: run.py killed alone (kill -9, an OOM kill) takes torchrun and every
+rank with it, a second run on a live run's --save-dir is refused, and once the first is gone the
+next run takes over the directory and resumes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from megatron_ext.checkpoint import layout
+from tests.helpers import REPO_ROOT, run, started
+from tests.train.conftest import metrics
+
+
+def _run_py(checkpoint, data, save, iters: int) -> list[str]:
+    return [sys.executable, str(REPO_ROOT / "scripts/train/run.py"), "-g", "2", "--megatron-load-dir", str(checkpoint),
+            "--data-path", str(data), "--save", "--save-dir", str(save), "--save-interval", "2", "--micro-batch-size",
+            "2", "--global-batch-size", "4", "--num-workers", "0", "--stage", "2",
+            "--", "--train-iters", str(iters), "--seq-length", "128", "--lr", "1e-3"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_run_py_killed_alone_takes_its_ranks_along(tmp_path, megatron_clip, train_data):
+    save = tmp_path / "run"
+    endless = _run_py(megatron_clip, train_data, save, 100000)
+    with open(tmp_path / "first.log", "w") as log, started(endless, stdout=log, stderr=subprocess.STDOUT) as first:
+        deadline = time.monotonic() + 240
+        while layout.latest_complete_snapshot(save) is None:
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+            time.sleep(0.2)
+        family = psutil.Process(first.pid).children(recursive=True)  # torchrun and its two ranks
+        assert sum("pretrain_llava.py" in " ".join(p.cmdline()) for p in family) >= 3
+
+        second = run(endless, timeout=120, check=False)
+        assert second.returncode == 2 and len(second.stderr.splitlines()) == 1, second.stderr
+        assert second.stderr.startswith(f"error: --save-dir {save} is in use by a run on ")
+
+        os.kill(first.pid, signal.SIGKILL)  # run.py alone: nothing is forwarded
+        gone, alive = psutil.wait_procs(family, timeout=10)
+        assert not alive, [p.cmdline() for p in alive]
+
+    saved = layout.latest_complete_snapshot(save).iteration
+    resumed = run(_run_py(megatron_clip, train_data, save, saved + 2), timeout=300)
+    output = resumed.stdout + resumed.stderr
+    assert "took over the lock of a run on" in output and "which is gone" in output
+    assert f"resumed from {save / layout.snapshot_name(saved)}" in output
+    assert max(metrics(save)) == saved + 2 and not (save / ".run.lock").exists()
