@@ -26,6 +26,7 @@ from megatron_ext.convert.mapping import canonical_megatron_name, llava_mapping
 from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 from megatron_ext.model.arch import LlavaArch
+from megatron_ext.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def _write_weights(tensors: dict, extra: list[str], export: Export, out: Path) -
     dtype = DTYPES[export.snapshot.dtype]
     table = llava_mapping(export.arch)
     writer = ShardWriter(out, export.max_shard_size)
-    for name, tensor in tensors.items():
+    for name, tensor in progress(tensors.items(), total=len(tensors), desc="writing tensors", unit="tensor"):
         row = table[name]
         for hf_name, hf_tensor in zip(row.hf, row.rule.megatron_to_hf(tensor)):
             writer.add(hf_name, hf_tensor.to(dtype))

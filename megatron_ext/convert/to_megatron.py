@@ -22,6 +22,7 @@ from megatron_ext.convert.mapping import canonical_megatron_name, hf_only_names,
 from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 from megatron_ext.model.arch import LlavaArch
+from megatron_ext.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,11 @@ def fill_model(model, arch: LlavaArch, weights: HfWeights) -> coverage.FillRepor
     table = llava_mapping(arch)
     available = set(weights.names)
     report = coverage.FillReport()
-    for name, param in model.state_dict(keep_vars=True).items():
-        if name.endswith("_extra_state"):
-            continue
+    params = {name: p for name, p in model.state_dict(keep_vars=True).items() if not name.endswith("_extra_state")}
+    bar = progress(total=sum(p.numel() * p.element_size() for p in params.values()), desc="filling tensors",
+                   unit="B", unit_scale=True)
+    for name, param in params.items():
+        bar.update(param.numel() * param.element_size())
         row = table.get(canonical_megatron_name(name, layer_offset))
         if row is None:
             report.unmapped.append(canonical_megatron_name(name, layer_offset))
@@ -92,6 +95,7 @@ def fill_model(model, arch: LlavaArch, weights: HfWeights) -> coverage.FillRepor
         with torch.no_grad():
             param.copy_(part)
         report.filled.append(row.megatron)
+    bar.close()
     return report
 
 

@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import multiprocessing
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -23,6 +24,7 @@ from megatron_ext.data.prepared import dir_split_counts
 from megatron_ext.data.sources import Skip, read_records, shard_sample
 from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
+from megatron_ext.progress import QUIET_ENV, progress
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +76,10 @@ def _samples(kind: str, image_root: Path, records: list, num_workers: int):
 
 def _write_shards(samples, out: Path, total: int, samples_per_shard: int, strict: bool, report: BuildReport) -> None:
     import webdataset as wds
-    from tqdm import tqdm
 
     skipped = Counter()
     with wds.ShardWriter(str(out / "%06d.tar"), maxcount=samples_per_shard, verbose=0) as writer:
-        for sample in tqdm(samples, total=total, desc="writing shards", unit="sample"):
+        for sample in progress(samples, total=total, desc="writing shards", unit="sample"):
             if isinstance(sample, Skip):
                 if strict:
                     raise UserError(f"{report.input}: {sample.describe()} (--strict stops at the first bad sample)")
@@ -93,7 +94,9 @@ def _write_shards(samples, out: Path, total: int, samples_per_shard: int, strict
 def run_energon_prepare(path: Path, split_ratio: str, num_workers: int) -> None:
     cmd = [sys.executable, "-m", "megatron.energon.cli.main", "prepare", str(path), "--non-interactive",
            "--split-ratio", split_ratio, "--sample-type", SAMPLE_TYPE, "--field-map", json.dumps(FIELD_MAP),
-           "--num-workers", str(max(1, num_workers)), "--no-progress"]
+           "--num-workers", str(max(1, num_workers))]
+    if not sys.stderr.isatty() or os.environ.get(QUIET_ENV):
+        cmd.append("--no-progress")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["no output"]

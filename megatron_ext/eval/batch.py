@@ -18,6 +18,7 @@ from megatron_ext.eval.generation import Generation, Generator
 from megatron_ext.eval.prompts import EncodedPrompt, load_image, user_turn
 from megatron_ext.eval.sampling import SamplingOptions
 from megatron_ext.fsutil import write_jsonl
+from megatron_ext.progress import progress
 
 
 @dataclass
@@ -65,14 +66,10 @@ def _answered(request: Request, generation: Generation) -> dict:
             "token_ids": generation.token_ids}
 
 
-def answer_all(generator: Generator, requests: list[Request], options: SamplingOptions, progress=None) -> list[dict]:
+def answer_all(generator: Generator, requests: list[Request], options: SamplingOptions) -> list[dict]:
     """Every request answered in order (collective for Megatron generators)."""
-    results = []
-    for request in requests:
-        results.append(_answered(request, generator.generate(request.prompt, options)))
-        if progress is not None:
-            progress(len(results), len(requests))
-    return results
+    return [_answered(request, generator.generate(request.prompt, options))
+            for request in progress(requests, desc="answering", unit="request")]
 
 
 def generate_answers(source: ModelSource, options: SamplingOptions, *, tp: int | None, pp: int | None,
@@ -96,11 +93,7 @@ def generate_answers(source: ModelSource, options: SamplingOptions, *, tp: int |
         streamer = TextStreamer(source.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
         results = [_answered(requests[0], generator.generate(requests[0].prompt, options, streamer=streamer))]
     else:
-        def progress(done, total):
-            if generator.is_output_rank:
-                print(f"answered {done}/{total}", file=sys.stderr, flush=True)
-
-        results = answer_all(generator, requests, options, progress)
+        results = answer_all(generator, requests, options)
     if not generator.is_output_rank:
         return
     if output_jsonl:

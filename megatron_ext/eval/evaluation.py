@@ -25,6 +25,7 @@ from megatron_ext.eval.generation import Generator
 from megatron_ext.eval.prompts import PromptEncoder
 from megatron_ext.eval.samples import EvalSample, read_samples
 from megatron_ext.eval.sampling import SamplingOptions
+from megatron_ext.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def answer_samples(generator: Generator, encoder: PromptEncoder, samples: list[E
     """One prediction record per sample (collective for Megatron generators); samples whose prompt
     does not fit in the context are recorded with the reason (`too_long`) instead of a prediction."""
     records = []
-    for sample in samples:
+    for sample in progress(samples, desc="answering", unit="sample"):
         record = {"key": sample.key, "question": sample.question, "reference": sample.reference}
         prompt = encoder.encode(sample.messages, sample.images)
         try:

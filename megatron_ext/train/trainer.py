@@ -74,9 +74,10 @@ BATCH_STATS = ("samples", "positions", "squared_lengths", "model_positions", "im
 
 
 def batch_stats(micro_batches: list[dict], inputs: ModelInputs) -> torch.Tensor:
-    """`BATCH_STATS` of these micro batches (also bench/gpu_bench.py's counts). positions: language-model positions holding samples
-    (image embeddings included); model_positions: all the positions the model computes, padding
-    included; squared_lengths: the sum of each sample's squared length (its attention work)."""
+    """`BATCH_STATS` of these micro batches (bench/gpu_bench.py counts with it too). positions:
+    language-model positions holding samples (image embeddings included); model_positions: all the
+    positions the model computes, padding included; squared_lengths: the sum of each sample's
+    squared length (its attention work)."""
     total = torch.zeros(len(BATCH_STATS), dtype=torch.float64)
     for b in micro_batches:
         lengths = sample_lengths(b["input_ids"], b["segment_ids"], inputs.image_token_index, inputs.img_seq_len).double()

@@ -11,9 +11,11 @@ import click
 
 from megatron_ext.container import rerun_in_container
 from megatron_ext.errors import run_command
+from megatron_ext.progress import quiet_option
 
 
 @click.command()
+@quiet_option
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size of the checkpoint.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel size of the checkpoint.")
 @click.option("--hf-dir", required=True, type=click.Path(file_okay=False), help="HF LLaVA checkpoint to convert.")

@@ -12,9 +12,11 @@ import click
 
 from megatron_ext.container import rerun_in_container
 from megatron_ext.errors import run_command
+from megatron_ext.progress import quiet_option
 
 
 @click.command()
+@quiet_option
 @click.option("--tp", type=int, help="Expected tensor-parallel size of the checkpoint (checked, not needed).")
 @click.option("--pp", type=int, help="Expected pipeline-parallel size of the checkpoint (checked, not needed).")
 @click.option("--megatron-dir", required=True, type=click.Path(file_okay=False), help="Megatron checkpoint root or snapshot.")

@@ -15,9 +15,11 @@ import click
 from megatron_ext.data.build import REPORT_FILE, build_energon_dataset
 from megatron_ext.errors import run_command
 from megatron_ext.logs import setup_logging
+from megatron_ext.progress import quiet_option
 
 
 @click.command()
+@quiet_option
 @click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=False))
 @click.option("--output-dir", required=True, type=click.Path(file_okay=False), help="Directory for the prepared dataset.")
 @click.option("--image-root", type=click.Path(file_okay=False), help="Folder the records' image paths are relative to (default: INPUT's folder).")

@@ -11,9 +11,11 @@ import click
 
 from megatron_ext.errors import run_command
 from megatron_ext.eval.cli_options import checkpoint_options, make_sampling, sampling_options
+from megatron_ext.progress import quiet_option
 
 
 @click.command()
+@quiet_option
 @checkpoint_options
 @click.option("--data-path", required=True, type=click.Path(), help="Prepared energon dataset (or metadataset YAML).")
 @click.option("--split", type=click.Choice(["val", "test"]), default="val", show_default=True, help="Split to evaluate on.")

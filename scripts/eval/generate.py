@@ -12,9 +12,11 @@ import click
 
 from megatron_ext.errors import run_command
 from megatron_ext.eval.cli_options import checkpoint_options, make_sampling, sampling_options
+from megatron_ext.progress import quiet_option
 
 
 @click.command()
+@quiet_option
 @checkpoint_options
 @click.option("--image", type=click.Path(dir_okay=False), help="Image the prompt is about.")
 @click.option("--prompt", help="The question or instruction.")

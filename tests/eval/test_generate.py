@@ -110,3 +110,30 @@ def test_bad_input_gives_one_clear_line(llava_clip, megatron_clip, images, tmp_p
         proc = run_script("eval/generate.py", *args, check=False, timeout=60)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), (name, proc.stderr)
+
+
+def _on_a_terminal(*args) -> str:
+    import sys
+
+    import pexpect
+
+    from tests.helpers import REPO_ROOT, child_env
+
+    child = pexpect.spawn(sys.executable, [str(REPO_ROOT / "scripts/eval/generate.py"), *map(str, args)],
+                          env=child_env(), encoding="utf-8", timeout=120)
+    try:
+        child.expect(pexpect.EOF)
+        return child.before
+    finally:
+        child.close(force=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_progress_is_shown_on_a_terminal_unless_quiet(llava_clip, images, tmp_path):
+    args = ["--hf-dir", llava_clip, "--input-jsonl", _requests(tmp_path, images), "--output-jsonl",
+            tmp_path / "answers.jsonl", "--max-new-tokens", 2]
+    shown = _on_a_terminal(*args)
+    assert "answering: 100%" in shown and "3/3" in shown and "request/s" in shown, shown
+    assert "answering" not in _on_a_terminal(*args, "--quiet")
+    assert "answering" not in run_script("eval/generate.py", *args, timeout=120).stderr  # not a terminal

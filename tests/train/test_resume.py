@@ -65,8 +65,6 @@ def test_killed_again_and_again_the_run_ends_as_if_never_killed(tmp_path, megatr
 
     save, log = tmp_path / "killed", tmp_path / "killed.log"
     command = _command(save, megatron_clip, train_data)
-    rng = random.Random(7)
-
     def after_checkpoint():
         snapshot = layout.latest_complete_snapshot(save)
         return snapshot is not None and snapshot.iteration >= 4
@@ -74,7 +72,7 @@ def test_killed_again_and_again_the_run_ends_as_if_never_killed(tmp_path, megatr
     moments = [
         after_checkpoint,
         lambda: bool(list(save.glob(".tmp-iter_*"))),  # while a snapshot is being written
-        _after(rng.uniform(4.0, 12.0)),  # at random (start-up included)
+        _after(random.Random(7).uniform(4.0, 12.0)),  # at a random moment (start-up included)
     ]
     kills = 0
     for when in moments:
