@@ -82,7 +82,7 @@ def main(new_tokens, rounds, workdir, output):
             generator = source.generator()
             generator.stop_ids = []  # every run makes exactly --new-tokens
             for name, text in PROMPTS.items():
-                prompt = source.encoder.encode([user_turn(text, True)], [image])
+                prompt = source.encoder.encode([user_turn(text, 1)], [image])
                 prefill, per_token = _measure(generator, prompt, new_tokens, rounds)
                 rows.append((kind, name, prompt.length, prefill, per_token))
                 print(rows[-1], flush=True)

@@ -1,7 +1,7 @@
 """Run HF LLaVA and the Megatron model on the same processed inputs and compare their logits.
 
 The pieces are reusable by generation/evaluation code:
-- `process_inputs`: image + prompt -> HF processor output (chat template when the tokenizer has one);
+- `process_inputs`: images + prompt -> HF processor output (chat template when the tokenizer has one);
 - `collapse_image_tokens`: HF's processor expands each `<image>` into one token per image
   embedding, megatron-core's LLaVAModel expects one token per image and expands it itself;
 - `megatron_logits`: full-vocabulary logits of a TP/PP-split model, gathered over TP and sent
@@ -28,14 +28,15 @@ def synthetic_image(seed: int = 0, size: tuple[int, int] = (70, 60)):
     return Image.fromarray(pixels.astype("uint8"))
 
 
-def process_inputs(processor, image, prompt: str = DEFAULT_PROMPT):
-    """HF processor output for one image and one user turn (generation prompt appended)."""
+def process_inputs(processor, images: list, prompt: str = DEFAULT_PROMPT):
+    """HF processor output for one user turn about `images` (each placed before the text; generation
+    prompt appended)."""
     if getattr(processor, "chat_template", None):
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
     else:
-        text = f"{processor.image_token}\n{prompt}"
-    return processor(images=image, text=text, return_tensors="pt")
+        text = f"{processor.image_token}\n" * len(images) + prompt
+    return processor(images=images, text=text, return_tensors="pt")
 
 
 def collapse_image_tokens(input_ids: torch.Tensor, image_token_index: int) -> torch.Tensor:
@@ -139,8 +140,9 @@ def _megatron_logits_rank(snapshot_dir: Path, tp: int, pp: int, images: torch.Te
 
 
 def compare(hf_dir: str | Path, megatron_dir: str | Path, tp: int | None = None, pp: int | None = None,
-            image=None, prompt: str = DEFAULT_PROMPT) -> LogitStats:
-    """HF vs Megatron (loaded at `tp` x `pp`, default: the layout it was saved with) in float32 on CPU."""
+            images: list | None = None, prompt: str = DEFAULT_PROMPT) -> LogitStats:
+    """HF vs Megatron (loaded at `tp` x `pp`, default: the layout it was saved with) in float32 on CPU,
+    on a prompt about `images` (default: one noise image)."""
     from megatron_ext.checkpoint.layout import find_snapshot
     from megatron_ext.convert.cpu_ranks import run_on_cpu_ranks
     from megatron_ext.hf import loading
@@ -149,7 +151,7 @@ def compare(hf_dir: str | Path, megatron_dir: str | Path, tp: int | None = None,
     tp, pp = tp or snapshot.tp, pp or snapshot.pp
     snapshot.arch.check_parallel(tp, pp)
     processor = loading.load_processor(str(hf_dir), "--hf-dir")
-    batch = process_inputs(processor, synthetic_image() if image is None else image, prompt)
+    batch = process_inputs(processor, images or [synthetic_image()], prompt)
     reference = hf_logits(Path(hf_dir), batch)
     logits = run_on_cpu_ranks(_megatron_logits_rank, tp * pp, snapshot.path, tp, pp, batch["pixel_values"],
                               batch["input_ids"])

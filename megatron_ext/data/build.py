@@ -2,7 +2,7 @@
 
 Order of work: read the records; check each one and load its image in worker processes (in
 input order); write webdataset shards ``NNNNNN.tar`` into a temporary directory; run
-``energon prepare`` there non-interactively (VQASample, field map below); check that the
+``energon prepare`` there non-interactively and write the dataset.yaml of `shard_format`; check that the
 prepared sample count is what was written; write ``build_report.json``; only then rename the
 temporary directory to the output directory. A failure anywhere leaves no output behind.
 """
@@ -20,7 +20,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_ext.data.prepared import dir_split_counts
+import yaml
+
+from megatron_ext.data.prepared import META_DIR, dir_split_counts
+from megatron_ext.data.shard_format import DATASET_YAML
 from megatron_ext.data.sources import Skip, read_records, shard_sample
 from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
@@ -29,10 +32,6 @@ from megatron_ext.progress import QUIET_ENV, progress
 log = logging.getLogger(__name__)
 
 REPORT_FILE = "build_report.json"
-# Multi-turn samples carry every turn in json["conversations"]; the task encoder reads them from
-# `context`, and falls back to the question for single-turn samples and README-layout datasets.
-FIELD_MAP = {"image": "jpg", "context": "json[conversations],json[question]", "answers": "txt"}
-SAMPLE_TYPE = "VQASample"
 
 
 @dataclass
@@ -40,6 +39,9 @@ class BuildReport:
     input: str
     output_dir: str
     written: int = 0
+    text_only: int = 0  # written samples without an image
+    multi_image: int = 0  # ... with several
+    max_images: int = 0  # most images in one sample
     shards: int = 0
     splits: dict = field(default_factory=dict)
     skipped: dict = field(default_factory=dict)  # reason -> count
@@ -47,11 +49,17 @@ class BuildReport:
 
     def summary(self) -> str:
         lines = [f"wrote {self.written} samples in {self.shards} shards to {self.output_dir}",
+                 f"  {self.text_only} text-only ({_share(self.text_only, self.written)}), {self.multi_image} with "
+                 f"several images ({_share(self.multi_image, self.written)}, up to {self.max_images} in one sample)",
                  "splits: " + ", ".join(f"{k} {v}" for k, v in self.splits.items())]
         total = sum(self.skipped.values())
         lines.append(f"skipped {total} samples" + (":" if total else ""))
         lines += [f"  {count:6d}  {reason}" for reason, count in sorted(self.skipped.items(), key=lambda kv: -kv[1])]
         return "\n".join(lines)
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
 def parse_split_ratio(text: str) -> str:
@@ -86,21 +94,24 @@ def _write_shards(samples, out: Path, total: int, samples_per_shard: int, strict
                 skipped[sample.reason] += 1
                 report.skipped_samples.append(asdict(sample))
                 continue
-            writer.write(sample)
+            writer.write(sample.parts)
             report.written += 1
+            report.text_only += sample.num_images == 0
+            report.multi_image += sample.num_images > 1
+            report.max_images = max(report.max_images, sample.num_images)
     report.skipped = dict(skipped)
 
 
 def run_energon_prepare(path: Path, split_ratio: str, num_workers: int) -> None:
     cmd = [sys.executable, "-m", "megatron.energon.cli.main", "prepare", str(path), "--non-interactive",
-           "--split-ratio", split_ratio, "--sample-type", SAMPLE_TYPE, "--field-map", json.dumps(FIELD_MAP),
-           "--num-workers", str(max(1, num_workers))]
+           "--split-ratio", split_ratio, "--skip-dataset-yaml", "--num-workers", str(max(1, num_workers))]
     if not sys.stderr.isatty() or os.environ.get(QUIET_ENV):
         cmd.append("--no-progress")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["no output"]
         raise UserError(f"energon prepare failed on the new shards: {tail[0]}")
+    (path / META_DIR / "dataset.yaml").write_text(yaml.safe_dump(DATASET_YAML, sort_keys=False))
 
 
 def build_energon_dataset(

@@ -13,7 +13,6 @@ IMAGE_MARKER = "<image>"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 # Reasons a sample cannot be trained on (the builder's report groups skipped samples by these).
-NO_IMAGE_MARKER = "no <image> in a human turn"
 NO_ANSWER = "no gpt turn"
 EMPTY_ANSWER = "empty answer"
 MALFORMED = "malformed record"

@@ -9,6 +9,12 @@ torch (pixel_values within 1e-6 of HF's; tests hold it to 1e-5 against CLIP and 
 
 Any processor it does not reproduce step for step (torchvision backend, padding, tiling, other
 size rules, overridden steps) is called as HF's own, so the result is always HF's.
+
+Before either path, `fit_aspect` applies the image aspect mode (`--image-aspect`):
+- crop: nothing (the processor's resize + center crop: the sides of a wide image are cut off);
+- pad: LLaVA-1.5's rule: pad to a square with the processor's mean colour, the image centred,
+  so nothing is cut off (LLaVA-1.5's checkpoints were trained so; fine-tuning them needs it);
+- resize: squash to the processor's output size, ignoring the aspect ratio.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import torch
 from PIL import Image
 
 log = logging.getLogger(__name__)
+
+IMAGE_ASPECTS = ("crop", "pad", "resize")
 
 # PilBackend methods whose behaviour the direct path reproduces; a processor class that overrides
 # any of them does something else and runs as HF's own.
@@ -63,7 +71,7 @@ def _direct_steps(processor) -> _Steps | None:
             resize_to = (int(size.height), int(size.width))
         else:
             return None
-    resample = processor.resample if processor.resample is not None else PILImageResampling.BILINEAR
+    resample = _resample(processor)
     if not isinstance(resample, (int, PILImageResampling)):
         return None
     if processor.do_center_crop:
@@ -77,6 +85,11 @@ def _direct_steps(processor) -> _Steps | None:
                   mean=mean, std=std)
 
 
+def _resample(processor):
+    """The processor's PIL resampling filter (HF's default: bilinear)."""
+    return processor.resample if processor.resample is not None else Image.Resampling.BILINEAR
+
+
 def _shortest_edge_size(height: int, width: int, shortest_edge: int) -> tuple[int, int]:
     """(height, width) with the short side at `shortest_edge`; HF truncates the long side to int."""
     if width <= height:
@@ -84,16 +97,55 @@ def _shortest_edge_size(height: int, width: int, shortest_edge: int) -> tuple[in
     return shortest_edge, int(shortest_edge * width / height)
 
 
-class ImagePreprocessor:
-    """Callable: a list of PIL images -> float32 pixel_values [n, 3, H, W], as `processor` computes them."""
+def _rgb(image: Image.Image) -> Image.Image:
+    """RGB as the processors make it (transparent pixels over white)."""
+    from transformers.image_transforms import convert_to_rgb
 
-    def __init__(self, processor):
+    if image.mode == "RGB" and image.info.get("transparency") is None:
+        return image
+    return Image.fromarray(convert_to_rgb(image, return_numpy=True))
+
+
+def _output_size(processor) -> tuple[int, int]:
+    """(height, width) of the processor's pixel_values."""
+    if getattr(processor, "do_center_crop", False):
+        return int(processor.crop_size.height), int(processor.crop_size.width)
+    size = processor.size
+    if size.height and size.width:
+        return int(size.height), int(size.width)
+    return int(size.shortest_edge), int(size.shortest_edge)
+
+
+def fit_aspect(image: Image.Image, processor, aspect: str) -> Image.Image:
+    """`image` made ready for `processor` under the aspect mode `aspect` (see the module docstring)."""
+    if aspect == "crop":
+        return image
+    image = _rgb(image)
+    if aspect == "resize":
+        height, width = _output_size(processor)
+        return image.resize((width, height), resample=int(_resample(processor)), reducing_gap=None)
+    side = max(image.size)
+    if image.width == image.height:
+        return image
+    mean = tuple(int(x * 255) for x in np.broadcast_to(np.asarray(processor.image_mean, dtype=np.float64), 3))
+    square = Image.new("RGB", (side, side), mean)
+    square.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
+    return square
+
+
+class ImagePreprocessor:
+    """Callable: a list of PIL images -> float32 pixel_values [n, 3, H, W], as `processor` computes them
+    for the images made ready by `fit_aspect`."""
+
+    def __init__(self, processor, aspect: str = "crop"):
         self.processor = processor
+        self.aspect = aspect
         self.steps = _direct_steps(processor)
-        log.info("image preprocessing: %s %s", type(processor).__name__,
-                 "settings applied directly (PIL resize, torch normalize)" if self.steps else "called as is")
+        log.info("image preprocessing: %s %s, aspect %s", type(processor).__name__,
+                 "settings applied directly (PIL resize, torch normalize)" if self.steps else "called as is", aspect)
 
     def __call__(self, images: list) -> torch.Tensor:
+        images = [fit_aspect(image, self.processor, self.aspect) for image in images]
         if self.steps is None or not all(self.direct_path_takes(image) for image in images):
             return self.processor(images=images, return_tensors="pt")["pixel_values"].float()
         return torch.stack([self._direct(image) for image in images])
@@ -114,10 +166,8 @@ class ImagePreprocessor:
 
     def _direct(self, image: Image.Image) -> torch.Tensor:
         steps = self.steps
-        if steps.convert_rgb and (image.mode != "RGB" or image.info.get("transparency") is not None):
-            from transformers.image_transforms import convert_to_rgb
-
-            image = Image.fromarray(convert_to_rgb(image, return_numpy=True))
+        if steps.convert_rgb:
+            image = _rgb(image)
         height, width = self._resized_hw(image)
         if (height, width) != (image.height, image.width):
             image = image.resize((width, height), resample=steps.resample, reducing_gap=None)

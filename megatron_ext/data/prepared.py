@@ -75,34 +75,69 @@ def dir_split_counts(path: str | Path, flag: str = "--data-path") -> dict[str, i
     return counts
 
 
-def _entry_members(entry: dict, base: Path, split: str, flag: str) -> list[tuple[str, float, int]]:
-    """(dataset directory, weight or repetitions, samples) of each dataset a metadataset entry uses."""
+def _subset_range(entry: dict, flag: str) -> tuple[int, int | None] | tuple[float, float]:
+    """An entry's `subset: {range: [start, end]}`: sample indices (ints; end may be "end") or percentages."""
+    try:
+        start, end = entry["subset"]["range"]
+        if isinstance(start, int):
+            return start, None if end == "end" else int(end)
+        if not all(isinstance(v, str) and v.strip().endswith("%") for v in (start, end)):
+            raise ValueError("percentages on both ends")
+        return tuple(float(v.strip().removesuffix("%")) / 100 for v in (start, end))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{flag}: subset {entry.get('subset')!r} must be {{range: [start, end]}} with sample "
+                        "indices or percentages such as 25%") from exc
+
+
+def _subset_count(total: int, absolute: tuple[int, int | None] | None, fraction: tuple[float, float]) -> int:
+    """Samples energon takes from `total`: the absolute range first, then the fraction of what is left."""
+    start, end = absolute or (0, total)
+    end = total if end is None else min(end, total)
+    left = max(end - start, 0)
+    return int(left * fraction[1]) - int(left * fraction[0])
+
+
+def _entry_members(entry: dict, base: Path, split: str, flag: str,
+                   fraction: tuple[float, float] = (0.0, 1.0)) -> list[tuple[str, float, int]]:
+    """(dataset directory, weight or repetitions, samples) of each dataset a metadataset entry uses;
+    `fraction` is the relative subset its parents take (energon nests them)."""
     if not isinstance(entry, dict):
         raise UserError(f"{flag}: metadataset entry {entry!r} is not a mapping")
-    if "join" in entry or "subset" in entry:
-        raise UserError(f"{flag}: cannot count samples of a metadataset with join/subset entries; give --train-iters instead of --epochs")
+    if "join" in entry:
+        raise UserError(f"{flag}: cannot count samples of a metadataset with join entries; give --train-iters instead of --epochs")
+    absolute = None
+    if "subset" in entry:
+        subset = _subset_range(entry, flag)
+        if isinstance(subset[0], int):
+            absolute = subset
+        else:  # a fraction of the parent's fraction
+            width = fraction[1] - fraction[0]
+            fraction = (fraction[0] + subset[0] * width, fraction[0] + subset[1] * width)
+    leaf = "path" in entry and Path(entry["path"]).suffix not in (".yaml", ".yml")
+    if absolute and not leaf:
+        raise UserError(f"{flag}: a subset of sample indices applies to one dataset directory, not to {entry}")
     for key, factor in (("blend", "weight"), ("blend_epochized", "repetitions")):
         if key in entry:
             return [(p, float(item.get(factor, 1.0)), n)
-                    for item in entry[key] for p, _, n in _entry_members(item, base, split, flag)]
+                    for item in entry[key] for p, _, n in _entry_members(item, base, split, flag, fraction)]
     if "path" not in entry:
         raise UserError(f"{flag}: metadataset entry {entry} has no 'path'")
     target = Path(entry["path"]).expanduser()
     target = target if target.is_absolute() else base / target
     split = entry.get("split_part", split)
-    if target.suffix in (".yaml", ".yml"):
-        return _metadataset_split(target, split, flag).members
-    return [(str(target), 1.0, dir_split_counts(target, flag).get(split, 0))]
+    if not leaf:
+        return _metadataset_split(target, split, flag, fraction).members
+    return [(str(target), 1.0, _subset_count(dir_split_counts(target, flag).get(split, 0), absolute, fraction))]
 
 
-def _metadataset_split(path: Path, split: str, flag: str) -> SplitCount:
+def _metadataset_split(path: Path, split: str, flag: str, fraction: tuple[float, float] = (0.0, 1.0)) -> SplitCount:
     config = _load_yaml(path, flag)
     if not isinstance(config, dict) or not isinstance(config.get("splits"), dict):
         raise UserError(f"{flag} {path} is not an energon metadataset (expected __class__: MetadatasetV2 with a `splits:` mapping)")
     entry = config["splits"].get(split)
     if entry is None:
         return SplitCount(0)
-    members = _entry_members(entry, path.parent, split, flag)
+    members = _entry_members(entry, path.parent, split, flag, fraction)
     # One epoch of a blend_epochized split repeats each member; a weighted blend has no epoch of
     # its own, so one pass over every member is what counts.
     epochized = isinstance(entry, dict) and "blend_epochized" in entry

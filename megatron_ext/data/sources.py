@@ -2,37 +2,27 @@
 
 Inputs:
 - LLaVA conversation JSON: a list of ``{"id", "image", "conversations": [{"from", "value"}]}``
-  with ``<image>`` in a human turn (LLaVA-Pretrain, LLaVA-Instruct-150K);
-- JSONL (``.jsonl``): one ``{"image", "question", "answer"}`` per line.
+  (LLaVA-Pretrain, LLaVA-Instruct-150K, LLaVA-1.5's mix665k). ``"image"`` is one file, a list of
+  files (LLaVA-Interleave, OneVision: one ``<image>`` per file, in order), or absent for a
+  text-only conversation (mix665k's ShareGPT part);
+- JSONL (``.jsonl``): one ``{"image", "question", "answer"}`` per line, ``image`` likewise.
 
-Each usable record becomes the original README's layout: ``KEY.jpg`` (the image; re-encoded only
-when it is not a JPEG), ``KEY.txt`` (the first answer) and ``KEY.json`` (``{"question", "id"}``,
-plus ``"conversations"`` with every turn when there is more than one exchange).
+Each usable record becomes one sample in the layout of `shard_format`.
 """
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext.data.conversation import (
-    IMAGE_COUNT,
-    MALFORMED,
-    NO_IMAGE_MARKER,
-    BadConversation,
-    count_image_markers,
-    llava_messages,
-    qa_messages,
-)
+from megatron_ext.data.conversation import MALFORMED, BadConversation, llava_messages, place_images, qa_messages
+from megatron_ext.data.shard_format import ImageFileError, image_file_part, image_part_names
 from megatron_ext.errors import UserError
 
 LLAVA, JSONL = "llava", "jsonl"
-NO_IMAGE = "no image given"
 MISSING_IMAGE = "missing image file"
 CORRUPT_IMAGE = "corrupt image"
-JPEG_QUALITY = 95
 
 
 @dataclass(frozen=True)
@@ -46,10 +36,10 @@ class Skip:
         return f"sample {self.index} (id {self.id}): {self.reason}" + (f" ({self.detail})" if self.detail else "")
 
 
-class _BadImage(Exception):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
+@dataclass(frozen=True)
+class ShardSample:
+    parts: dict  # webdataset sample: __key__ and its parts
+    num_images: int
 
 
 def read_records(path: Path) -> tuple[str, list]:
@@ -78,71 +68,52 @@ def read_records(path: Path) -> tuple[str, list]:
     return LLAVA, records
 
 
-def _conversation(kind: str, record: dict) -> tuple[str, str, list | None]:
-    """(first question, first answer, all turns when there are several exchanges)."""
+def _messages(kind: str, record: dict) -> tuple[list[dict], list | None]:
+    """(chat messages, the LLaVA turns when they are more than one question and its answer)."""
     if kind == JSONL:
         question, answer = record.get("question"), record.get("answer")
         if not isinstance(question, str) or not isinstance(answer, str):
             raise BadConversation(MALFORMED, "needs string 'question' and 'answer'")
-        messages = qa_messages(question, answer)
-        if count_image_markers(messages) > 1:
-            raise BadConversation(IMAGE_COUNT, "at most one <image> per question")
-        return question, answer, None
+        return qa_messages(question, answer), None
     turns = record.get("conversations")
     messages = llava_messages(turns)
-    markers = count_image_markers(messages)
-    if markers == 0:
-        raise BadConversation(NO_IMAGE_MARKER)
-    if markers > 1:
-        raise BadConversation(IMAGE_COUNT, f"{markers} markers for one image")
-    question = next((m["content"] for m in messages if m["role"] == "user"), None)
-    if question is None:
+    if not any(m["role"] == "user" for m in messages):
         raise BadConversation(MALFORMED, "no human turn")
-    answer = next(m["content"] for m in messages if m["role"] == "assistant")
     multi = len(messages) > 2 or messages[0]["role"] != "user"
-    return question, answer, turns if multi else None
+    return messages, turns if multi else None
 
 
-def jpeg_bytes(path: Path) -> bytes:
-    """The file's bytes when it is a JPEG, else the image re-encoded as JPEG; checks it decodes."""
-    from PIL import Image
-
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise _BadImage(MISSING_IMAGE, str(path)) from None
-    except OSError as exc:
-        raise _BadImage(MISSING_IMAGE, f"{path}: {exc.strerror}") from None
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.load()
-            if image.format == "JPEG":
-                return data
-            out = io.BytesIO()
-            image.convert("RGB").save(out, "JPEG", quality=JPEG_QUALITY)
-            return out.getvalue()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise _BadImage(CORRUPT_IMAGE, f"{path}: {exc}") from None
+def _image_files(record: dict) -> list[str]:
+    image = record.get("image")
+    if image in (None, "", []):
+        return []
+    if isinstance(image, str):
+        return [image]
+    if isinstance(image, list) and all(isinstance(name, str) and name for name in image):
+        return image
+    raise BadConversation(MALFORMED, "'image' must be a file name or a list of file names")
 
 
-def shard_sample(kind: str, image_root: Path, item: tuple[int, object]) -> dict | Skip:
-    """A webdataset sample (key, jpg, txt, json) for record `item` = (index, record), or a Skip."""
+def shard_sample(kind: str, image_root: Path, item: tuple[int, object]) -> ShardSample | Skip:
+    """The webdataset sample for record `item` = (index, record), or a Skip."""
     index, record = item
     if not isinstance(record, dict):
         detail = record if isinstance(record, str) else f"expected an object, got {type(record).__name__}"
         return Skip(index, "?", MALFORMED, detail)
     sample_id = str(record.get("id", index))
     try:
-        question, answer, turns = _conversation(kind, record)
-        if not isinstance(record.get("image"), str) or not record["image"]:
-            return Skip(index, sample_id, NO_IMAGE)
-        image = jpeg_bytes(image_root / record["image"])
+        messages, turns = _messages(kind, record)
+        files = _image_files(record)
+        place_images(messages, len(files))
+        images = [image_file_part(image_root / name) for name in files]
     except BadConversation as exc:
         return Skip(index, sample_id, exc.reason, exc.detail)
-    except _BadImage as exc:
-        return Skip(index, sample_id, exc.reason, str(exc))
-    meta = {"question": question, "id": sample_id}
+    except ImageFileError as exc:
+        return Skip(index, sample_id, MISSING_IMAGE if exc.missing else CORRUPT_IMAGE, str(exc))
+    meta = {"question": next(m["content"] for m in messages if m["role"] == "user"), "id": sample_id}
     if turns is not None:
         meta["conversations"] = turns
-    return {"__key__": f"{index:09d}", "jpg": image, "txt": answer,
-            "json": json.dumps(meta, ensure_ascii=False)}
+    answer = next(m["content"] for m in messages if m["role"] == "assistant")
+    parts = {"__key__": f"{index:09d}", "txt": answer, "json": json.dumps(meta, ensure_ascii=False)}
+    parts.update(zip(image_part_names([ext for ext, _ in images]), (data for _, data in images)))
+    return ShardSample(parts, len(images))

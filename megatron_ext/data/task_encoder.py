@@ -1,8 +1,8 @@
-"""The energon task encoder that turns VQA samples into LLaVA training batches.
+"""The energon task encoder that turns conversations with images into LLaVA training batches.
 
-Input: a decoded `VQASample` whose `context` is the question string, or, for multi-turn samples
-written by `scripts/data/build_energon_dataset.py`, the LLaVA turns (the field map
-``context: json[conversations],json[question]`` picks them), and `answers` the answer text.
+Input: a conversation with zero, one or several images: a `ConversationSample` loaded from the
+shards `scripts/data/build_energon_dataset.py` writes, or a `VQASample` (datasets prepared with the
+original README's field map). `shard_format.conversation_of` reads both.
 
 Steps (energon calls them in this order):
 1. `preencode_sample`: chat template -> token ids with ONE image token per image, next-token
@@ -26,13 +26,13 @@ import logging
 from typing import Any
 
 import numpy as np
-from megatron.energon import SampleDecoder, TaskEncoder, VQASample, stateless
+from megatron.energon import Sample, TaskEncoder, stateless
 from PIL import Image
 
 from megatron_ext.data.batching import BatchLayout, EncodedSample, LlavaBatch
 from megatron_ext.data.chat_template import ChatTokenizer, resolve_chat_template
-from megatron_ext.data.conversation import place_images, sample_messages
 from megatron_ext.data.images import ImagePreprocessor
+from megatron_ext.data.shard_format import ImageModeKeepingDecoder, conversation_of
 from megatron_ext.errors import UserError
 from megatron_ext.hf import loading
 from megatron_ext.model.sequence_alignment import SequenceAlignment
@@ -62,11 +62,11 @@ def _take_bad_sample_count() -> int:
     return count
 
 
-class LlavaTaskEncoder(TaskEncoder[VQASample, EncodedSample, LlavaBatch, LlavaBatch]):
-    """VQA samples -> `LlavaBatch`es for one checkpoint's tokenizer, image processor and model."""
+class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch]):
+    """Conversations -> `LlavaBatch`es for one checkpoint's tokenizer, image processor and model."""
 
-    # Images stay PIL until the HF image processor sees them, as HF LLaVA's processor does.
-    decoder = SampleDecoder(image_decode="pil")
+    # Images stay PIL, in their own mode, until the image processor sees them, as in HF LLaVA's processor.
+    decoder = ImageModeKeepingDecoder()
 
     def __init__(
         self,
@@ -78,11 +78,13 @@ class LlavaTaskEncoder(TaskEncoder[VQASample, EncodedSample, LlavaBatch, LlavaBa
         pad_token_id: int | None = None,
         chat_template: str | None = None,
         lang: str = "en",
+        image_aspect: str = "crop",
         packing_seq_length: int | None = None,
         alignment: SequenceAlignment = SequenceAlignment(),
     ):
         tokenizer = loading.load_tokenizer(str(tokenizer_dir), "--tokenizer-load-dir")
-        self.images = ImagePreprocessor(loading.load_image_processor(str(tokenizer_dir), "--tokenizer-load-dir"))
+        self.images = ImagePreprocessor(loading.load_image_processor(str(tokenizer_dir), "--tokenizer-load-dir"),
+                                        image_aspect)
         self.template_name, template = resolve_chat_template(chat_template, lang, tokenizer)
         self.chat = ChatTokenizer(tokenizer, template, image_token_index)
         self.pad_token_id = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
@@ -109,9 +111,8 @@ class LlavaTaskEncoder(TaskEncoder[VQASample, EncodedSample, LlavaBatch, LlavaBa
         return cls(tokenizer_dir, img_seq_len=arch.img_seq_len, image_token_index=arch.image_token_index, **kwargs)
 
     @stateless
-    def preencode_sample(self, sample: VQASample) -> EncodedSample:
-        images = [sample.image] if sample.image is not None else []
-        messages = place_images(sample_messages(sample.context, sample.answers), len(images))
+    def preencode_sample(self, sample: Sample) -> EncodedSample:
+        images, messages = conversation_of(sample)
         ids, assistant = self.chat.encode(messages)
         labels = np.append(ids[1:], self.pad_token_id)
         # Position t is trained when the token it predicts (t + 1) is the assistant's.

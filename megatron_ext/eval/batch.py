@@ -1,8 +1,9 @@
 """Answering many image + prompt requests: read and check them all, then generate, then write.
 
 Input JSONL, one request a line: ``{"image": "cat.jpg", "prompt": "What is this?", "id": "any"}``
-(`image` optional, relative paths are taken from the JSONL file's folder; `id` optional, default
-the line number). Output JSONL: each request with `answer`, `finish_reason` and `token_ids` added,
+(`image` optional: one file or a list of files, relative paths taken from the JSONL file's folder;
+the prompt places them with `<image>` markers, else they go before it; `id` optional, default the
+line number). Output JSONL: each request with `answer`, `finish_reason` and `token_ids` added,
 written under a temporary name and renamed when complete.
 """
 
@@ -28,8 +29,8 @@ class Request:
 
 
 def encode_request(source: ModelSource, prompt: str, images: list, options: SamplingOptions) -> EncodedPrompt:
-    """One user turn about the images (none or one), checked to fit in the context."""
-    encoded = source.encoder.encode([user_turn(prompt, bool(images))], images)
+    """One user turn about the images, checked to fit in the context."""
+    encoded = source.encoder.encode([user_turn(prompt, len(images))], images)
     source.check_fits(encoded, options)
     return encoded
 
@@ -50,7 +51,11 @@ def read_requests(path: str | Path, source: ModelSource, options: SamplingOption
             raise UserError(f"{where} is not JSON ({exc})") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise UserError(f"{where} needs a \"prompt\" string (and optionally \"image\" and \"id\")")
-        images = [load_image(path.parent / record["image"], f"{where}: image")] if record.get("image") else []
+        files = record.get("image") or []
+        files = [files] if isinstance(files, str) else files
+        if not isinstance(files, list) or not all(isinstance(f, str) and f for f in files):
+            raise UserError(f"{where}: \"image\" must be a file name or a list of file names")
+        images = [load_image(path.parent / f, f"{where}: image") for f in files]
         try:
             encoded = encode_request(source, record["prompt"], images, options)
         except UserError as exc:
@@ -73,7 +78,7 @@ def answer_all(generator: Generator, requests: list[Request], options: SamplingO
 
 
 def generate_answers(source: ModelSource, options: SamplingOptions, *, tp: int | None, pp: int | None,
-                     image: str | None, prompt: str | None, input_jsonl: str | None, output_jsonl: str | None) -> None:
+                     images: tuple[str, ...], prompt: str | None, input_jsonl: str | None, output_jsonl: str | None) -> None:
     """scripts/eval/generate.py: one prompt (streamed to the terminal) or a JSONL batch."""
     import sys
 
@@ -82,12 +87,12 @@ def generate_answers(source: ModelSource, options: SamplingOptions, *, tp: int |
     if (prompt is None) == (input_jsonl is None):
         raise UserError("give either --prompt (with --image) or --input-jsonl")
     if input_jsonl:
-        if image:
-            raise UserError("--image goes with --prompt; in --input-jsonl every line names its own image")
+        if images:
+            raise UserError("--image goes with --prompt; in --input-jsonl every line names its own images")
         requests = read_requests(input_jsonl, source, options)
     else:
-        images = [load_image(image)] if image else []
-        requests = [Request({"id": 1, "image": image, "prompt": prompt}, encode_request(source, prompt, images, options))]
+        record = {"id": 1, "image": images[0] if len(images) == 1 else list(images) or None, "prompt": prompt}
+        requests = [Request(record, encode_request(source, prompt, [load_image(i) for i in images], options))]
     generator = source.generator(tp, pp)
     if prompt is not None:
         streamer = TextStreamer(source.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)

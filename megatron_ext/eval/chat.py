@@ -66,7 +66,7 @@ class ChatSession:
     def reply(self, text: str) -> str:
         from transformers import TextStreamer
 
-        messages = self.messages + [user_turn(text, with_image=bool(self.images) and not self.messages)]
+        messages = self.messages + [user_turn(text, 0 if self.messages else len(self.images))]
         prompt = self.source.encoder.encode(messages, self.images)
         self.source.check_fits(prompt, self.options)
         if self.generator.is_output_rank:

@@ -35,6 +35,7 @@ class ModelSource:
     encoder: PromptEncoder
     context_length: int  # the language model's max_position_embeddings
     dtype: str  # compute dtype, resolved
+    image_aspect: str  # data.images.fit_aspect mode, resolved
     snapshot: layout.Snapshot | None = None
 
     @property
@@ -114,16 +115,16 @@ def _open_hf(path: Path) -> dict:
     return read_config(path, HF_FLAG)
 
 
-def _trained_template(snapshot: layout.Snapshot | None) -> tuple[str | None, str]:
-    """(--chat-template, --lang) a trained snapshot was trained with; (None, "en") otherwise."""
-    run = snapshot.trainer_options if snapshot else {}
-    return run.get("chat_template"), run.get("lang", "en")
+def _trained_options(snapshot: layout.Snapshot | None) -> dict:
+    """The trainer options a trained snapshot was trained with (empty otherwise)."""
+    return snapshot.trainer_options if snapshot else {}
 
 
 def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template: str | None = None,
-                    dtype: str = "auto") -> ModelSource:
+                    dtype: str = "auto", image_aspect: str | None = None) -> ModelSource:
     """Exactly one of `megatron_dir` / `hf_dir`. The chat template: `chat_template` if given, else the
     one a trained snapshot was trained with, else the tokenizer's own (else the English default).
+    The image aspect mode likewise: given, else as trained, else crop.
     `dtype`: the compute dtype (`backends.compute_dtype`), whatever the checkpoint stores."""
     from megatron_ext.data.chat_template import resolve_chat_template
     from megatron_ext.hf import loading
@@ -143,8 +144,11 @@ def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template:
         hf_config, processor_dir = _open_hf(path), path
     arch = LlavaArch.from_hf_config(hf_config)
     processor = loading.load_processor(str(processor_dir), flag)
-    trained_name, lang = _trained_template(snapshot)
-    name, template = resolve_chat_template(chat_template or trained_name, lang, processor.tokenizer)
+    trained = _trained_options(snapshot)
+    name, template = resolve_chat_template(chat_template or trained.get("chat_template"), trained.get("lang", "en"),
+                                           processor.tokenizer)
+    image_aspect = image_aspect or trained.get("image_aspect", "crop")
     return ModelSource(kind=kind, path=snapshot.root if snapshot else path, processor=processor, template_name=name,
-                       encoder=PromptEncoder(processor, template), context_length=arch.text.max_position_embeddings,
-                       dtype=compute_dtype(dtype, torch.cuda.is_available()), snapshot=snapshot)
+                       encoder=PromptEncoder(processor, template, image_aspect),
+                       context_length=arch.text.max_position_embeddings,
+                       dtype=compute_dtype(dtype, torch.cuda.is_available()), image_aspect=image_aspect, snapshot=snapshot)

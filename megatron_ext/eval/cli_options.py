@@ -16,6 +16,8 @@ def checkpoint_options(func):
         click.option("--chat-template", help="'tokenizer', a name from configs/chat_templates or a .jinja file (default: as trained, else the tokenizer's)."),
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
                      help="Compute dtype, whatever the checkpoint stores (auto: bfloat16 on GPU, float32 on CPU)."),
+        click.option("--image-aspect", type=click.Choice(["crop", "pad", "resize"]),
+                     help="How images are fitted to the vision tower (default: as trained, else crop)."),
     ]):
         func = decorator(func)
     return func

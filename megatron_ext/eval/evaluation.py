@@ -70,7 +70,7 @@ class AnswerEvaluation:
         self.samples = read_samples(cfg.data_path, "val", limit=cfg.eval_generate_samples)
         self.processor = loading.load_processor(str(plan.tokenizer_dir), "--tokenizer-load-dir")
         _, template = resolve_chat_template(cfg.chat_template, cfg.lang, self.processor.tokenizer)
-        self.encoder = PromptEncoder(self.processor, template)
+        self.encoder = PromptEncoder(self.processor, template, cfg.image_aspect)
         self.stop_ids = stop_token_ids(self.processor.tokenizer)
         self.arch = plan.arch
         self.options = SamplingOptions(max_new_tokens=cfg.eval_max_new_tokens)
@@ -108,7 +108,7 @@ def megatron_loss(model, source: ModelSource, data_path: str, split: str, limit:
 
     arch = source.snapshot.arch
     encoder = LlavaTaskEncoder.for_model(str(source.snapshot.tokenizer_dir), arch, seq_length=seq_length,
-                                         chat_template=source.template_name)
+                                         chat_template=source.template_name, image_aspect=source.image_aspect)
     dataset = get_val_dataset(data_path, split_part=split, worker_config=worker_config(0), batch_size=1, limit=limit,
                               task_encoder=encoder)
     model_length = model.language_model.max_sequence_length

@@ -14,18 +14,21 @@ from pathlib import Path
 
 import torch
 
-from megatron_ext.data.conversation import IMAGE_MARKER
+from megatron_ext.data.conversation import IMAGE_MARKER, BadConversation, place_images
+from megatron_ext.data.images import fit_aspect
 from megatron_ext.errors import UserError
 
 
 def load_image(path: str | Path, flag: str = "--image"):
-    """An RGB PIL image, or a one-line UserError naming the file."""
+    """A PIL image in the file's own mode (the processor converts to RGB as in training), or a one-line
+    UserError naming the file."""
     from PIL import Image, UnidentifiedImageError
 
     path = Path(path).expanduser()
     try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
+        image = Image.open(path)
+        image.load()
+        return image
     except FileNotFoundError:
         raise UserError(f"{flag} {path} does not exist") from None
     except (UnidentifiedImageError, OSError, ValueError) as exc:
@@ -33,9 +36,13 @@ def load_image(path: str | Path, flag: str = "--image"):
         raise UserError(f"{flag} {path} cannot be opened as an image ({reason})") from None
 
 
-def user_turn(text: str, with_image: bool) -> dict:
-    """A user message; the image (if any) goes before the text, LLaVA's `<image>\\n question` layout."""
-    return {"role": "user", "content": f"{IMAGE_MARKER}\n{text}" if with_image else text}
+def user_turn(text: str, num_images: int) -> dict:
+    """A user message about `num_images` images: where `text` puts its `<image>` markers, else each
+    before the text (LLaVA's `<image>\\n question` layout). A UserError when the markers are not one per image."""
+    try:
+        return place_images([{"role": "user", "content": text}], num_images)[0]
+    except BadConversation as exc:
+        raise UserError(f"the prompt has {exc.detail}: give one {IMAGE_MARKER} per image, or none") from None
 
 
 def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
@@ -60,8 +67,9 @@ class EncodedPrompt:
 class PromptEncoder:
     """Renders conversations with one chat template and encodes them with the checkpoint's processor."""
 
-    def __init__(self, processor, template: str):
+    def __init__(self, processor, template: str, image_aspect: str = "crop"):
         self.processor = processor
+        self.image_aspect = image_aspect
         self.tokenizer = processor.tokenizer
         self.template = template
 
@@ -74,6 +82,7 @@ class PromptEncoder:
         markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
         if markers != len(images):
             raise ValueError(f"{markers} {IMAGE_MARKER} markers for {len(images)} images")
+        images = [fit_aspect(image, self.processor.image_processor, self.image_aspect) for image in images]
         batch = self.processor(images=images or None, text=self.render(messages), add_special_tokens=False,
                                return_tensors="pt")
         return EncodedPrompt(batch["input_ids"], batch.get("pixel_values") if images else None)

@@ -1,8 +1,8 @@
 """Evaluation samples from a prepared energon dataset: images, the prompt turns, the reference answer.
 
 Samples are read with energon (the split's shards in order, no shuffling) through a task encoder that
-keeps them as decoded `VQASample`s, and turned into chat messages exactly as the training task
-encoder does (`megatron_ext.data.conversation`). The last assistant turn is the reference; the
+keeps them decoded, and turned into chat messages exactly as the training task encoder does
+(`megatron_ext.data.shard_format.conversation_of`). The last assistant turn is the reference; the
 turns before it are the prompt.
 """
 
@@ -12,10 +12,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron.energon import SampleDecoder, TaskEncoder, VQASample, WorkerConfig, get_loader, get_val_dataset
+from megatron.energon import Sample, TaskEncoder, WorkerConfig, get_loader, get_val_dataset
 
-from megatron_ext.data.conversation import BadConversation, place_images, sample_messages
+from megatron_ext.data.conversation import BadConversation
 from megatron_ext.data.prepared import require_split
+from megatron_ext.data.shard_format import ImageModeKeepingDecoder, conversation_of
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +36,15 @@ class EvalSample:
 class _DecodedSamples(TaskEncoder):
     """Leaves samples decoded but otherwise untouched; a 'batch' is the list of its samples."""
 
-    decoder = SampleDecoder(image_decode="pil")
+    decoder = ImageModeKeepingDecoder()
 
     def batch(self, samples: list) -> list:
         return samples
 
 
-def eval_sample(sample: VQASample) -> EvalSample:
+def eval_sample(sample: Sample) -> EvalSample:
     """Raises BadConversation for a sample the trainer could not use either."""
-    images = [sample.image] if sample.image is not None else []
-    messages = place_images(sample_messages(sample.context, sample.answers), len(images))
+    images, messages = conversation_of(sample)
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     return EvalSample(key=sample.__key__, images=images, messages=messages[:last], reference=messages[last]["content"])
 

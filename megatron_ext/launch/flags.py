@@ -87,6 +87,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--freeze-lm", to="freeze_lm"),
     Flag("--stage", to="stage"),
     Flag("--lang", to="lang"),
+    Flag("--image-aspect", to="image_aspect"),
     Flag("--data-path", to="data_path", help="Training length defaults to one epoch of its train split."),
     # SLURM
     Flag("--slurm-job-id", help="SLURM job id (default: SLURM_JOB_ID); names the log file and the rendezvous."),

@@ -33,7 +33,7 @@ def _encoder(plan: RunPlan) -> LlavaTaskEncoder:
     cfg = plan.config
     return LlavaTaskEncoder.for_model(
         str(plan.tokenizer_dir), plan.arch, seq_length=plan.seq_length, pad_token_id=plan.arch.pad_token_id,
-        chat_template=cfg.chat_template, lang=cfg.lang, packing_seq_length=cfg.packing_seq_length,
+        chat_template=cfg.chat_template, lang=cfg.lang, image_aspect=cfg.image_aspect, packing_seq_length=cfg.packing_seq_length,
         alignment=plan.execution.alignment,
     )
 

@@ -97,6 +97,10 @@ class TrainConfig:
     num_workers: int = opt(2, "Data loader worker processes per rank.")
     lang: str = opt("en", "Main language; selects the default chat template.", choices=["en", "ja", "jp"])
     chat_template: str | None = opt(None, "Chat template: 'tokenizer' or a name from configs/chat_templates.")
+    image_aspect: str = opt("crop", "Images of another shape than the vision tower's: crop (the processor's resize "
+                                    "+ center crop), pad (LLaVA-1.5: pad to a square with the mean colour, then "
+                                    "resize) or resize (squash). Stored with the checkpoint; generation and "
+                                    "evaluation use it.", choices=["crop", "pad", "resize"])
     image_token_id: int | None = opt(None, "Image token id (default: from the tokenizer).")
     pad_token_id: int | None = opt(None, "Padding token id (default: from the tokenizer).")
     no_add_class_token: bool = opt(False, "Do not pass the vision class token to the language model.")

@@ -35,11 +35,35 @@ def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return total, tokens, {"loss": torch.stack([total.detach(), tokens.float()])}
 
 
+def _llava(model):
+    """The LLaVAModel inside megatron's wrappers (DDP, Float16Module)."""
+    while not hasattr(model, "add_encoder"):
+        model = model.module
+    return model
+
+
+def _zero_from_trained_encoder(llava) -> torch.Tensor:
+    """0, computed from every trained parameter of the vision tower and projector.
+
+    megatron's DDP reduces a gradient bucket once every parameter in it has a gradient from the last
+    micro batch (with --overlap-grad-reduce); a micro batch without images never runs the vision
+    side, so its buckets would never be reduced. Adding this to the output gives those parameters a
+    zero gradient instead (LLaVA and megatron-core's FSDP path do the same with a dummy image).
+    """
+    trained = [p for module in (llava.vision_model, llava.vision_projection) if module is not None
+               for p in module.parameters() if p.requires_grad]
+    return sum((p.sum() for p in trained), torch.zeros(())) * 0.0
+
+
 def make_forward_step(inputs: ModelInputs):
     """megatron's forward_step_func over micro-batch dicts, laid out for the model by `inputs`."""
 
     def forward_step(data_iterator, model):
-        output, loss_mask = model(**inputs(next(data_iterator)))
+        kwargs = inputs(next(data_iterator))
+        output, loss_mask = model(**kwargs)
+        llava = _llava(model)
+        if llava.add_encoder and kwargs["images"].shape[0] == 0 and torch.is_grad_enabled():
+            output = output + _zero_from_trained_encoder(llava).to(output)
         return output, partial(_loss_func, loss_mask)
 
     return forward_step

@@ -3,10 +3,11 @@
     python scripts/data/build_energon_dataset.py INPUT --output-dir OUT [--image-root DIR]
         [--split-ratio 9,1,0] [--samples-per-shard N] [--num-workers N] [--strict]
 
-INPUT is LLaVA JSON (a list of {"id", "image", "conversations": [{"from": "human"|"gpt", "value"}]},
-with <image> in a human turn) or a .jsonl file of {"image", "question", "answer"} lines; image paths
-are relative to --image-root (default: INPUT's folder). OUT gets NNNNNN.tar shards (KEY.jpg, KEY.txt,
-KEY.json), is prepared with `energon prepare` (VQASample), and lists skipped samples in
+INPUT is LLaVA JSON (a list of {"id", "image", "conversations": [{"from": "human"|"gpt", "value"}]};
+"image" one file, a list of files with one <image> each, or absent for a text-only conversation) or
+a .jsonl file of {"image", "question", "answer"} lines; image paths are relative to --image-root
+(default: INPUT's folder). OUT gets NNNNNN.tar shards (KEY.jpg or KEY.png, KEY.0.jpg ... for several
+images, KEY.txt, KEY.json), is prepared with `energon prepare`, and lists skipped samples in
 OUT/build_report.json. OUT appears only when everything succeeded.
 """
 

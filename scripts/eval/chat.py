@@ -17,7 +17,7 @@ from megatron_ext.eval.cli_options import checkpoint_options, make_sampling, sam
 @checkpoint_options
 @click.option("--image", type=click.Path(dir_okay=False), help="Image to talk about (or /image PATH later).")
 @sampling_options(default_max_new_tokens=256)
-def main(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image, max_new_tokens, temperature, top_p, seed):
+def main(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, image, max_new_tokens, temperature, top_p, seed):
     from megatron_ext.distributed import shutdown
     from megatron_ext.eval.chat import run_chat
     from megatron_ext.eval.checkpoints import open_checkpoint
@@ -25,7 +25,7 @@ def main(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image, max_new_toke
 
     setup_logging()
     options = make_sampling(max_new_tokens, temperature, top_p, seed)
-    source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype)
+    source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype, image_aspect)
     try:
         run_chat(source, options, tp=tp, pp=pp, image=image)
     finally:

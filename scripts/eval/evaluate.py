@@ -24,7 +24,7 @@ from megatron_ext.progress import quiet_option
 @click.option("--force", is_flag=True, help="Replace a non-empty --output-dir.")
 @click.option("--seq-length", type=int, help="Truncate samples for the loss as the trainer does (default: the trained --seq-length, else the model's context).")
 @sampling_options(default_max_new_tokens=64)
-def main(megatron_dir, hf_dir, tp, pp, chat_template, dtype, data_path, split, fast_n, output_dir, force, seq_length,
+def main(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, data_path, split, fast_n, output_dir, force, seq_length,
          max_new_tokens, temperature, top_p, seed):
     from megatron_ext.distributed import shutdown
     from megatron_ext.eval.checkpoints import open_checkpoint
@@ -33,7 +33,7 @@ def main(megatron_dir, hf_dir, tp, pp, chat_template, dtype, data_path, split, f
 
     setup_logging()
     options = make_sampling(max_new_tokens, temperature, top_p, seed)
-    source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype)
+    source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype, image_aspect)
     try:
         run_evaluation(source, options, data_path=data_path, split=split, fast_n=fast_n, output_dir=output_dir,
                        force=force, tp=tp, pp=pp, seq_length=seq_length)

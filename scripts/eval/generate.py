@@ -18,12 +18,13 @@ from megatron_ext.progress import quiet_option
 @click.command()
 @quiet_option
 @checkpoint_options
-@click.option("--image", type=click.Path(dir_okay=False), help="Image the prompt is about.")
+@click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False),
+              help="Image the prompt is about; repeat for several (placed by <image> in the prompt, else before it).")
 @click.option("--prompt", help="The question or instruction.")
 @click.option("--input-jsonl", type=click.Path(dir_okay=False), help="Batch mode: one {\"image\", \"prompt\"} per line.")
 @click.option("--output-jsonl", type=click.Path(dir_okay=False), help="Write the answers here (default: stdout).")
 @sampling_options(default_max_new_tokens=128)
-def main(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image, prompt, input_jsonl, output_jsonl, max_new_tokens,
+def main(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, images, prompt, input_jsonl, output_jsonl, max_new_tokens,
          temperature, top_p, seed):
     from megatron_ext.distributed import shutdown
     from megatron_ext.eval.batch import generate_answers
@@ -32,9 +33,9 @@ def main(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image, prompt, inpu
 
     setup_logging()
     options = make_sampling(max_new_tokens, temperature, top_p, seed)
-    source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype)
+    source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype, image_aspect)
     try:
-        generate_answers(source, options, tp=tp, pp=pp, image=image, prompt=prompt, input_jsonl=input_jsonl,
+        generate_answers(source, options, tp=tp, pp=pp, images=images, prompt=prompt, input_jsonl=input_jsonl,
                          output_jsonl=output_jsonl)
     finally:
         shutdown()

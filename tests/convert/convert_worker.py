@@ -56,7 +56,9 @@ def save_logits(out, fixtures):
     from megatron_ext.model.provider import ModelOptions, build_model
 
     (out / "logits").mkdir(exist_ok=True)
-    batches = {name: process_inputs(load_processor(str(hf), "--hf-dir"), synthetic_image()) for name, hf in fixtures.items()}
+    # A two-image prompt: both images expanded and attended in order.
+    images = [synthetic_image(0), synthetic_image(1, (40, 90))]
+    batches = {name: process_inputs(load_processor(str(hf), "--hf-dir"), images) for name, hf in fixtures.items()}
     if dist.get_rank() == 0:
         for name, batch in batches.items():
             torch.save(dict(batch), out / "logits" / f"{name}-inputs.pt")

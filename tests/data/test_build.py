@@ -2,51 +2,26 @@
 
 from __future__ import annotations
 
+import io
 import json
 import tarfile
 
 import pytest
+import torch
 from PIL import Image
 
 from megatron_ext.data import build
 from megatron_ext.data.build import build_energon_dataset
 from megatron_ext.errors import UserError
 from tests.data.conftest import jpeg
+from tests.data.mix665k import BAD, GOOD, write_mix665k
 from tests.helpers import run_script
-
-
-def _turns(question, *answers):
-    turns = [{"from": "human", "value": question}]
-    for i, answer in enumerate(answers):
-        if i:
-            turns.append({"from": "human", "value": f"And {i}?"})
-        turns.append({"from": "gpt", "value": answer})
-    return turns
 
 
 @pytest.fixture
 def messy_input(tmp_path):
-    """Ten records: three usable (a JPEG, a PNG, a multi-turn one) and one of every kind of bad one."""
-    images = tmp_path / "images"
-    images.mkdir()
-    (images / "good.jpg").write_bytes(jpeg())
-    Image.new("RGBA", (33, 20), (0, 90, 200, 255)).save(images / "good.png")
-    (images / "corrupt.jpg").write_bytes(jpeg()[:200])
-    records = [
-        {"id": "jpg", "image": "good.jpg", "conversations": _turns("<image>\nWhat color?", "Red.")},
-        {"id": "png", "image": "good.png", "conversations": _turns("What color?\n<image>", "Blue.")},
-        {"id": "missing", "image": "nowhere.jpg", "conversations": _turns("<image>\nWhat?", "Red.")},
-        {"id": "corrupt", "image": "corrupt.jpg", "conversations": _turns("<image>\nWhat?", "Red.")},
-        {"id": "no-gpt", "image": "good.jpg", "conversations": _turns("<image>\nWhat?")},
-        {"id": "no-marker", "image": "good.jpg", "conversations": _turns("What?", "Red.")},
-        {"id": "empty", "image": "good.jpg", "conversations": _turns("<image>\nWhat?", " ")},
-        {"id": "text-only", "conversations": _turns("<image>\nWhat?", "Red.")},
-        {"id": "multi", "image": "good.jpg", "conversations": _turns("<image>\nWhat color?", "Red.", "Round.", "Small.")},
-        "not a record",
-    ]
-    path = tmp_path / "llava.json"
-    path.write_text(json.dumps(records))
-    return path
+    """A mix665k-shaped input (tests/data/mix665k.py): good records of every kind and bad ones."""
+    return write_mix665k(tmp_path)
 
 
 def _shard_members(out):
@@ -59,32 +34,64 @@ def _shard_members(out):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_bad_samples_are_counted_and_reported(messy_input, tmp_path):
+@pytest.mark.timeout(180)
+def test_every_good_record_of_a_mix665k_shaped_input_is_kept(messy_input, tmp_path, llava_clip):
     out = tmp_path / "out"
-    report = build_energon_dataset(messy_input, out, messy_input.parent / "images", split_ratio="1,0,0",
-                                   samples_per_shard=2, num_workers=2)
-    assert report.written == 3 and report.shards == 2
-    assert report.splits == {"train": 3, "val": 0, "test": 0}
-    assert report.skipped == {
-        "missing image file": 1, "corrupt image": 1, "no gpt turn": 1, "no <image> in a human turn": 1,
-        "empty answer": 1, "no image given": 1, "malformed record": 1,
-    }
+    report = build_energon_dataset(messy_input, out, split_ratio="1,0,0", samples_per_shard=4, num_workers=2)
+    assert report.written == len(GOOD) and report.shards == 4
+    assert report.splits == {"train": len(GOOD), "val": 0, "test": 0}
+    assert (report.text_only, report.multi_image, report.max_images) == (2, 2, 3)
+    assert report.skipped == BAD
     saved = json.loads((out / "build_report.json").read_text())
     assert {s["id"]: s["reason"] for s in saved["skipped_samples"]}["corrupt"] == "corrupt image"
-    assert sorted(p.name for p in out.glob("*.tar")) == ["000000.tar", "000001.tar"]
+    assert f"skipped {sum(BAD.values())} samples" in report.summary()
+    assert "2 text-only (14.3%), 2 with several images (14.3%, up to 3 in one sample)" in report.summary()
 
+    records = {r["id"]: r for r in json.loads(messy_input.read_text()) if isinstance(r, dict)}
     members = _shard_members(out)
-    assert sorted(members) == sorted(f"{i:09d}.{ext}" for i in (0, 1, 8) for ext in ("jpg", "txt", "json"))
-    # A JPEG is stored as is; anything else is re-encoded to JPEG.
-    assert members["000000000.jpg"] == (messy_input.parent / "images" / "good.jpg").read_bytes()
-    assert members["000000001.jpg"][:2] == b"\xff\xd8"
-    assert json.loads(members["000000000.json"]) == {"question": "<image>\nWhat color?", "id": "jpg"}
-    assert members["000000000.txt"] == b"Red."
-    multi = json.loads(members["000000008.json"])
-    assert multi["question"] == "<image>\nWhat color?" and len(multi["conversations"]) == 6
-    assert members["000000008.txt"] == b"Red."
-    assert "skipped 7 samples" in report.summary()
+    by_id = {json.loads(data)["id"]: name.split(".")[0] for name, data in members.items() if name.endswith(".json")}
+    assert sorted(by_id) == sorted(GOOD)
+    images = tmp_path
+    # JPEGs and PNGs are stored byte for byte; a GIF becomes a PNG; text-only samples have no image.
+    assert members[f"{by_id['coco-before']}.jpg"] == (images / records["coco-before"]["image"]).read_bytes()
+    assert members[f"{by_id['vg-cmyk']}.jpg"] == (images / records["vg-cmyk"]["image"]).read_bytes()
+    assert members[f"{by_id['ocr-png']}.png"] == (images / records["ocr-png"]["image"]).read_bytes()
+    assert members[f"{by_id['gif']}.png"][:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [n for n in members if n.startswith(by_id["sharegpt-1"]) and n.endswith(("jpg", "png"))]
+    assert [n.split(".", 1)[1] for n in sorted(members) if n.startswith(by_id["interleave-3"])] == \
+        ["0.jpg", "1.png", "2.jpg", "json", "txt"]
+    assert json.loads(members[f"{by_id['coco-before']}.json"]) == \
+        {"question": "<image>\nWhat is in the picture?", "id": "coco-before"}
+    assert members[f"{by_id['ocr-png']}.txt"] == b"Nobody."
+    assert len(json.loads(members[f"{by_id['multi-turn']}.json"])["conversations"]) == 6
+
+    # Every kept record reaches the task encoder with its images, in order, and its answers.
+    from megatron.energon import WorkerConfig, get_loader, get_val_dataset
+
+    from megatron_ext.data.task_encoder import LlavaTaskEncoder
+    from megatron_ext.model.arch import LlavaArch
+
+    arch = LlavaArch.from_hf_config(json.loads((llava_clip / "config.json").read_text()))
+    encoder = LlavaTaskEncoder.for_model(str(llava_clip), arch, seq_length=256)
+    dataset = get_val_dataset(str(out), split_part="train", worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+                              batch_size=4, task_encoder=encoder)
+    ids = {key: record_id for record_id, key in by_id.items()}
+    seen, pixels = {}, {}
+    for batch in get_loader(dataset):
+        assert batch.num_skipped == 0
+        counts = (batch.input_ids == arch.image_token_index).sum(1).tolist()
+        assert batch.images.shape[0] == sum(counts)
+        for row, key in enumerate(batch.__key__):
+            seen[ids[key]] = counts[row]
+            pixels[ids[key]] = batch.images[sum(counts[:row]):sum(counts[:row + 1])]
+    assert seen == GOOD
+
+    # The PNG's pixels reach the model as the original file gives them; a JPEG copy would not.
+    png = Image.open(images / records["ocr-png"]["image"])
+    assert torch.equal(pixels["ocr-png"][0], encoder.images([png])[0])
+    as_jpeg = io.BytesIO()
+    png.convert("RGB").save(as_jpeg, "JPEG", quality=95)
+    assert not torch.equal(pixels["ocr-png"][0], encoder.images([Image.open(as_jpeg)])[0])
 
 
 @pytest.mark.multiprocess
@@ -92,12 +99,11 @@ def test_bad_samples_are_counted_and_reported(messy_input, tmp_path):
 def test_strict_stops_at_the_first_bad_sample_and_writes_nothing(messy_input, tmp_path):
     out = tmp_path / "strict"
     proc = run_script("data/build_energon_dataset.py", messy_input, "--output-dir", out, "--strict", "--num-workers", "0",
-                      "--image-root", messy_input.parent / "images",
                       check=False, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: {messy_input}: sample 2 (id missing): missing image file "
-        f"({messy_input.parent / 'images' / 'nowhere.jpg'}) (--strict stops at the first bad sample)"
+        f"error: {messy_input}: sample 14 (id missing): missing image file "
+        f"({messy_input.parent / 'coco/train2017/nowhere.jpg'}) (--strict stops at the first bad sample)"
     )
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".strict")]
 
@@ -121,7 +127,7 @@ def test_failed_prepare_leaves_no_dataset(messy_input, tmp_path, monkeypatch):
 
     monkeypatch.setattr(build, "run_energon_prepare", broken_prepare)
     with pytest.raises(UserError, match="boom"):
-        build_energon_dataset(messy_input, tmp_path / "out", messy_input.parent / "images", num_workers=0)
+        build_energon_dataset(messy_input, tmp_path / "out", num_workers=0)
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 

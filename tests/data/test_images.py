@@ -59,3 +59,47 @@ def test_processors_with_other_steps_run_as_hf_does():
     assert preprocess.steps is None
     assert torch.equal(preprocess([image]), processor(images=[image], return_tensors="pt")["pixel_values"])
     assert ImagePreprocessor(CLIPImageProcessorPil(size={"shortest_edge": 224, "longest_edge": 300})).steps is None
+
+
+def _expand_to_square(image: Image.Image, colour: tuple) -> Image.Image:
+    """LLaVA-1.5's padding, written out: the image centred on a square of `colour`."""
+    side = max(image.size)
+    square = Image.new("RGB", (side, side), colour)
+    square.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
+    return square
+
+
+@pytest.mark.parametrize("size", [(60, 30), (30, 61), (45, 45)])
+def test_pad_is_llava_15s_rule(size):
+    from megatron_ext.data.images import fit_aspect
+
+    processor = PROCESSORS["clip-336"]()
+    mean = tuple(int(x * 255) for x in processor.image_mean)
+    assert mean == (122, 116, 104)
+    image = _photo(*size, seed=3)
+    padded = np.asarray(fit_aspect(image, processor, "pad"))
+    side = max(size)
+    assert padded.shape == (side, side, 3)
+    top, left = (side - size[1]) // 2, (side - size[0]) // 2
+    assert (padded[top:top + size[1], left:left + size[0]] == np.asarray(image)).all()
+    band = np.ones((side, side), dtype=bool)
+    band[top:top + size[1], left:left + size[0]] = False
+    assert (padded[band] == mean).all() and band.sum() == side * side - size[0] * size[1]
+    got = ImagePreprocessor(processor, "pad")([image])
+    expected = processor(images=[_expand_to_square(image, mean)], return_tensors="pt")["pixel_values"]
+    assert torch.allclose(got, expected, atol=1e-5, rtol=0)
+    if size == (60, 30):  # the padding is the normalised mean colour: close to 0 in every channel
+        assert got[0, :, :70].abs().max() < 0.02 and got[0, :, 150:180].abs().max() > 0.1
+
+
+def test_resize_squashes_and_crop_cuts_the_sides():
+    processor = PROCESSORS["clip-336"]()
+    image = Image.new("RGB", (90, 30), (0, 0, 255))
+    image.paste((255, 0, 0), (0, 0, 10, 30))  # a red band at the left edge
+    red = torch.tensor([1.0, -1.0, -1.0])
+    squashed = ImagePreprocessor(processor, "resize")([image])
+    assert torch.allclose(squashed, processor(images=[image.resize((336, 336))], return_tensors="pt")["pixel_values"],
+                          atol=1e-5)
+    for aspect, kept in (("resize", True), ("pad", True), ("crop", False)):
+        left_column = ImagePreprocessor(processor, aspect)([image])[0, :, 168, 1]
+        assert ((left_column * red).sum() > 1.0) == kept, aspect

@@ -72,3 +72,35 @@ def test_not_a_prepared_dataset_is_one_clear_error(tmp_path):
 def test_module_imports_no_torch():
     code = "import sys, megatron_ext.data.prepared; sys.exit('torch' in sys.modules or 'megatron.energon' in sys.modules)"
     assert run([sys.executable, "-c", code], timeout=60, check=False).returncode == 0
+
+
+@pytest.mark.multiprocess
+def test_subsets_count_what_energon_takes(prepared, tmp_path):
+    """`subset` ranges (fractions nest, sample indices on a dataset) count the samples energon loads."""
+    from megatron.energon import WorkerConfig, get_val_dataset
+
+    (tmp_path / "inner.yaml").write_text(yaml.safe_dump({
+        "__module__": "megatron.energon", "__class__": "MetadatasetV2",
+        "splits": {"train": {"path": str(prepared), "subset": {"range": ["0%", "50%"]}}},
+    }))
+    (tmp_path / "mix.yaml").write_text(yaml.safe_dump({
+        "__module__": "megatron.energon", "__class__": "MetadatasetV2",
+        "splits": {"train": {"blend": [
+            {"weight": 2, "path": "inner.yaml", "subset": {"range": ["25%", "75%"]}},
+            {"weight": 1, "path": str(prepared), "subset": {"range": [2, 9]}},
+            {"weight": 1, "path": str(prepared), "split_part": "val", "subset": {"range": ["10%", "100%"]}},
+        ]}},
+    }))
+    counts = split_counts(tmp_path / "mix.yaml")["train"]
+    # 12 train samples: 50% of the middle half = 3; indices 2..8 = 7; 12 val samples from 10% to the end = 11.
+    assert [n for _, _, n in counts.members] == [3, 7, 11] and counts.samples == 21
+    for path, expected in ((tmp_path / "inner.yaml", 6), (tmp_path / "mix.yaml", 21)):
+        dataset = get_val_dataset(str(path), split_part="train", batch_size=1,
+                                  worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+        assert len(dataset) == expected == split_counts(path)["train"].samples
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({
+        "__module__": "megatron.energon", "__class__": "MetadatasetV2",
+        "splits": {"train": {"path": "inner.yaml", "subset": {"range": [0, 5]}}},
+    }))
+    with pytest.raises(UserError, match="subset of sample indices applies to one dataset directory"):
+        split_counts(tmp_path / "bad.yaml")

@@ -1,5 +1,5 @@
-"""scripts/eval/generate.py: Megatron greedy generation equals transformers' `generate`, at TP1,
-TP2 and PP2 (KV-cached, resharded at load); HF streaming; one-line errors for bad input."""
+"""scripts/eval/generate.py: Megatron greedy generation equals transformers' `generate` (prompts
+with no image, one, and two), at TP1, TP2 and PP2 (KV-cached, resharded at load); HF streaming; one-line errors for bad input."""
 
 from __future__ import annotations
 
@@ -15,11 +15,15 @@ MAX_NEW_TOKENS = 12
 PROMPTS = ["Describe this image.", "What color is the shape in the picture?"]
 
 
+TWO_IMAGES = f"Is {IMAGE_MARKER} brighter than {IMAGE_MARKER}?"
+
+
 def _requests(tmp_path: Path, images: list[Path]) -> Path:
-    """Two requests with images (given relative to the JSONL file) and one without."""
+    """Two requests with an image (given relative to the JSONL file), one without, one with two."""
     lines = [{"image": str(images[0]), "prompt": PROMPTS[0]},
              {"id": "second", "image": images[1].name, "prompt": PROMPTS[1]},
-             {"prompt": "Hello, who are you?"}]
+             {"prompt": "Hello, who are you?"},
+             {"id": "two", "image": [images[1].name, str(images[0])], "prompt": TWO_IMAGES}]
     path = images[1].parent / f"requests-{tmp_path.name}.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
@@ -30,7 +34,8 @@ def _expected(hf_reference, images: list[Path]) -> list[list[int]]:
 
     turns = [(f"{IMAGE_MARKER}\n{PROMPTS[0]}", [load_image(images[0])]),
              (f"{IMAGE_MARKER}\n{PROMPTS[1]}", [load_image(images[1])]),
-             ("Hello, who are you?", [])]
+             ("Hello, who are you?", []),
+             (TWO_IMAGES, [load_image(images[1]), load_image(images[0])])]
     return [hf_reference.greedy([{"role": "user", "content": text}], imgs, MAX_NEW_TOKENS) for text, imgs in turns]
 
 
@@ -46,7 +51,7 @@ def test_megatron_greedy_tokens_equal_transformers_generate(layout, megatron_cli
     else:
         run_torchrun(2, "scripts/eval/generate.py", *args, "--tp" if layout == "tp2" else "--pp", 2, timeout=180)
     results = [json.loads(line) for line in answers.read_text().splitlines()]
-    assert [r["id"] for r in results] == [1, "second", 3]
+    assert [r["id"] for r in results] == [1, "second", 3, "two"]
     expected = _expected(hf_reference, images)
     assert [r["token_ids"] for r in results] == expected
     assert all(len(ids) == MAX_NEW_TOKENS for ids in expected)  # no early stop: every position is compared
@@ -134,6 +139,6 @@ def test_progress_is_shown_on_a_terminal_unless_quiet(llava_clip, images, tmp_pa
     args = ["--hf-dir", llava_clip, "--input-jsonl", _requests(tmp_path, images), "--output-jsonl",
             tmp_path / "answers.jsonl", "--max-new-tokens", 2]
     shown = _on_a_terminal(*args)
-    assert "answering: 100%" in shown and "3/3" in shown and "request/s" in shown, shown
+    assert "answering: 100%" in shown and "4/4" in shown and "request/s" in shown, shown
     assert "answering" not in _on_a_terminal(*args, "--quiet")
     assert "answering" not in run_script("eval/generate.py", *args, timeout=120).stderr  # not a terminal

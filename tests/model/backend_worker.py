@@ -11,21 +11,32 @@ import os
 import sys
 
 import torch
-from megatron.energon import VQASample
 from PIL import Image
 
 SEQ = 192
 
 
 def samples():
+    """Conversations with one image, none (text-only) and two."""
+    from megatron_ext.data.conversation import sample_messages
+    from megatron_ext.data.shard_format import ConversationSample
+
     multi = [{"from": "human", "value": "<image>\nWhat shape is it?"}, {"from": "gpt", "value": "A circle."},
              {"from": "human", "value": "And the color?"}, {"from": "gpt", "value": "Blue, like the sky."}]
-    qa = [("What is in the picture?", "A red cat on a sofa."), (multi, None),
-          ("Describe the image in detail.", "Two dogs are running across a green field under a blue sky."),
-          ("How many?", "Three."), ("Where is it?", "In the top left corner of the picture.")]
-    return [VQASample(__key__=str(i), __restore_key__=(), image=Image.new("RGB", (50 + 9 * i, 40 + 5 * i),
-                                                                          (40 * i, 120, 200 - 30 * i)),
-                      context=q, answers=a) for i, (q, a) in enumerate(qa)]
+    qa = [("What is in the picture?", "A red cat on a sofa.", 1), (multi, None, 1),
+          ("Describe the image in detail.", "Two dogs are running across a green field under a blue sky.", 1),
+          ("How many?", "Three.", 1), ("Where is it?", "In the top left corner of the picture.", 1),
+          ("Write a haiku about rain.", "Rain on the roof, soft.", 0),
+          ("<image> or <image>: which is brighter?", "The second one.", 2)]
+    out = []
+    for i, (question, answer, num_images) in enumerate(qa):
+        images = [Image.new("RGB", (50 + 9 * (i + k), 40 + 5 * i), (40 * i, 120 - 50 * k, 200 - 30 * i))
+                  for k in range(num_images)]
+        messages = sample_messages(question, answer)
+        if num_images == 1 and "<image>" not in str(question):
+            messages[0]["content"] = "<image>\n" + messages[0]["content"]
+        out.append(ConversationSample(__key__=str(i), __restore_key__=(), images=images, messages=messages))
+    return out
 
 
 def batches(encoder, layout: str) -> list:
@@ -99,7 +110,7 @@ def main():
         for batch in batches(encoders[""], "packed"):
             unseparated.update(per_sample_losses(model, inputs, batch, separate=False))
         results[f"{backend}/packed, samples not kept apart"] = unseparated
-        results[f"{backend}/pack sizes"] = [len(b.__key__[0].split(",")) for b in batches(encoders[""], "packed")]
+        results[f"{backend}/packs"] = [b.__key__[0].split(",") for b in batches(encoders[""], "packed")]
     if torch.distributed.get_rank() == 0:
         results["tp"] = parallel_state.get_tensor_model_parallel_world_size()
         json.dump(results, open(out, "w"))

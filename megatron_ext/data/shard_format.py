@@ -1,0 +1,141 @@
+"""The webdataset layout the dataset builder writes, and how readers turn a sample back into a conversation.
+
+One sample is one conversation with zero, one or several images:
+- ``KEY.json``: ``{"id", "question"}`` (the first human turn), plus ``"conversations"`` (LLaVA turns)
+  when there is more than one exchange or a system turn;
+- ``KEY.txt``: the first answer;
+- the images, in the order their ``<image>`` markers appear: ``KEY.jpg`` or ``KEY.png`` for one
+  image (the original README's layout), ``KEY.0.jpg``, ``KEY.1.png``, ... for several; none for a
+  text-only conversation. JPEGs and PNGs are stored byte for byte (PNG keeps screenshots, charts
+  and documents free of JPEG artefacts); other formats are re-encoded losslessly as PNG.
+
+The prepared dataset's ``.nv-meta/dataset.yaml`` (`DATASET_YAML`) names `ConversationWebdataset`,
+which loads each sample as a `ConversationSample` (and names the sample type, which ``energon info``
+reads). Datasets prepared as `VQASample` (the original README's ``energon prepare`` field map; one
+image) are read too: `conversation_of` takes either.
+"""
+
+
+import io
+import re
+from pathlib import Path
+from typing import Type
+
+from megatron.energon import Sample, SampleDecoder, StandardWebdatasetFactory, VQASample, edataclass
+
+from megatron_ext.data.conversation import MALFORMED, BadConversation, place_images, sample_messages
+
+# PIL format -> shard extension of the formats stored as they are.
+KEPT_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png"}
+# Modes a PNG holds; anything else (CMYK, YCbCr, ...) is converted to RGB before it is written.
+_PNG_MODES = {"1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"}
+_IMAGE_PART = re.compile(r"^(?:(\d+)\.)?(jpg|jpeg|png)$")
+
+
+class ImageFileError(Exception):
+    """An image file that cannot go into a shard; `missing` says whether it is absent or unreadable."""
+
+    def __init__(self, detail: str, missing: bool):
+        super().__init__(detail)
+        self.missing = missing
+
+
+def image_file_part(path: Path) -> tuple[str, bytes]:
+    """(extension, bytes) of an image file as it is stored in a shard; checks that it decodes."""
+    from PIL import Image
+
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ImageFileError(str(path), missing=True) from None
+    except OSError as exc:
+        raise ImageFileError(f"{path}: {exc.strerror}", missing=True) from None
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            if image.format in KEPT_FORMATS:
+                return KEPT_FORMATS[image.format], data
+            if image.mode not in _PNG_MODES:
+                image = image.convert("RGB")
+            out = io.BytesIO()
+            image.save(out, "PNG")
+            return "png", out.getvalue()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise ImageFileError(f"{path}: {exc}", missing=False) from None
+
+
+def image_part_names(extensions: list[str]) -> list[str]:
+    """Shard part names of a sample's images, in order."""
+    if len(extensions) == 1:
+        return extensions
+    return [f"{i}.{ext}" for i, ext in enumerate(extensions)]
+
+
+def _image_in_its_own_mode(key: str, data: bytes):
+    """webdataset handler: an image part as PIL in the file's own mode (None for other parts)."""
+    from PIL import Image
+
+    if key.rsplit(".", 1)[-1].lower() not in ("jpg", "jpeg", "png"):
+        return None
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image
+
+
+class ImageModeKeepingDecoder(SampleDecoder):
+    """energon's decoder, except that images keep the mode of their file (alpha, palette, greyscale).
+
+    energon's "pil" decoding converts to RGB by dropping the alpha channel; HF's image processors
+    composite transparent pixels over white instead. Keeping the mode lets `data.images` convert
+    as HF does, so a transparent PNG gives the pixels HF LLaVA sees for the same file.
+    """
+
+    def __init__(self):
+        super().__init__(image_decode="pil")
+        self._decoder.handlers.insert(0, _image_in_its_own_mode)
+        self._config["image_mode"] = "as stored"
+
+
+@edataclass
+class ConversationSample(Sample):
+    images: list  # decoded images (PIL), in the order of their <image> markers
+    messages: list[dict]  # chat messages; `<image>` marks each image
+
+
+def conversation_fields(raw: dict) -> dict:
+    """A decoded webdataset sample's `ConversationSample` fields; raises BadConversation (energon's
+    error handler then skips the sample)."""
+    meta = raw.get("json")
+    if not isinstance(meta, dict):
+        raise BadConversation(MALFORMED, f"sample {raw.get('__key__')} has no json part with the question")
+    numbered = [(match, value) for name, value in raw.items() if (match := _IMAGE_PART.match(name))]
+    images = [value for _, value in sorted(numbered, key=lambda item: int(item[0].group(1) or -1))]
+    return {"images": images, "messages": sample_messages(meta.get("conversations") or meta.get("question"), raw.get("txt"))}
+
+
+class ConversationWebdataset(StandardWebdatasetFactory[ConversationSample]):
+    """energon's dataset factory for shards in this layout."""
+
+    def __init__(self, path, *, sample_type: Type[ConversationSample] = ConversationSample, **kwargs):
+        # `sample_type` is in dataset.yaml for `energon info`; this factory always makes ConversationSamples.
+        # energon's config parser reads its annotation at run time (so no `from __future__ import annotations`).
+        super().__init__(path, sample_type=ConversationSample, sample_loader=conversation_fields,
+                         part_filter=lambda part: True, **kwargs)
+
+
+DATASET_YAML = {
+    "__module__": __name__,
+    "__class__": ConversationWebdataset.__name__,
+    "sample_type": {"__module__": __name__, "__class__": ConversationSample.__name__},
+}
+
+
+def conversation_of(sample: ConversationSample | VQASample) -> tuple[list, list[dict]]:
+    """(images, messages with one `<image>` per image) of a ConversationSample or a VQASample; raises
+    BadConversation for a conversation the trainer cannot use."""
+    if isinstance(sample, ConversationSample):
+        images, messages = sample.images, sample.messages
+    else:
+        images = [sample.image] if sample.image is not None else []
+        messages = sample_messages(sample.context, sample.answers)
+    return images, place_images(messages, len(images))
