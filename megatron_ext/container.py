@@ -52,20 +52,26 @@ def bind_args(paths) -> list[str]:
     return args
 
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+def checkout_root() -> Path | None:
+    """The source checkout this package runs from, None for an installed copy (site-packages)."""
+    root = Path(__file__).resolve().parent.parent
+    return root if (root / "pyproject.toml").is_file() else None
 
 
 def container_command(sif: str | Path, command: list[str], binds=(), env: dict[str, str] | None = None,
                       runtime: str | None = None) -> list[str]:
     """`<runtime> exec --nv [--bind ...] [--env ...] SIF command...`.
 
-    The working directory and this checkout are bound, and the checkout goes first on PYTHONPATH,
-    so the code you are editing runs, not the copy installed when the image was built.
+    The working directory is bound. Run from a checkout, the checkout is bound too and goes first
+    on PYTHONPATH, so the code you are editing runs, not the copy installed when the image was
+    built; run from an installed package, the image's own copy runs (binding the host's
+    site-packages would put the host's libraries in front of the image's).
     """
     runtime = runtime or container_runtime()
-    env = {"PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    checkout = checkout_root()
+    env = {**({"PYTHONPATH": str(checkout)} if checkout else {}), **(env or {})}
     env_args = [arg for key, value in env.items() for arg in ("--env", f"{key}={value}")]
-    return [runtime, "exec", "--nv", *bind_args([Path.cwd(), REPO_ROOT, *binds]), *env_args, str(sif), *command]
+    return [runtime, "exec", "--nv", *bind_args([Path.cwd(), checkout, *binds]), *env_args, str(sif), *command]
 
 
 def container_env(env: dict[str, str], runtime: str) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Chat templates, and which tokens of a rendered conversation the assistant wrote.
 
-A template is the tokenizer's own (``"tokenizer"``), a name from ``configs/chat_templates/``
+A template is the tokenizer's own (``"tokenizer"``), a name from ``megatron_ext/data/chat_templates/``
 (``plain``, ``llava-v1``, ``llama-3``, ``llm-jp``), or a path to a ``.jinja`` file. Unset, the
 tokenizer's template is used when it has one, else the language's default.
 
@@ -20,7 +20,8 @@ import numpy as np
 from megatron_ext.data.conversation import IMAGE_MARKER
 from megatron_ext.errors import UserError
 
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "configs" / "chat_templates"
+# Package data (pyproject.toml), so an installed copy has them as a checkout does.
+TEMPLATE_DIR = Path(__file__).resolve().parent / "chat_templates"
 LANG_DEFAULTS = {"en": "llava-v1", "ja": "llm-jp", "jp": "llm-jp"}
 _PROBE = [
     {"role": "user", "content": f"{IMAGE_MARKER}\nWhat is this?"},

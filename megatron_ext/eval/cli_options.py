@@ -13,7 +13,7 @@ def checkpoint_options(func):
         click.option("--hf-dir", type=click.Path(), help="Hugging Face LLaVA checkpoint directory."),
         click.option("--tp", type=int, help="Tensor-parallel size to run at (Megatron; default: as saved if the process count fits, else 1)."),
         click.option("--pp", type=int, help="Pipeline-parallel size to run at (Megatron; default: as saved if the process count fits, else 1)."),
-        click.option("--chat-template", help="'tokenizer', a name from configs/chat_templates or a .jinja file (default: as trained, else the tokenizer's)."),
+        click.option("--chat-template", help="'tokenizer', a name from megatron_ext/data/chat_templates or a .jinja file (default: as trained, else the tokenizer's)."),
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
                      help="Compute dtype, whatever the checkpoint stores (auto: bfloat16 on GPU, float32 on CPU)."),
         click.option("--image-aspect", type=click.Choice(["crop", "pad", "resize"]),

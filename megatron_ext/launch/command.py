@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext.container import (
-    REPO_ROOT,
     RUNTIMES,
     check_sif,
     container_command,
@@ -22,7 +21,8 @@ from megatron_ext.errors import UserError
 from megatron_ext.launch.topology import Topology
 from megatron_ext.train.options import TrainConfig
 
-TRAINER_SCRIPT = REPO_ROOT / "scripts" / "train" / "pretrain_llava.py"
+# Started as a module: found in the checkout (first on PYTHONPATH in a container) or the installed package.
+TRAINER_MODULE = "megatron_ext.train.pretrain_llava"
 # Reproducible reductions: cuBLAS with a fixed workspace, NCCL's tree algorithm, no
 # non-deterministic Transformer Engine kernels (Megatron-LM's --deterministic-mode insists on the last two).
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Tree", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
@@ -91,7 +91,7 @@ def build_command(topology: Topology, config: TrainConfig, trainer_argv: list[st
     """The command and its environment. A dry run prints the container command even where no
     container runtime is installed (written for singularity, which apptainer also answers to)."""
     env = trainer_env(topology, config, interface)
-    torchrun = [*topology.torchrun_args(), str(TRAINER_SCRIPT), *trainer_argv]
+    torchrun = [*topology.torchrun_args(), "-m", TRAINER_MODULE, *trainer_argv]
     notes = ()
     if sif_path:
         sif = check_sif(sif_path)

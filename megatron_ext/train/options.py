@@ -96,7 +96,7 @@ class TrainConfig:
     packing_seq_length: int | None = opt(None, "Pack several samples into sequences of this length.")
     num_workers: int = opt(2, "Data loader worker processes per rank.")
     lang: str = opt("en", "Main language; selects the default chat template.", choices=["en", "ja", "jp"])
-    chat_template: str | None = opt(None, "Chat template: 'tokenizer' or a name from configs/chat_templates.")
+    chat_template: str | None = opt(None, "Chat template: 'tokenizer' or a name from megatron_ext/data/chat_templates.")
     image_aspect: str = opt("crop", "Images of another shape than the vision tower's: crop (the processor's resize "
                                     "+ center crop), pad (LLaVA-1.5: pad to a square with the mean colour, then "
                                     "resize) or resize (squash). Stored with the checkpoint; generation and "

@@ -3,29 +3,11 @@
     torchrun --nproc-per-node 2 scripts/train/pretrain_llava.py --megatron-load-dir CKPT \
         --data-path DATA --save --save-dir OUT --tp 2 --stage 1 --train-iters 100
 
-Every option is a field of megatron_ext/train/options.py (see --help).
+The same command as `torchrun ... -m megatron_ext.train.pretrain_llava` (megatron_ext/train/pretrain_llava.py).
 """
 
-import click
-
-from megatron_ext import lifetime
 from megatron_ext.errors import run_command
-from megatron_ext.logs import setup_logging
-from megatron_ext.train.cli import trainer_options
-
-# The processes of a run end with the one that started them (megatron_ext/lifetime.py). At module
-# level, so the helper processes megatron-core spawns (they import this script again) do too.
-lifetime.die_with_parent()
-
-
-@click.command(context_settings={"max_content_width": 100})
-@trainer_options
-def main(config):
-    setup_logging(verbose=config.debug)
-    from megatron_ext.train.trainer import run
-
-    return run(config)
-
+from megatron_ext.train.pretrain_llava import main
 
 if __name__ == "__main__":
     run_command(main)

@@ -104,3 +104,15 @@ def test_subsets_count_what_energon_takes(prepared, tmp_path):
     }))
     with pytest.raises(UserError, match="subset of sample indices applies to one dataset directory"):
         split_counts(tmp_path / "bad.yaml")
+
+
+@pytest.mark.multiprocess
+def test_the_example_blend_counts_once_its_paths_are_set(prepared, tmp_path):
+    from tests.helpers import REPO_ROOT
+
+    config = yaml.safe_load((REPO_ROOT / "configs/blends/llava15_mix_docs_text.yaml").read_text())
+    for member in config["splits"]["train"]["blend"] + [config["splits"]["val"]]:
+        member["path"] = str(prepared)
+    (tmp_path / "blend.yaml").write_text(yaml.safe_dump(config))
+    counts = split_counts(tmp_path / "blend.yaml")
+    assert [n for _, _, n in counts["train"].members] == [12, 3, 1] and counts["val"].samples == 12

@@ -7,12 +7,12 @@ import shlex
 import click
 import pytest
 
-from megatron_ext.container import REPO_ROOT
+from megatron_ext.container import checkout_root
 from megatron_ext.launch.network import free_port
 from megatron_ext.train.cli import trainer_options
 from tests.launch.conftest import make_standins
 
-SCRIPT = str(REPO_ROOT / "scripts" / "train" / "pretrain_llava.py")
+SCRIPT = "megatron_ext.train.pretrain_llava"
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 
@@ -25,7 +25,8 @@ def _trainer(config):
 def split_torchrun(argv: list[str]):
     """(torchrun options as a dict, the TrainConfig the trainer would parse from its arguments)."""
     cut = argv.index(SCRIPT)
-    opts = dict(zip(argv[:cut:2], argv[1:cut:2]))
+    assert argv[cut - 1] == "-m"  # the trainer runs as a module, from a checkout or an installed package
+    opts = dict(zip(argv[:cut - 1:2], argv[1:cut - 1:2]))
     return opts, _trainer.main(argv[cut + 1:], standalone_mode=False)
 
 
@@ -170,10 +171,10 @@ def test_sif_path_singularity(launcher, inputs, tmp_path):
     assert started["name"] == "singularity"
     argv = started["argv"]
     assert argv[:2] == ["exec", "--nv"]
-    assert set(_binds(argv)) >= {str(tmp_path), str(REPO_ROOT), str(inputs.checkpoint), str(inputs.data),
+    assert set(_binds(argv)) >= {str(tmp_path), str(checkout_root()), str(inputs.checkpoint), str(inputs.data),
                                  str(inputs.tokenizer), str(inputs.root)}
     inner = argv[argv.index(str(sif)) + 1:]
-    assert inner[0] == "torchrun" and f"PYTHONPATH={REPO_ROOT}" in argv
+    assert inner[0] == "torchrun" and f"PYTHONPATH={checkout_root()}" in argv
     opts, config = split_torchrun(inner[1:])
     assert opts["--nproc-per-node"] == "2"
     assert config.save_dir == str(save_dir) and config.tokenizer_load_dir == str(inputs.tokenizer)
