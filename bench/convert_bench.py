@@ -6,7 +6,8 @@ safetensors load + save of the same tensors, peak memory against the size on dis
 The model is built locally (no download): a random Llama-style text model (hidden 2048, 18 layers,
 GQA 16/4 heads, FFN 5632, bfloat16) with a tiny CLIP tower, assembled by build_llava_jp's code.
 The baseline loads every safetensors file of the model whole and saves it again, in a fresh
-process (python, torch, safetensors), run twice: the faster counts, as the machine is shared.
+process (python, torch, safetensors), run twice (before and after the conversions): the faster
+counts, as the machine is shared.
 Each conversion runs as the user runs it (the script in a fresh process). Every command's process
 tree is sampled every 20 ms and the peak of the summed RSS and PSS is reported (PSS splits pages
 shared between processes, such as torch's libraries, so it does not count them once per process).
@@ -105,15 +106,14 @@ for file in sorted(src.glob("*.safetensors")):
 """
 
 
-def time_resave(src: Path, work: Path, repeats: int = 2) -> list[dict]:
-    """The baseline, measured like the conversions (the page cache is warm for both)."""
-    runs = []
-    for i in range(repeats):
-        dst = work / f"resave-{i}"
-        dst.mkdir()
-        runs.append(run_measured([sys.executable, "-c", _RESAVE, str(src), str(dst)]))
-        shutil.rmtree(dst)
-    return runs
+def time_resave(src: Path, work: Path) -> dict:
+    """One run of the baseline, measured like the conversions (the page cache is warm for both)."""
+    dst = work / "resave"
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir()
+    run = run_measured([sys.executable, "-c", _RESAVE, str(src), str(dst)])
+    shutil.rmtree(dst)
+    return run
 
 
 def convert_both_ways(model: Path, work: Path, tp: int, tag: str) -> dict:
@@ -142,8 +142,8 @@ def report(tp: int, size: int, resaves: list[dict], big: dict, tiny: dict) -> st
         "",
         f"Command: `python bench/convert_bench.py --tp {tp}`. Model: random LLaVA (Llama-style text, hidden "
         f"{BIG_TEXT['hidden_size']}, {BIG_TEXT['num_layers']} layers, bfloat16, tiny CLIP), {_gib(size)} on disk. "
-        f"Baseline: a fresh process loading every safetensors file of it whole and saving it again: "
-        f"{walls}; the faster ({base:.1f} s) counts; its peak PSS {_gib(min(run['pss'] for run in resaves))}. Page cache warm for all.",
+        f"Baseline: a fresh process loading every safetensors file of it whole and saving it again, run before "
+        f"and after the conversions: {walls}; the faster ({base:.1f} s) counts; its peak PSS {_gib(min(run['pss'] for run in resaves))}. Page cache warm for all.",
         "",
         "| direction | wall s | wall / baseline (target <= 3) | peak PSS, all processes | PSS / size on disk (target <= 1.25) "
         "| peak RSS (sum over processes) |",
@@ -158,7 +158,8 @@ def report(tp: int, size: int, resaves: list[dict], big: dict, tiny: dict) -> st
         "Fixed cost, the same commands on the tiny test model (a few MB): HF -> Megatron "
         f"{tiny['to_megatron']['wall']:.1f} s, peak PSS {_gib(tiny['to_megatron']['pss'])}; "
         f"Megatron -> HF {tiny['to_hf']['wall']:.1f} s, peak PSS {_gib(tiny['to_hf']['pss'])}. "
-        "This is process start and importing torch / megatron-core / transformers in every process.",
+        "This is process start and imports: torch and transformers in the command's process, torch and "
+        "megatron-core once more in the fork server the HF -> Megatron workers are forked from.",
         "",
         "PSS at its peak, by process role (GiB): "
         + "; ".join(f"{label}: " + ", ".join(f"{role} {n / 2**30:.2f}" for role, n in big[name]["pss_by_role"].items())
@@ -179,9 +180,12 @@ def main(tp, work_dir, out):
         work.mkdir(parents=True, exist_ok=True)
         models = build_models(work)
         size = dir_bytes(models["big"])
-        resaves = time_resave(models["big"], work)
+        # The two baseline runs bracket the conversions, so that a busy spell of the machine's
+        # other jobs is less likely to fall on both.
+        resaves = [time_resave(models["big"], work)]
         tiny = convert_both_ways(models["tiny"], work, tp, "tiny")
         big = convert_both_ways(models["big"], work, tp, "big")
+        resaves.append(time_resave(models["big"], work))
         text = report(tp, size, resaves, big, tiny)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(text)

@@ -36,15 +36,6 @@ def cpu_only_env():
                 os.environ[key] = value
 
 
-def hide_gpus() -> None:
-    """Make this process CPU-only for good (before anything touched CUDA)."""
-    import torch
-
-    if torch.cuda.is_initialized():
-        raise RuntimeError("hide_gpus() must run before CUDA is initialised")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-
-
 # What every worker imports: loaded once, in the fork server.
 _PRELOAD = ["torch", "megatron.core.dist_checkpointing", "megatron.core.models.multimodal.llava_model",
             "megatron_ext.distributed", "megatron_ext.model.provider"]

@@ -183,3 +183,11 @@ def chunk_of_tensor(name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, 
     if layer is None:
         return name, (0,) * len(shape), tuple(shape)
     return name.replace(layer.group(0), _LAYERS, 1), (int(layer.group(1)),) + (0,) * len(shape), (1, *shape)
+
+
+def tensors_of_key(key: str, size) -> list[tuple[str, tuple[int, ...]]]:
+    """(canonical name, shape) of the whole Megatron tensors a checkpoint key of this global size
+    holds: one per layer for a key stacked over layers."""
+    if _LAYERS in key:
+        return [(key.replace(_LAYERS, f"{_LAYERS}{i}.", 1), tuple(size[1:])) for i in range(size[0])]
+    return [(key, tuple(size))]

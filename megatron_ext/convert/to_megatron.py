@@ -6,7 +6,7 @@ uninitialised, only for its layout (its memory is never touched), checks from th
 shapes that the mapping table fills every tensor, and the ranks save together with
 dist_checkpointing: each chunk is computed from the HF safetensors as the writer reaches it (one
 HF tensor read at a time), written and dropped, so a rank holds about one layer at a time
-(dist_chunks.py). The result appears at the output path only when complete (see
+(dist_write.py). The result appears at the output path only when complete (see
 checkpoint/layout.py for the layout).
 """
 
@@ -146,7 +146,7 @@ def convert_in_world(plan: Plan, root: Path) -> list[str]:
     import torch.distributed as dist
 
     from megatron_ext.checkpoint.model_io import save_model_weights
-    from megatron_ext.convert.dist_chunks import ComputedSaveStrategy
+    from megatron_ext.convert.dist_write import ComputedSaveStrategy
     from megatron_ext.model.provider import ModelOptions, build_model
 
     arch = plan.arch
