@@ -41,6 +41,17 @@ _PRELOAD = ["torch", "megatron.core.dist_checkpointing", "megatron.core.models.m
             "megatron_ext.distributed", "megatron_ext.model.provider"]
 
 
+def start_fork_server(entry_module: str) -> None:
+    """Start the fork server now, if it is not running, preloading what workers running a function of
+    `entry_module` import: its imports take seconds, and overlap with whatever the caller does next."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(_PRELOAD + [entry_module])
+    with cpu_only_env():
+        forkserver.ensure_running()
+
+
 def _rank_main(rank: int, world_size: int, port: int, workdir: str, env: dict, fn: Callable, args: tuple) -> None:
     import torch
 
@@ -69,17 +80,14 @@ def run_on_cpu_ranks(fn: Callable, world_size: int, *args) -> Any:
     A UserError raised on any rank is raised here with its message; any other failure stops all
     ranks and propagates (with the failing rank's traceback).
     """
-    import multiprocessing
-
     import torch
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
     from megatron_ext.distributed import local_store
 
+    start_fork_server(fn.__module__)
     store = local_store()
-    # Takes effect when the server starts (the first call in this process); later calls reuse it.
-    multiprocessing.set_forkserver_preload(_PRELOAD + [fn.__module__])
     with tempfile.TemporaryDirectory(prefix="megatron_ext-ranks-") as workdir, cpu_only_env():
         try:
             mp.start_processes(_rank_main, args=(world_size, store.port, workdir, dict(os.environ), fn, args),
