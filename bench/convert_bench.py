@@ -129,16 +129,16 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def report(tp: int, size: int, resaves: list[dict], big: dict, tiny: dict) -> str:
+def report(tp: int, size: int, resaves: list[dict], big: dict, tiny: dict, load_before: float) -> str:
     base = min(run["wall"] for run in resaves)
     walls = ", ".join(f"{run['wall']:.1f} s" for run in resaves)
     machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs (1-minute load average "
-               f"{os.getloadavg()[0]:.1f} after the runs), {_gib(psutil.virtual_memory().total)} RAM, no GPU, "
-               f"Python {platform.python_version()}")
+               f"{load_before:.1f} before the runs, {os.getloadavg()[0]:.1f} after), "
+               f"{_gib(psutil.virtual_memory().total)} RAM, no GPU, Python {platform.python_version()}")
     lines = [
         "# Converters: wall time and peak memory",
         "",
-        f"Machine: {machine}. Conversions run on CPU (GPUs hidden), one thread per process.",
+        f"Machine: {machine}. Conversions run on CPU (GPUs hidden), one intra-op thread per process.",
         "",
         f"Command: `python bench/convert_bench.py --tp {tp}`. Model: random LLaVA (Llama-style text, hidden "
         f"{BIG_TEXT['hidden_size']}, {BIG_TEXT['num_layers']} layers, bfloat16, tiny CLIP), {_gib(size)} on disk. "
@@ -180,13 +180,14 @@ def main(tp, work_dir, out):
         work.mkdir(parents=True, exist_ok=True)
         models = build_models(work)
         size = dir_bytes(models["big"])
+        load_before = os.getloadavg()[0]
         # The two baseline runs bracket the conversions, so that a busy spell of the machine's
         # other jobs is less likely to fall on both.
         resaves = [time_resave(models["big"], work)]
         tiny = convert_both_ways(models["tiny"], work, tp, "tiny")
         big = convert_both_ways(models["big"], work, tp, "big")
         resaves.append(time_resave(models["big"], work))
-        text = report(tp, size, resaves, big, tiny)
+        text = report(tp, size, resaves, big, tiny, load_before)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(text)
     click.echo(text)

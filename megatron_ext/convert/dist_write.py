@@ -72,6 +72,8 @@ class ComputedSaveStrategy(TorchDistSaveShardedStrategy):
 
         by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica=True)
         planner = _ComputedPlanner(self._compute)
-        dcp_save(mcore_to_pyt_state_dict(by_key, False), planner=planner,
-                 storage_writer=FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, thread_count=1))
+        # No fsync (megatron-core's writer syncs every file): a converted checkpoint can be made
+        # again from its input, and the HF side (safetensors, save_pretrained) does not sync either.
+        writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, thread_count=1, sync_files=False)
+        dcp_save(mcore_to_pyt_state_dict(by_key, False), planner=planner, storage_writer=writer)
         planner.bar.close()
