@@ -17,13 +17,14 @@ MODEL_KEY = "model"
 _EXTRA_STATE = "_extra_state"
 
 
-def save_model_weights(model, snapshot_dir: str | Path, extra: dict | None = None) -> None:
-    """Collective: every rank of the world calls it. `extra`: more sharded entries (optimizer, ...)."""
+def save_model_weights(model, snapshot_dir: str | Path, extra: dict | None = None, sharded_strategy=None) -> None:
+    """Collective: every rank of the world calls it. `extra`: more sharded entries (optimizer, ...).
+    `sharded_strategy`: megatron-core's default torch_dist one unless given (the converter's computes its tensors)."""
     from megatron.core import dist_checkpointing
 
     Path(snapshot_dir).mkdir(parents=True, exist_ok=True)
     state = {MODEL_KEY: model.sharded_state_dict(), **(extra or {})}
-    dist_checkpointing.save(state, str(snapshot_dir))
+    dist_checkpointing.save(state, str(snapshot_dir), sharded_strategy=sharded_strategy)
 
 
 def _stored_keys(snapshot_dir: Path) -> set[str]:

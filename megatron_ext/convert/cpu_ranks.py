@@ -2,7 +2,11 @@
 
 Conversion is I/O-bound and exactness is easiest to reason about on CPU, so the workers never see a
 GPU (`CUDA_VISIBLE_DEVICES=""`, which makes `init_parallel` apply `cpu_support`). Processes are
-started with `spawn`: the entry script must guard its `main()` with `if __name__ == "__main__":`.
+forked from a `forkserver` that has imported torch and megatron-core once (~5 s per import, which
+every worker would otherwise pay again, N at a time on a few cores); the server is a clean
+single-threaded process, so forking it is safe. Each worker then takes the caller's environment
+as it is at the call, as a spawned one would. The entry script must still guard its `main()` with
+`if __name__ == "__main__":`.
 """
 
 from __future__ import annotations
@@ -32,18 +36,29 @@ def cpu_only_env():
                 os.environ[key] = value
 
 
-def hide_gpus() -> None:
-    """Make this process CPU-only for good (before anything touched CUDA)."""
+# What every worker imports: loaded once, in the fork server.
+_PRELOAD = ["torch", "megatron.core.dist_checkpointing", "megatron.core.models.multimodal.llava_model",
+            "megatron_ext.distributed", "megatron_ext.model.provider"]
+
+
+def start_fork_server(entry_module: str) -> None:
+    """Start the fork server now, if it is not running, preloading what workers running a function of
+    `entry_module` import: its imports take seconds, and overlap with whatever the caller does next."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(_PRELOAD + [entry_module])
+    with cpu_only_env():
+        forkserver.ensure_running()
+
+
+def _rank_main(rank: int, world_size: int, port: int, workdir: str, env: dict, fn: Callable, args: tuple) -> None:
     import torch
 
-    if torch.cuda.is_initialized():
-        raise RuntimeError("hide_gpus() must run before CUDA is initialised")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-
-
-def _rank_main(rank: int, world_size: int, port: int, workdir: str, fn: Callable, args: tuple) -> None:
-    import torch
-
+    # The fork server's environment is the one of the call that started it; this call's is `env`.
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))
     # The parent hosts the rendezvous store (as torchrun's agent does): every rank connects to it.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
@@ -71,11 +86,12 @@ def run_on_cpu_ranks(fn: Callable, world_size: int, *args) -> Any:
 
     from megatron_ext.distributed import local_store
 
+    start_fork_server(fn.__module__)
     store = local_store()
     with tempfile.TemporaryDirectory(prefix="megatron_ext-ranks-") as workdir, cpu_only_env():
         try:
-            mp.start_processes(_rank_main, args=(world_size, store.port, workdir, fn, args), nprocs=world_size,
-                               join=True, start_method="spawn")
+            mp.start_processes(_rank_main, args=(world_size, store.port, workdir, dict(os.environ), fn, args),
+                               nprocs=world_size, join=True, start_method="forkserver")
         except ProcessException:
             errors = sorted(Path(workdir).glob("error-*.txt"))
             if errors:

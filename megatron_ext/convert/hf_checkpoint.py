@@ -4,8 +4,10 @@ Reading: a single `model.safetensors` or a sharded `model.safetensors.index.json
 normalized (`mapping.normalize_hf_name`) and every read opens the file, copies one tensor out and
 unmaps it, so a converter never holds more than the tensor it is working on.
 
-Writing: `ShardWriter` collects tensors up to a size limit, writes each shard as soon as it is
-full and names the files the way `transformers` does, with an index when there is more than one.
+Writing: `ShardWriter` is told every tensor's name, shape and dtype first, so it can write each
+file's header before any data and then append every tensor as it comes: nothing is collected in
+memory. Files hold at most a size limit and are named the way `transformers` does, with an index
+when there is more than one.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import fnmatch
 import json
 import shutil
+import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -26,6 +30,11 @@ INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 # safetensors dtype codes -> ModelOptions dtype names.
 _FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+# safetensors dtype codes <-> torch dtypes, for the files ShardWriter writes itself.
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+_SAFETENSORS_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 # What makes up the model itself. Everything else in an HF directory (tokenizer, processor, chat
 # template, generation config) describes the tokenizer side and travels with it.
 _MODEL_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
@@ -53,6 +62,7 @@ class HfWeights:
         self.dir = Path(hf_dir)
         self._where: dict[str, tuple[Path, str]] = {}
         self._dtypes: dict[str, str] = {}
+        self._shapes: dict[str, list[int]] = {}
         self.nbytes = 0
         for file in self._files(flag):
             with safe_open(str(file), "pt") as f:
@@ -61,7 +71,8 @@ class HfWeights:
                     if name in self._where:
                         raise UserError(f"{flag}: tensor {name} appears twice in {self.dir} (as {self._where[name][1]} and {stored})")
                     self._where[name] = (file, stored)
-                    self._dtypes[name] = f.get_slice(stored).get_dtype()
+                    header = f.get_slice(stored)
+                    self._dtypes[name], self._shapes[name] = header.get_dtype(), header.get_shape()
             self.nbytes += file.stat().st_size
 
     def _files(self, flag: str) -> list[Path]:
@@ -91,6 +102,11 @@ class HfWeights:
         with safe_open(str(file), "pt") as f:
             return f.get_tensor(stored)
 
+    def meta(self, name: str) -> torch.Tensor:
+        """A stand-in with the tensor's shape and no data (on the meta device): for checking shapes
+        before anything is read. Its dtype is float32 whatever is stored, as shapes do not depend on it."""
+        return torch.empty(self._shapes[name], device="meta")
+
     def dtype(self, flag: str = "--hf-dir") -> str:
         """The one floating-point dtype of the weights, as a ModelOptions dtype name."""
         found = {code for code in self._dtypes.values() if code.startswith(("F", "BF"))}
@@ -115,51 +131,85 @@ def hf_model_names(hf_config: dict) -> list[str]:
     return [normalize_hf_name(name) for name in model.state_dict() if name not in tied]
 
 
-class ShardWriter:
-    """Writes tensors into safetensors files of at most `max_shard_size` bytes, as they come."""
+class TensorSpec(NamedTuple):
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
-    def __init__(self, out_dir: Path, max_shard_size: int):
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * torch.Size(self.shape).numel()
+
+
+class ShardWriter:
+    """Writes the `planned` tensors, given one at a time in that order, into safetensors files of
+    at most `max_shard_size` bytes (a larger tensor gets a file of its own).
+
+    The writing happens on a thread, one tensor behind the caller, so reading and converting the
+    next tensor overlap with writing this one (file writes release the GIL); at most two tensors
+    are held."""
+
+    def __init__(self, out_dir: Path, max_shard_size: int, planned: list[TensorSpec]):
+        from concurrent.futures import ThreadPoolExecutor
+
         self.out_dir = Path(out_dir)
-        self.max_shard_size = max_shard_size
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._shards: list[list[str]] = []
-        self.total_size = 0
+        shards, size = [[]], 0
+        for spec in planned:
+            if shards[-1] and size + spec.nbytes > max_shard_size:
+                shards, size = shards + [[]], 0
+            shards[-1].append(spec)
+            size += spec.nbytes
+        count = len(shards)
+        files = [WEIGHTS_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        self._shards = dict(zip(files, shards))
+        self._next = ((file, i, spec) for file, specs in self._shards.items() for i, spec in enumerate(specs))
+        self._stream = None
+        self._thread = ThreadPoolExecutor(max_workers=1)
+        self._writing = None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + size > self.max_shard_size:
-            self._flush()
-        self._pending[name] = tensor.detach().contiguous()
-        self._pending_bytes += size
-        self.total_size += size
+        file, position, spec = next(self._next, (None, None, None))
+        if spec is None or (name, tuple(tensor.shape), tensor.dtype) != (spec.name, tuple(spec.shape), spec.dtype):
+            raise RuntimeError(f"ShardWriter: got {name} {list(tensor.shape)} {tensor.dtype}, planned {spec}")
+        # The tensor's bytes as they are in memory (little-endian, as safetensors stores them).
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._wait()
+        self._writing = self._thread.submit(self._write, file, position, data)
 
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
+    def _wait(self) -> None:
+        if self._writing is not None:
+            self._writing.result()  # raises here what the write raised
 
-        save_file(self._pending, str(self._shard_path(len(self._shards))), metadata={"format": "pt"})
-        self._shards.append(list(self._pending))
-        self._pending, self._pending_bytes = {}, 0
+    def _write(self, file: str, position: int, data) -> None:
+        if position == 0:
+            self._open(file)
+        self._stream.write(data.data)
+        if position == len(self._shards[file]) - 1:
+            self._stream.close()
 
-    def _shard_path(self, index: int) -> Path:
-        return self.out_dir / f".shard-{index:05d}.safetensors"
+    def _open(self, file: str) -> None:
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for spec in self._shards[file]:
+            header[spec.name] = {"dtype": _SAFETENSORS_CODES[spec.dtype], "shape": list(spec.shape),
+                                 "data_offsets": [offset, offset + spec.nbytes]}
+            offset += spec.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self._stream = open(self.out_dir / file, "wb")
+        self._stream.write(struct.pack("<Q", len(raw)) + raw)
 
-    def close(self) -> list[str]:
-        """Write the last shard, give the files their final names; returns the tensor names written."""
-        if self._pending or not self._shards:
-            self._flush()
-        count = len(self._shards)
-        if count == 1:
-            self._shard_path(0).rename(self.out_dir / WEIGHTS_FILE)
-            return self._shards[0]
-        weight_map = {}
-        for i, names in enumerate(self._shards):
-            final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            self._shard_path(i).rename(self.out_dir / final)
-            weight_map.update(dict.fromkeys(names, final))
-        index = {"metadata": {"total_size": self.total_size}, "weight_map": weight_map}
-        (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        return list(weight_map)
+    def close(self) -> None:
+        """Wait for the writes, check that every planned tensor came; write the index when there is more than one file."""
+        self._wait()
+        self._thread.shutdown()
+        left = next(self._next, None)
+        if left is not None:
+            raise RuntimeError(f"ShardWriter: {left[2].name} and maybe more were planned but never given")
+        if len(self._shards) > 1:
+            weight_map = {spec.name: file for file, specs in self._shards.items() for spec in specs}
+            total = sum(spec.nbytes for specs in self._shards.values() for spec in specs)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def check_tokenizer_dir(path: Path, flag: str) -> Path:

@@ -159,3 +159,35 @@ def canonical_megatron_name(name: str, layer_offset: int = 0) -> str:
             rest = te + rest[len(local):]
     offset = layer_offset if prefix.startswith("language_model.") else 0
     return f"{prefix}{int(index) + offset}.{rest}"
+
+
+# A dist-checkpoint key is a canonical Megatron name, except that megatron-core stacks a layer
+# tensor of every layer along a first axis, under one key `...decoder.layers.<rest>`. The global
+# tensor of a key is the full TP1 tensor (a gated MLP's `linear_fc1` is [gate ; up]): TP and PP
+# only decide which rank holds which chunk of it.
+_LAYERS = ".decoder.layers."
+
+
+def tensor_of_chunk(key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[str, tuple[slice, ...]]:
+    """(canonical Megatron name, the chunk's part of that tensor) for a chunk of a checkpoint key."""
+    if _LAYERS in key:
+        name, offsets, sizes = key.replace(_LAYERS, f"{_LAYERS}{offsets[0]}.", 1), offsets[1:], sizes[1:]
+    else:
+        name = key
+    return name, tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+
+
+def chunk_of_tensor(name: str, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """(checkpoint key, offsets, sizes) of a whole Megatron tensor: the inverse of tensor_of_chunk."""
+    layer = re.search(r"\.decoder\.layers\.(\d+)\.", name)
+    if layer is None:
+        return name, (0,) * len(shape), tuple(shape)
+    return name.replace(layer.group(0), _LAYERS, 1), (int(layer.group(1)),) + (0,) * len(shape), (1, *shape)
+
+
+def tensors_of_key(key: str, size) -> list[tuple[str, tuple[int, ...]]]:
+    """(canonical name, shape) of the whole Megatron tensors a checkpoint key of this global size
+    holds: one per layer for a key stacked over layers."""
+    if _LAYERS in key:
+        return [(key.replace(_LAYERS, f"{_LAYERS}{i}.", 1), tuple(size[1:])) for i in range(size[0])]
+    return [(key, tuple(size))]

@@ -1,28 +1,37 @@
 """Megatron snapshot (converted or trained, any TP/PP) -> Hugging Face LLaVA directory.
 
-One process: the model is built whole (TP1/PP1) from the snapshot's own HF config, its weights
-are loaded with dist_checkpointing (which reshards whatever layout the snapshot was saved with),
-and each table row is turned back into HF tensors, written shard by shard. The HF tensors LLaVA
-never uses come back from `hf_extra.safetensors`; config, generation config, tokenizer and
-processor complete the directory, which appears only when complete.
+One process, without megatron-core: the checkpoint's metadata names the model's tensors (whole,
+as a TP1/PP1 model holds them) with their shapes; the names are checked against the mapping table
+and the HF model the snapshot's config describes before anything is written. The tensors are then
+read from the dist checkpoint (whatever TP/PP layout it was saved with) a layer at a time
+(dist_read.py), each table row is turned back into HF tensors, and those go straight into the
+safetensors files (whose headers were written from the planned shapes), so about one layer is in
+memory at a time. The HF tensors LLaVA never uses come back
+from `hf_extra.safetensors`; config, generation config, tokenizer and processor complete the
+directory, which appears only when complete.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from megatron_ext.checkpoint import layout
 from megatron_ext.convert import coverage
 from megatron_ext.convert.hf_checkpoint import (
     GENERATION_CONFIG_FILE,
+    SAFETENSORS_DTYPES,
     ShardWriter,
+    TensorSpec,
     check_tokenizer_dir,
     copy_tokenizer_files,
     hf_model_names,
 )
-from megatron_ext.convert.mapping import canonical_megatron_name, llava_mapping
+from megatron_ext.convert.mapping import llava_mapping
 from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 from megatron_ext.model.arch import LlavaArch
@@ -62,19 +71,14 @@ def plan_export(megatron_dir: str | Path, tokenizer_dir: str | Path | None = Non
     return Export(snapshot=snapshot, arch=arch, tokenizer_dir=tok, max_shard_size=shard_bytes)
 
 
-def _extra_names(snapshot: layout.Snapshot) -> list[str]:
+def _extra_specs(snapshot: layout.Snapshot) -> list[TensorSpec]:
     from safetensors import safe_open
 
     if not snapshot.hf_extra_file.is_file():
         return []
     with safe_open(str(snapshot.hf_extra_file), "pt") as f:
-        return list(f.keys())
-
-
-def _megatron_tensors(model) -> dict:
-    """The full model's tensors by canonical (dist-checkpoint) name."""
-    return {canonical_megatron_name(name): tensor for name, tensor in model.state_dict().items()
-            if not name.endswith("_extra_state")}
+        return [TensorSpec(name, tuple(f.get_slice(name).get_shape()), SAFETENSORS_DTYPES[f.get_slice(name).get_dtype()])
+                for name in f.keys()]
 
 
 def _check_coverage(export: Export, megatron_names: list[str], extra: list[str]) -> None:
@@ -86,24 +90,46 @@ def _check_coverage(export: Export, megatron_names: list[str], extra: list[str])
         raise UserError(f"--megatron-dir {snapshot.path}: cannot produce a complete HF model{hint}; " + "; ".join(problems))
 
 
-def _write_weights(tensors: dict, extra: list[str], export: Export, out: Path) -> None:
+def _by_layer(stored: dict) -> list[dict]:
+    """The stored tensors {canonical name: (shape, dtype)}, a layer (or one tensor outside the
+    layers) at a time: the unit read at once."""
+    groups: dict[str, dict] = {}
+    for name, shape_dtype in stored.items():
+        layer = re.match(r"^(.*\.decoder\.layers\.\d+)\.", name)
+        groups.setdefault(layer.group(1) if layer else name, {})[name] = shape_dtype
+    return list(groups.values())
+
+
+def _write_weights(groups: list[dict], extra: list[TensorSpec], export: Export, out: Path) -> None:
     from safetensors import safe_open
 
+    from megatron_ext.convert.dist_read import read_tensors
     from megatron_ext.model.provider import DTYPES
 
     # Megatron keeps norms and the patch embedding in float32 whatever the model dtype; HF stores
     # one dtype. Those values came from (or were trained in) the snapshot dtype, so this is exact.
     dtype = DTYPES[export.snapshot.dtype]
     table = llava_mapping(export.arch)
-    writer = ShardWriter(out, export.max_shard_size)
-    for name, tensor in progress(tensors.items(), total=len(tensors), desc="writing tensors", unit="tensor"):
-        row = table[name]
-        for hf_name, hf_tensor in zip(row.hf, row.rule.megatron_to_hf(tensor)):
-            writer.add(hf_name, hf_tensor.to(dtype))
+
+    def hf_tensors(name: str, tensor: torch.Tensor):
+        return zip(table[name].hf, table[name].rule.megatron_to_hf(tensor))
+
+    # Every HF tensor's name and shape, from the Megatron shapes alone, in the order they will come.
+    planned = [TensorSpec(hf_name, tuple(hf.shape), dtype) for group in groups for name, (shape, _) in group.items()
+               for hf_name, hf in hf_tensors(name, torch.empty(shape, device="meta"))]
+    writer = ShardWriter(out, export.max_shard_size, planned + extra)
+    bar = progress(total=len(planned), desc="writing tensors", unit="tensor")
+    for group in groups:
+        loaded = read_tensors(export.snapshot.path, group)
+        for name in group:
+            for hf_name, hf_tensor in hf_tensors(name, loaded.pop(name)):
+                writer.add(hf_name, hf_tensor.to(dtype))
+                bar.update()
+    bar.close()
     if extra:
         with safe_open(str(export.snapshot.hf_extra_file), "pt") as f:
-            for name in extra:
-                writer.add(name, f.get_tensor(name))
+            for spec in extra:
+                writer.add(spec.name, f.get_tensor(spec.name))
     writer.close()
 
 
@@ -121,44 +147,29 @@ def _write_configs(export: Export, out: Path) -> None:
         GenerationConfig.from_model_config(config).save_pretrained(out)
 
 
-def export_in_world(export: Export, out: Path) -> None:
-    """Collective over a world whose megatron parallel state is TP1 x PP1 (every rank loads; rank 0 writes)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+def _export(export: Export, out: Path) -> None:
+    from megatron_ext.convert.dist_read import stored_tensors
 
-    from megatron_ext.checkpoint.model_io import load_model_weights
-    from megatron_ext.model.provider import ModelOptions, build_model
-
-    if parallel_state.get_tensor_model_parallel_world_size() != 1 or parallel_state.get_pipeline_model_parallel_world_size() != 1:
-        raise RuntimeError("export_in_world needs a TP1 x PP1 parallel state")
     snapshot = export.snapshot
-    model = build_model(export.arch, ModelOptions(init_weights=False, dtype=snapshot.dtype))
-    extra = _extra_names(snapshot)
-    _check_coverage(export, list(_megatron_tensors(model)), extra)
-    load_model_weights(model, snapshot.path)
-    if dist.get_rank() == 0:
-        _write_weights(_megatron_tensors(model), extra, export, out)
-        _write_configs(export, out)
-    dist.barrier()
+    extra = _extra_specs(snapshot)
+    table = llava_mapping(export.arch)
+    # The model's tensors are those under the table's top-level prefixes (a trainer snapshot also
+    # holds its optimizer state); anything there the table does not know is refused by the check.
+    stored = stored_tensors(snapshot.path, tuple({name.split(".")[0] + "." for name in table}))
+    _check_coverage(export, list(stored), [spec.name for spec in extra])
+    _write_weights(_by_layer(stored), extra, export, out)
+    _write_configs(export, out)
 
 
 def convert(megatron_dir: str | Path, hf_dir: str | Path, tokenizer_dir: str | Path | None = None, tp: int | None = None,
             pp: int | None = None, force: bool = False, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
-    """The whole export, in this process (GPUs hidden); returns the HF directory."""
-    from megatron_ext.convert.cpu_ranks import hide_gpus
-    from megatron_ext.distributed import init_parallel, shutdown
-
-    hide_gpus()  # before anything asks CUDA for its devices
+    """The whole export, in this process; returns the HF directory."""
     export = plan_export(megatron_dir, tokenizer_dir, tp, pp, max_shard_size)
     out = check_output_dir(hf_dir, force, "--hf-dir")
     if out == export.snapshot.root or out in export.snapshot.root.parents:
         raise UserError(f"--hf-dir {out} would replace the input --megatron-dir {export.snapshot.root}; choose another directory")
     log.info("converting %s (saved TP%d x PP%d, %s) to HF in %s", export.snapshot.path, export.snapshot.tp,
              export.snapshot.pp, export.snapshot.dtype, out)
-    init_parallel(1, 1)
-    try:
-        with atomic_output_dir(out) as tmp:
-            export_in_world(export, tmp)
-    finally:
-        shutdown()
+    with atomic_output_dir(out) as tmp:
+        _export(export, tmp)
     return out

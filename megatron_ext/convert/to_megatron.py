@@ -2,9 +2,12 @@
 
 `convert` checks everything it can before writing (config, parallel layout, weights, tokenizer,
 output directory), then starts tp*pp CPU ranks. Each rank builds its own part of the model
-uninitialised, fills every tensor from the HF safetensors through the mapping table (one HF tensor
-read at a time, sliced for this TP rank), and the ranks save together with dist_checkpointing.
-The result appears at the output path only when complete (see checkpoint/layout.py for the layout).
+uninitialised, only for its layout (its memory is never touched), checks from the HF tensors'
+shapes that the mapping table fills every tensor, and the ranks save together with
+dist_checkpointing: each chunk is computed from the HF safetensors as the writer reaches it (one
+HF tensor read at a time), written and dropped, so a rank holds about one layer at a time
+(dist_write.py). The result appears at the output path only when complete (see
+checkpoint/layout.py for the layout).
 """
 
 from __future__ import annotations
@@ -18,11 +21,10 @@ import torch
 from megatron_ext.checkpoint import layout
 from megatron_ext.convert import coverage
 from megatron_ext.convert.hf_checkpoint import HfWeights, check_tokenizer_dir, copy_tokenizer_files, read_config
-from megatron_ext.convert.mapping import canonical_megatron_name, hf_only_names, llava_mapping
+from megatron_ext.convert.mapping import canonical_megatron_name, hf_only_names, llava_mapping, tensor_of_chunk
 from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 from megatron_ext.model.arch import LlavaArch
-from megatron_ext.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +57,19 @@ def plan_conversion(hf_dir: str | Path, tp: int, pp: int) -> Plan:
     return Plan(hf_dir=hf_dir, tp=tp, pp=pp, dtype=weights.dtype(), hf_config=hf_config)
 
 
-def _rank_slice(row, weights: HfWeights, tp_rank: int, tp: int, shape) -> tuple[torch.Tensor | None, str | None]:
-    """(this rank's slice of the row's Megatron tensor, None) or (None, why the HF tensors do not fit)."""
+def _misfit(row, weights: HfWeights, tp_rank: int, tp: int, shape) -> str | None:
+    """Why the row's HF tensors do not give this rank's Megatron tensor, or None (from shapes alone)."""
     try:
-        part = row.rule.shard(row.rule.hf_to_megatron([weights.read(hf) for hf in row.hf]), tp_rank, tp)
+        part = row.rule.shard(row.rule.hf_to_megatron([weights.meta(hf) for hf in row.hf]), tp_rank, tp)
     except (ValueError, RuntimeError) as exc:  # shapes the rule cannot reshape or split
-        return None, f"{'+'.join(row.hf)} ({exc})"
+        return f"{'+'.join(row.hf)} ({exc})"
     if part.shape != shape:
-        return None, f"{'+'.join(row.hf)} (gives {list(part.shape)} on TP rank {tp_rank}, {row.megatron} needs {list(shape)})"
-    return part, None
+        return f"{'+'.join(row.hf)} (gives {list(part.shape)} on TP rank {tp_rank}, {row.megatron} needs {list(shape)})"
+    return None
 
 
-def fill_model(model, arch: LlavaArch, weights: HfWeights) -> coverage.FillReport:
-    """Copy this rank's slice of every Megatron tensor from the HF tensors it is made of."""
+def check_model(model, arch: LlavaArch, weights: HfWeights) -> coverage.FillReport:
+    """Which of this rank's Megatron tensors the HF tensors fill, and why not the others (nothing is read)."""
     from megatron.core import parallel_state
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -77,26 +79,44 @@ def fill_model(model, arch: LlavaArch, weights: HfWeights) -> coverage.FillRepor
     available = set(weights.names)
     report = coverage.FillReport()
     params = {name: p for name, p in model.state_dict(keep_vars=True).items() if not name.endswith("_extra_state")}
-    bar = progress(total=sum(p.numel() * p.element_size() for p in params.values()), desc="filling tensors",
-                   unit="B", unit_scale=True)
     for name, param in params.items():
-        bar.update(param.numel() * param.element_size())
         row = table.get(canonical_megatron_name(name, layer_offset))
         if row is None:
             report.unmapped.append(canonical_megatron_name(name, layer_offset))
             continue
         lacking = [hf for hf in row.hf if hf not in available]
-        part, misfit = (None, None) if lacking else _rank_slice(row, weights, tp_rank, tp, param.shape)
-        if part is None:
+        misfit = None if lacking else _misfit(row, weights, tp_rank, tp, param.shape)
+        if lacking or misfit:
             report.missing_hf.extend(lacking)
             report.misfits.extend([misfit] if misfit else [])
             report.failed.append(row.megatron)
             continue
-        with torch.no_grad():
-            param.copy_(part)
         report.filled.append(row.megatron)
-    bar.close()
     return report
+
+
+class MegatronChunks:
+    """Chunks of the checkpoint's global Megatron tensors (the TP1 layout), computed from the HF
+    tensors. The last full tensor is kept: a rank's chunks of one tensor come one after another."""
+
+    def __init__(self, arch: LlavaArch, weights: HfWeights):
+        self.table = llava_mapping(arch)
+        self.weights = weights
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def __call__(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        name, where = tensor_of_chunk(key, offsets, sizes)
+        full = self._full(name)
+        part = full[where]
+        # A part of a larger tensor is copied out, so the writer never holds more than the chunk.
+        return (part if part.shape == full.shape else part.clone(memory_format=torch.contiguous_format)).reshape(sizes)
+
+    def _full(self, name: str) -> torch.Tensor:
+        if self._last is None or self._last[0] != name:
+            self._last = None  # dropped before the next is made, so only one is ever held
+            row = self.table[name]
+            self._last = name, row.rule.hf_to_megatron([self.weights.read(hf) for hf in row.hf])
+        return self._last[1]
 
 
 def _gather(report: coverage.FillReport) -> list[coverage.FillReport]:
@@ -126,19 +146,20 @@ def convert_in_world(plan: Plan, root: Path) -> list[str]:
     import torch.distributed as dist
 
     from megatron_ext.checkpoint.model_io import save_model_weights
+    from megatron_ext.convert.dist_write import ComputedSaveStrategy
     from megatron_ext.model.provider import ModelOptions, build_model
 
     arch = plan.arch
     weights = HfWeights(plan.hf_dir)
     model = build_model(arch, ModelOptions(init_weights=False, dtype=plan.dtype))
-    report = fill_model(model, arch, weights)
+    report = check_model(model, arch, weights)
     problems = coverage.hf_to_megatron_problems(llava_mapping(arch), _gather(report), weights.names,
                                                 hf_only_names(arch, weights.names))
     if problems:
         return problems
     if dist.get_rank() == 0:
-        log.info("every tensor filled from %s; saving", plan.hf_dir)
-    save_model_weights(model, root / layout.RELEASE)
+        log.info("every tensor is filled from %s; saving", plan.hf_dir)
+    save_model_weights(model, root / layout.RELEASE, sharded_strategy=ComputedSaveStrategy(MegatronChunks(arch, weights)))
     if dist.get_rank() == 0:
         _write_beside_snapshot(plan, arch, weights, root)
         log.info("saved the TP%d x PP%d checkpoint, its tokenizer and metadata", plan.tp, plan.pp)

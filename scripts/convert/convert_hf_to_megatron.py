@@ -25,6 +25,10 @@ from megatron_ext.progress import quiet_option
 def main(tp, pp, hf_dir, megatron_dir, force, sif_path):
     if sif_path:
         rerun_in_container(sif_path, binds=[hf_dir, megatron_dir])
+    from megatron_ext.convert.cpu_ranks import start_fork_server
+
+    # The workers' fork server imports torch and megatron-core while this process imports and checks.
+    start_fork_server("megatron_ext.convert.to_megatron")
     from megatron_ext.convert.to_megatron import convert
     from megatron_ext.logs import setup_logging
 
