@@ -143,8 +143,27 @@ def _write_configs(export: Export, out: Path) -> None:
     config.architectures = ["LlavaForConditionalGeneration"]
     config.save_pretrained(out)
     copy_tokenizer_files(export.tokenizer_dir, out)
+    _write_chat_template(export, out)
     if not (out / GENERATION_CONFIG_FILE).is_file():
         GenerationConfig.from_model_config(config).save_pretrained(out)
+
+
+def _write_chat_template(export: Export, out: Path) -> None:
+    """The processor's (and tokenizer's) chat template: the one the snapshot was trained with, else
+    the tokenizer's own, in the form that renders HF's structured messages as training did."""
+    from megatron_ext.data.chat_template import CHAT_TEMPLATE_FILE, processor_template, resolve_chat_template
+    from megatron_ext.hf import loading
+
+    trained = export.snapshot.trainer_options
+    tokenizer = loading.load_tokenizer(str(out), "--tokenizer-dir")
+    if not trained and not tokenizer.chat_template:
+        return
+    try:
+        _, template = resolve_chat_template(trained.get("chat_template"), trained.get("lang", "en"), tokenizer)
+    except UserError as exc:
+        log.warning("the exported processor keeps the tokenizer's chat template: the trained one is not found (%s)", exc)
+        return
+    (out / CHAT_TEMPLATE_FILE).write_text(processor_template(template))
 
 
 def _export(export: Export, out: Path) -> None:

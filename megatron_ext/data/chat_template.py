@@ -31,6 +31,37 @@ _PROBE = [
 ]
 
 
+# Where HF checkpoints keep the chat template of their tokenizer and processor (one file for both).
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# Put in front of a template written for a processor: HF's structured message content, which
+# lmms-eval, vLLM and `processor.apply_chat_template` send ({"type": "image"} and {"type": "text"}
+# parts), becomes the string training renders (each image as "<image>\n", then the text), and
+# the template that follows renders it. String contents pass through unchanged.
+_STRUCTURED_TO_TEXT = (
+    "{#- megatron_ext: structured content as training renders it -#}\n"
+    "{%- set _converted = namespace(messages=[]) -%}\n"
+    "{%- for _message in messages -%}\n"
+    "{%- if _message['content'] is string -%}\n"
+    "{%- set _converted.messages = _converted.messages + [_message] -%}\n"
+    "{%- else -%}\n"
+    "{%- set _text = namespace(value='') -%}\n"
+    "{%- for _part in _message['content'] -%}\n"
+    "{%- if _part['type'] == 'image' -%}{%- set _text.value = _text.value + '" + IMAGE_MARKER + "\\n' -%}\n"
+    "{%- elif _part['type'] == 'text' -%}{%- set _text.value = _text.value + _part['text'] -%}{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- set _converted.messages = _converted.messages + [{'role': _message['role'], 'content': _text.value}] -%}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- set messages = _converted.messages %}"
+)
+
+
+def processor_template(template: str) -> str:
+    """`template` for a checkpoint's processor (and tokenizer: they share chat_template.jinja): the
+    same text for string contents, and for HF's structured contents the text training renders."""
+    return template if template.startswith(_STRUCTURED_TO_TEXT) else _STRUCTURED_TO_TEXT + template
+
+
 def template_names() -> list[str]:
     return sorted(p.stem for p in TEMPLATE_DIR.glob("*.jinja"))
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.data.chat_template import processor_template
 from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 from megatron_ext.hf import loading
@@ -158,7 +159,8 @@ def build_llava(
         vision_feature_select_strategy=recipe.select_strategy,
         num_additional_image_tokens=recipe.extra_tokens,
         image_token=IMAGE_TOKEN,
-        chat_template=tokenizer.chat_template,
+        # Wrapped so that HF's structured messages render as training renders them (lmms-eval, vLLM).
+        chat_template=processor_template(tokenizer.chat_template) if tokenizer.chat_template else None,
     )
 
     with atomic_output_dir(save_dir) as tmp:

@@ -104,3 +104,23 @@ def test_untrainable_conversations_name_their_reason(turns, reason):
     with pytest.raises(BadConversation) as info:
         llava_messages(turns)
     assert info.value.reason == reason
+
+
+@pytest.mark.parametrize("name", [*EXPECTED_REPLY, "tokenizer"])
+def test_processor_template_renders_string_and_structured_messages_as_training(tokenizer, name):
+    from megatron_ext.data.chat_template import processor_template
+
+    template = resolve_chat_template(name, "en", tokenizer)[1]
+    wrapped = processor_template(template)
+    assert processor_template(wrapped) == wrapped
+    structured = [{"role": m["role"], "content": ([{"type": "image"}] if "<image>" in m["content"] else [])
+                   + [{"type": "text", "text": m["content"].replace("<image>\n", "")}]} for m in CONVERSATION]
+    for messages, prompt in ((CONVERSATION, False), (CONVERSATION[:-1], True)):
+        training = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=prompt)
+        for given in (messages, structured[:len(messages)]):
+            assert tokenizer.apply_chat_template(given, chat_template=wrapped, tokenize=False,
+                                                 add_generation_prompt=prompt) == training
+    image = tokenizer.convert_tokens_to_ids("<image>")
+    ids, mask = ChatTokenizer(tokenizer, wrapped, image).encode(CONVERSATION)
+    expected_ids, expected_mask = ChatTokenizer(tokenizer, template, image).encode(CONVERSATION)
+    assert (ids == expected_ids).all() and (mask == expected_mask).all()

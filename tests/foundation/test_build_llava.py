@@ -152,3 +152,38 @@ def test_cli_makes_tiny_models_then_llava(tmp_path):
                "--vision-model", tmp_path / "tiny" / "vision-siglip", "--vocab-size-padding", timeout=180)
     config = json.loads((tmp_path / "llava" / "config.json").read_text())
     assert config["text_config"]["vocab_size"] % 128 == 0
+
+
+def test_processor_renders_hf_structured_messages_as_the_trainer_does(tmp_path, tiny_hf):
+    """lmms-eval, vLLM and `processor.apply_chat_template` send {"type": "image"} parts. With a text
+    model whose template only prints string contents (as Llama-3's and Qwen2's do), the built
+    processor still renders them as the training encoder renders "<image>\\n question": same ids."""
+    import shutil
+
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from megatron_ext.convert.compare import synthetic_image
+    from megatron_ext.data.chat_template import resolve_chat_template
+    from megatron_ext.eval.prompts import PromptEncoder
+
+    text = tmp_path / "text"
+    shutil.copytree(tiny_hf["text"], text)
+    tokenizer = AutoTokenizer.from_pretrained(text)
+    string_only = resolve_chat_template("llama-3", "en", tokenizer)[1]
+    tokenizer.chat_template = string_only
+    tokenizer.save_pretrained(text)
+    processor = AutoProcessor.from_pretrained(build_llava(tmp_path / "llava", str(text), str(tiny_hf["vision-clip"])))
+    images = [synthetic_image(0), synthetic_image(1, (40, 90))]
+    structured = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare them."}]},
+                  {"role": "assistant", "content": [{"type": "text", "text": "The second is taller."}]},
+                  {"role": "user", "content": [{"type": "text", "text": "Why?"}]}]
+    as_trained = [{"role": "user", "content": "<image>\n<image>\nCompare them."},
+                  {"role": "assistant", "content": "The second is taller."}, {"role": "user", "content": "Why?"}]
+    hf_text = processor.apply_chat_template(structured, add_generation_prompt=True)
+    # The template writes the BOS itself, so the processor adds none (as apply_chat_template(tokenize=True) does).
+    hf_ids = processor(images=images, text=hf_text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    ours = PromptEncoder(processor, string_only).encode(as_trained, images).input_ids
+    assert torch.equal(hf_ids, ours) and int((ours == processor.tokenizer.convert_tokens_to_ids("<image>")).sum()) == 32
+    # The text model's template alone cannot render such messages (Llama-3's fails on a list content).
+    with pytest.raises(TypeError):
+        processor.tokenizer.apply_chat_template(structured, chat_template=string_only, tokenize=False)

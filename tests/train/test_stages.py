@@ -25,6 +25,21 @@ def _changed_prefixes(before: dict, after: dict) -> set[str]:
     return {name.split(".")[0] for name in changed}, changed
 
 
+def _assert_processor_renders_as_trained(hf_dir, template_name):
+    """The exported processor renders HF's structured messages (lmms-eval, vLLM) with the template
+    the run was trained with, as the trainer rendered the same conversation."""
+    from transformers import AutoProcessor
+
+    from megatron_ext.data.chat_template import resolve_chat_template
+
+    processor = AutoProcessor.from_pretrained(hf_dir)
+    trained = resolve_chat_template(template_name, "en", processor.tokenizer)[1]
+    structured = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    as_trained = [{"role": "user", "content": "<image>\nWhat is it?"}]
+    assert processor.apply_chat_template(structured, add_generation_prompt=True) == processor.tokenizer.apply_chat_template(
+        as_trained, chat_template=trained, tokenize=False, add_generation_prompt=True)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("stage,expected", [(1, {"multi_modal_projector"}), (2, {"multi_modal_projector", "language_model"})])
@@ -32,8 +47,10 @@ def test_stage_trains_exactly_its_modules(tmp_path, llava_clip, megatron_clip, t
     from megatron_ext.convert.to_hf import convert
 
     save = tmp_path / "run"
-    train(1, *trainer_args(megatron_clip, train_data, save, stage=stage, lr=1e-2, train_iters=3))
+    train(1, *trainer_args(megatron_clip, train_data, save, stage=stage, lr=1e-2, train_iters=3,
+                           chat_template="plain"))
     exported = convert(save, tmp_path / "hf")
+    _assert_processor_renders_as_trained(exported, "plain")
 
     prefixes, changed = _changed_prefixes(_hf_tensors(llava_clip), _hf_tensors(exported))
     assert prefixes == expected
