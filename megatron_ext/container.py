@@ -6,7 +6,6 @@ directories and pick the runtime the same way.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -93,10 +92,10 @@ def strip_option(argv: list[str], option: str) -> list[str]:
     return out
 
 
-def rerun_in_container(sif: str | Path, binds=()) -> None:
-    """Re-run this very script inside the image without `--sif-path`, and exit with its status."""
+def rerun_in_container(sif: str | Path, program: list[str], args: list[str], binds=()) -> None:
+    """Run `python PROGRAM ARGS` (a script path, or -m MODULE ...) inside the image, ARGS without
+    `--sif-path`, and exit with its status."""
     sif = check_sif(sif)
-    argv = strip_option(sys.argv[1:], "--sif-path")
-    command = container_command(sif, ["python", os.path.abspath(sys.argv[0]), *argv], binds)
+    command = container_command(sif, ["python", *program, *strip_option(args, "--sif-path")], binds)
     print("+ " + " ".join(command), file=sys.stderr, flush=True)
     sys.exit(subprocess.call(command))

@@ -5,7 +5,9 @@ dataset -> prepared energon shards -> run.py stage 1 then stage 2 (2 processes, 
 validation loss and scored answers) -> convert_megatron_to_hf.py -> generate.py answers a question
 about an image with the HF model -> evaluate.py scores the Megatron checkpoint on the val split.
 
-Each step runs the real script in a subprocess and is printed as a copyable shell command.
+Each step runs the real command in a subprocess (`python -m megatron_ext.commands.<group> <command>`,
+what the megatron-ext-* console scripts and the files under scripts/ run), so the demo works from an
+installed package as from a checkout, and is printed as a copyable shell command.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext.errors import UserError
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,12 @@ class DemoSettings:
     max_new_tokens: int = 16
 
 
-def _run(title: str, script: str, *args, log: Path) -> None:
-    command = [sys.executable, str(SCRIPTS / script), *map(str, args)]
-    print(f"\n==> {title}\n$ {shlex.join(['python', f'scripts/{script}', *map(str, args)])}", flush=True)
+def _run(title: str, command_name: str, *args, log: Path) -> None:
+    """`command_name`: "<module of megatron_ext.commands> [<command>]", e.g. "convert hf-to-megatron"."""
+    module, *command = command_name.split()
+    shown = ["-m", f"megatron_ext.commands.{module}", *command, *map(str, args)]
+    command = [sys.executable, *shown]
+    print(f"\n==> {title}\n$ {shlex.join(['python', *shown])}", flush=True)
     start = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with log.open("a") as out:
@@ -81,32 +84,32 @@ def run_demo(out: Path, settings: DemoSettings = DemoSettings()) -> dict[str, Pa
     train_common = ["-g", s.processes, "--tp", s.tp, "--pp", 1, "--data-path", p[4], "--save",
                     "--micro-batch-size", s.micro_batch_size, "--global-batch-size", s.global_batch_size,
                     "--num-workers", 0, "--log-interval", 10]
-    _run("1/10 tiny random HF models (Llama text with GQA, CLIP and SigLIP towers)", "demo/make_tiny_hf_models.py",
+    _run("1/10 tiny random HF models (Llama text with GQA, CLIP and SigLIP towers)", "demo tiny-models",
          "--save-dir", p[0], "--force", log=log)
-    _run("2/10 assemble an HF LLaVA checkpoint", "convert/build_llava_jp.py", "--save-dir", p[1],
+    _run("2/10 assemble an HF LLaVA checkpoint", "convert build-llava", "--save-dir", p[1],
          "--text-model", p[0] / "text", "--vision-model", p[0] / "vision-clip", "--force", log=log)
-    _run("3/10 convert it to a Megatron checkpoint for TP2", "convert/convert_hf_to_megatron.py", "--tp", s.tp,
+    _run("3/10 convert it to a Megatron checkpoint for TP2", "convert hf-to-megatron", "--tp", s.tp,
          "--pp", 1, "--hf-dir", p[1], "--megatron-dir", p[2], "--force", log=log)
-    _run("4/10 a synthetic image dataset (LLaVA JSON)", "data/make_synthetic_dataset.py", "--output-dir", p[3],
+    _run("4/10 a synthetic image dataset (LLaVA JSON)", "data synthetic", "--output-dir", p[3],
          "--num-samples", s.samples, "--force", log=log)
-    _run("5/10 energon shards, prepared", "data/build_energon_dataset.py", p[3] / "llava.json", "--output-dir", p[4],
+    _run("5/10 energon shards, prepared", "data build", p[3] / "llava.json", "--output-dir", p[4],
          "--samples-per-shard", 16, "--num-workers", 0, "--force", log=log)
-    _run("6/10 stage 1: train the projector", "train/run.py", *train_common, "--stage", 1,
+    _run("6/10 stage 1: train the projector", "train", *train_common, "--stage", 1,
          "--megatron-load-dir", p[2], "--save-dir", p[5], "--",
          "--train-iters", s.stage1_iters, "--lr", 1e-3, "--seq-length", s.seq_length, log=log)
-    _run("7/10 stage 2: train the projector and the language model", "train/run.py", *train_common, "--stage", 2,
+    _run("7/10 stage 2: train the projector and the language model", "train", *train_common, "--stage", 2,
          "--megatron-load-dir", p[5], "--save-dir", p[6], "--",
          "--train-iters", s.stage2_iters, "--lr", 1e-3, "--seq-length", s.seq_length,
          "--eval-interval", s.stage2_iters, "--eval-generate-samples", s.eval_samples,
          "--eval-max-new-tokens", s.max_new_tokens, log=log)
-    _run("8/10 convert the trained checkpoint back to HF", "convert/convert_megatron_to_hf.py", "--tp", s.tp,
+    _run("8/10 convert the trained checkpoint back to HF", "convert megatron-to-hf", "--tp", s.tp,
          "--pp", 1, "--megatron-dir", p[6], "--hf-dir", p[7], "--tokenizer-dir", p[1], "--force", log=log)
     image, question, _ = first_sample(p[3])
-    _run("9/10 answer a question about an image with the trained HF model", "eval/generate.py", "--hf-dir", p[7],
+    _run("9/10 answer a question about an image with the trained HF model", "eval generate", "--hf-dir", p[7],
          "--image", image, "--prompt", question, "--max-new-tokens", s.max_new_tokens, "--output-jsonl", p[8],
          log=log)
     _run("10/10 evaluate the trained Megatron checkpoint on the val split (TP2 snapshot, one process)",
-         "eval/evaluate.py", "--megatron-dir", p[6], "--data-path", p[4], "--output-dir", p[9], "--force",
+         "eval evaluate", "--megatron-dir", p[6], "--data-path", p[4], "--output-dir", p[9], "--force",
          "--fast-n", s.eval_samples, "--max-new-tokens", s.max_new_tokens, log=log)
     paths["demo log"] = log
     return paths

@@ -1,5 +1,6 @@
 """An installed copy (pip install ., not editable, as the Singularity recipe installs it) works
-without the checkout: its chat templates are package data, and the trainer starts as a module."""
+without the checkout: its chat templates are package data, the trainer starts as a module, and the
+console scripts run from any directory."""
 
 from __future__ import annotations
 
@@ -34,3 +35,14 @@ def test_an_installed_copy_runs_without_the_checkout(tmp_path):
     trainer = run([sys.executable, "-m", "megatron_ext.train.pretrain_llava", "--help"], cwd=elsewhere, env=env,
                   timeout=120)
     assert "--megatron-load-dir" in trainer.stdout and "--image-aspect" in trainer.stdout
+    # The console scripts pip wrote: a dataset made and built from a directory outside the checkout.
+    for name in ("train", "convert", "data", "generate", "chat", "evaluate", "demo"):
+        assert (site / "bin" / f"megatron-ext-{name}").is_file(), name
+    data = site / "bin" / "megatron-ext-data"
+    run([sys.executable, data, "synthetic", "--output-dir", "src", "--num-samples", "8"], cwd=elsewhere, env=env,
+        timeout=120)
+    built = run([sys.executable, data, "build", "src/llava.json", "--output-dir", "energon", "--split-ratio", "1,1,0",
+                 "--samples-per-shard", "4", "--num-workers", "0"], cwd=elsewhere, env=env, timeout=180)
+    assert "wrote 8 samples in 2 shards" in built.stdout
+    assert "Usage: megatron-ext-train" in run([sys.executable, site / "bin" / "megatron-ext-train", "--help"],
+                                              cwd=elsewhere, env=env, timeout=120).stdout

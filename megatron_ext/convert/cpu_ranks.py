@@ -19,13 +19,19 @@ from typing import Any, Callable
 
 from megatron_ext.errors import UserError
 
+# megatron-core warns at import that Transformer Engine / Apex are missing (a dozen lines); the fork
+# server imports it before any logging setup (megatron_ext.logs says it once, where it matters).
+_QUIET_FALLBACKS = "ignore:Transformer Engine and Apex are not installed,ignore:Apex is not installed"
+
 
 @contextlib.contextmanager
-def cpu_only_env():
-    """Hide GPUs (and default to one thread per process) for processes started inside the block."""
-    saved = {key: os.environ.get(key) for key in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}
+def cpu_only_env(**extra: str):
+    """Hide GPUs (and default to one thread per process) for processes started inside the block;
+    `extra` environment variables are set for them too."""
+    saved = {key: os.environ.get(key) for key in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", *extra)}
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(extra)
     try:
         yield
     finally:
@@ -48,7 +54,7 @@ def start_fork_server(entry_module: str) -> None:
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload(_PRELOAD + [entry_module])
-    with cpu_only_env():
+    with cpu_only_env(PYTHONWARNINGS=_QUIET_FALLBACKS):
         forkserver.ensure_running()
 
 

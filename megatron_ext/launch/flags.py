@@ -187,4 +187,4 @@ def invoke(command: click.Command, argv: list[str]) -> None:
     The command receives the trainer arguments after `--` as `ctx.obj`; its return value is the exit status.
     """
     argv, passthrough = split_argv(argv)
-    run_command(command, argv, obj=passthrough, prog_name="run.py")
+    run_command(command, argv, obj=passthrough)

@@ -10,20 +10,8 @@ Flags, defaults and examples: docs/launcher.md.
 
 import sys
 
-import click
-
-from megatron_ext.launch.flags import invoke, launcher_options
-
-
-@click.command(context_settings={"max_content_width": 110, "help_option_names": ["-h", "--help"]})
-@launcher_options
-@click.pass_obj
-def main(passthrough, **values):
-    """Launch scripts/train/pretrain_llava.py under torchrun. Trainer options without a flag here go after `--`."""
-    from megatron_ext.launch.launcher import main as launch
-
-    return launch(values, passthrough)
-
+from megatron_ext.commands.train import launch
+from megatron_ext.launch.flags import invoke
 
 if __name__ == "__main__":
-    invoke(main, sys.argv[1:])
+    invoke(launch, sys.argv[1:])

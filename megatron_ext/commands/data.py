@@ -1,0 +1,70 @@
+"""megatron-ext-data: prepared energon datasets from LLaVA JSON / JSONL, and a synthetic one to try.
+
+    megatron-ext-data build INPUT --output-dir OUT [--image-root DIR] [--split-ratio 9,1,0]
+    megatron-ext-data synthetic --output-dir D [--num-samples N] [--lang en|ja]
+
+(scripts/data/build_energon_dataset.py and make_synthetic_dataset.py run the same commands.)
+"""
+
+import click
+
+from megatron_ext.data.synthetic import SyntheticSpec
+from megatron_ext.errors import run_command
+from megatron_ext.progress import quiet_option
+
+
+@click.command("build")
+@quiet_option
+@click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=False))
+@click.option("--output-dir", required=True, type=click.Path(file_okay=False), help="Directory for the prepared dataset.")
+@click.option("--image-root", type=click.Path(file_okay=False), help="Folder the records' image paths are relative to (default: INPUT's folder).")
+@click.option("--split-ratio", default="9,1,0", show_default=True, help="train,val,test shares (energon splits by shard).")
+@click.option("--samples-per-shard", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--num-workers", type=click.IntRange(min=0), default=4, show_default=True, help="Processes that check and encode images.")
+@click.option("--strict", is_flag=True, help="Fail on the first bad sample instead of skipping it.")
+@click.option("--force", is_flag=True, help="Replace a non-empty --output-dir.")
+def build(input_path, output_dir, image_root, split_ratio, samples_per_shard, num_workers, strict, force):
+    """Build a prepared energon dataset from LLaVA conversation JSON or question/answer JSONL (text-only,
+    one-image and multi-image conversations); bad samples are skipped and listed in OUT/build_report.json."""
+    from megatron_ext.data.build import REPORT_FILE, build_energon_dataset
+    from megatron_ext.logs import setup_logging
+
+    setup_logging()
+    report = build_energon_dataset(input_path, output_dir, image_root, split_ratio, samples_per_shard,
+                                   num_workers, strict, force)
+    click.echo(report.summary())
+    click.echo(f"report: {report.output_dir}/{REPORT_FILE}")
+
+
+@click.command("synthetic")
+@click.option("--output-dir", required=True, type=click.Path(file_okay=False), help="Where to write llava.json and images/.")
+@click.option("--num-samples", type=click.IntRange(min=1), default=SyntheticSpec.num_samples, show_default=True)
+@click.option("--multi-turn-fraction", type=click.FloatRange(0, 1), default=SyntheticSpec.multi_turn_fraction, show_default=True,
+              help="Fraction of samples with three question/answer turns.")
+@click.option("--min-size", type=click.IntRange(min=8), default=SyntheticSpec.min_size, show_default=True, help="Smallest image side.")
+@click.option("--max-size", type=click.IntRange(min=8), default=SyntheticSpec.max_size, show_default=True, help="Largest image side.")
+@click.option("--lang", type=click.Choice(["en", "ja"]), default="en", show_default=True, help="Language of questions and answers.")
+@click.option("--image-format", type=click.Choice(["jpg", "png"]), default="jpg", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--force", is_flag=True, help="Replace a non-empty --output-dir.")
+def synthetic(output_dir, num_samples, multi_turn_fraction, min_size, max_size, lang, image_format, seed, force):
+    """Write a synthetic LLaVA conversation dataset (coloured shapes + questions) for demos and tests."""
+    from megatron_ext.data.synthetic import make_synthetic_dataset
+    from megatron_ext.fsutil import check_output_dir
+
+    check_output_dir(output_dir, force, "--output-dir")
+    spec = SyntheticSpec(num_samples=num_samples, multi_turn_fraction=multi_turn_fraction, min_size=min(min_size, max_size),
+                         max_size=max(min_size, max_size), lang=lang, image_format=image_format, seed=seed)
+    path = make_synthetic_dataset(output_dir, spec)
+    click.echo(f"wrote {num_samples} samples to {path}")
+
+
+group = click.Group("megatron-ext-data", help=__doc__.split("\n")[0], commands=[build, synthetic])
+
+
+def main() -> None:
+    run_command(group)
+
+
+if __name__ == "__main__":
+    main()

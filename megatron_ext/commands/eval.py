@@ -1,0 +1,114 @@
+"""megatron-ext-generate, megatron-ext-chat, megatron-ext-evaluate: a Megatron (any TP x PP, under
+torchrun) or Hugging Face LLaVA checkpoint answers prompts, chats, or is scored on a dataset split.
+
+    megatron-ext-generate --megatron-dir D --image cat.jpg --prompt "What is this?"
+    megatron-ext-generate --hf-dir D --input-jsonl requests.jsonl --output-jsonl answers.jsonl
+    megatron-ext-chat --megatron-dir D --image cat.jpg
+    megatron-ext-evaluate --megatron-dir D --data-path DATA --output-dir OUT [--split test] [--fast-n 50]
+    torchrun --nproc-per-node 2 -m megatron_ext.commands.eval generate --megatron-dir D --tp 2 ...
+
+(scripts/eval/generate.py, chat.py and evaluate.py run the same commands.)
+"""
+
+import click
+
+from megatron_ext.errors import run_command
+from megatron_ext.eval.cli_options import checkpoint_options, make_sampling, sampling_options
+from megatron_ext.progress import quiet_option
+
+
+@click.command("generate")
+@quiet_option
+@checkpoint_options
+@click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False),
+              help="Image the prompt is about; repeat for several (placed by <image> in the prompt, else before it).")
+@click.option("--prompt", help="The question or instruction.")
+@click.option("--input-jsonl", type=click.Path(dir_okay=False), help="Batch mode: one {\"image\", \"prompt\"} per line.")
+@click.option("--output-jsonl", type=click.Path(dir_okay=False), help="Write the answers here (default: stdout).")
+@sampling_options(default_max_new_tokens=128)
+def generate(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, images, prompt, input_jsonl, output_jsonl,
+             max_new_tokens, temperature, top_p, seed):
+    """Answer prompts about images: greedy by default (--temperature 0), up to the end-of-turn token or
+    --max-new-tokens; one prompt is streamed to the terminal, --input-jsonl lines are {"image", "prompt", "id"}."""
+    from megatron_ext.distributed import shutdown
+    from megatron_ext.eval.batch import generate_answers
+    from megatron_ext.eval.checkpoints import open_checkpoint
+    from megatron_ext.logs import setup_logging
+
+    setup_logging()
+    options = make_sampling(max_new_tokens, temperature, top_p, seed)
+    source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype, image_aspect)
+    try:
+        generate_answers(source, options, tp=tp, pp=pp, images=images, prompt=prompt, input_jsonl=input_jsonl,
+                         output_jsonl=output_jsonl)
+    finally:
+        shutdown()
+
+
+@click.command("chat")
+@checkpoint_options
+@click.option("--image", type=click.Path(dir_okay=False), help="Image to talk about (or /image PATH later).")
+@sampling_options(default_max_new_tokens=256)
+def chat(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, image, max_new_tokens, temperature, top_p, seed):
+    """Chat about an image in the terminal: /image PATH switches to another image (new conversation),
+    /reset forgets the conversation, /exit quits."""
+    from megatron_ext.distributed import shutdown
+    from megatron_ext.eval.chat import run_chat
+    from megatron_ext.eval.checkpoints import open_checkpoint
+    from megatron_ext.logs import setup_logging
+
+    setup_logging()
+    options = make_sampling(max_new_tokens, temperature, top_p, seed)
+    source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype, image_aspect)
+    try:
+        run_chat(source, options, tp=tp, pp=pp, image=image)
+    finally:
+        shutdown()
+
+
+@click.command("evaluate")
+@quiet_option
+@checkpoint_options
+@click.option("--data-path", required=True, type=click.Path(), help="Prepared energon dataset (or metadataset YAML).")
+@click.option("--split", type=click.Choice(["val", "test"]), default="val", show_default=True, help="Split to evaluate on.")
+@click.option("--fast-n", type=int, help="Only the first K samples of the split (a quick check).")
+@click.option("--output-dir", required=True, type=click.Path(file_okay=False), help="Where predictions.jsonl and metrics.json go.")
+@click.option("--force", is_flag=True, help="Replace a non-empty --output-dir.")
+@click.option("--seq-length", type=int, help="Truncate samples for the loss as the trainer does (default: the trained --seq-length, else the model's context).")
+@sampling_options(default_max_new_tokens=64)
+def evaluate(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, data_path, split, fast_n, output_dir, force,
+             seq_length, max_new_tokens, temperature, top_p, seed):
+    """Score a checkpoint on a prepared dataset's val or test split: OUT/predictions.jsonl, OUT/metrics.json
+    (loss and perplexity for Megatron checkpoints; exact match, BLEU, ROUGE-L, CIDEr) and a table."""
+    from megatron_ext.distributed import shutdown
+    from megatron_ext.eval.checkpoints import open_checkpoint
+    from megatron_ext.eval.evaluation import run_evaluation
+    from megatron_ext.logs import setup_logging
+
+    setup_logging()
+    options = make_sampling(max_new_tokens, temperature, top_p, seed)
+    source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype, image_aspect)
+    try:
+        run_evaluation(source, options, data_path=data_path, split=split, fast_n=fast_n, output_dir=output_dir,
+                       force=force, tp=tp, pp=pp, seq_length=seq_length)
+    finally:
+        shutdown()
+
+
+group = click.Group("megatron-ext-eval", help=__doc__.split("\n")[0], commands=[generate, chat, evaluate])
+
+
+def generate_main() -> None:
+    run_command(generate)
+
+
+def chat_main() -> None:
+    run_command(chat)
+
+
+def evaluate_main() -> None:
+    run_command(evaluate)
+
+
+if __name__ == "__main__":
+    run_command(group)
