@@ -1,7 +1,7 @@
 """The one place that lets megatron-core run on a machine without CUDA.
 
 megatron-core 0.16 assumes a GPU throughout. On a CPU-only torch each patch below works around
-one measured failure (see ../shared/notes/megatron-core-on-cpu.md). `apply()` is a no-op when
+one measured failure, listed with it. `apply()` is a no-op when
 CUDA is available, so GPU runs never touch any of this.
 
 Patches, each with the failure it fixes:

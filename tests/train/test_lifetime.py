@@ -36,7 +36,7 @@ def test_run_py_killed_alone_takes_its_ranks_along(tmp_path, megatron_clip, trai
             assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
             time.sleep(0.2)
         family = psutil.Process(first.pid).children(recursive=True)  # torchrun and its two ranks
-        assert sum("pretrain_llava.py" in " ".join(p.cmdline()) for p in family) >= 3
+        assert sum("megatron_ext.train.pretrain_llava" in p.cmdline() for p in family) >= 3
 
         second = run(endless, timeout=120, check=False)
         assert second.returncode == 2 and len(second.stderr.splitlines()) == 1, second.stderr
