@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 
 class UserError(Exception):
     """Bad input from the user. Printed as a single line by `run_command`, never as a traceback."""
 
 
+# How long the other ranks wait before exiting on an error: torchrun stops every rank as soon as
+# one has exited, and rank 0, a moment slower on a busy machine, would then never say why.
+OTHER_RANKS_EXIT_DELAY_S = 5.0
+
+
 def report(message: str) -> None:
     """`error: <message>` on stderr, once per run: under torchrun only rank 0 prints it."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(OTHER_RANKS_EXIT_DELAY_S)
 
 
 def run_command(command, args: list[str] | None = None, *, obj=None, prog_name: str | None = None):

@@ -43,7 +43,7 @@ def test_run_py_killed_alone_takes_its_ranks_along(tmp_path, megatron_clip, trai
         assert second.stderr.startswith(f"error: --save-dir {save} is in use by a run on ")
 
         os.kill(first.pid, signal.SIGKILL)  # run.py alone: nothing is forwarded
-        gone, alive = psutil.wait_procs(family, timeout=10)
+        gone, alive = psutil.wait_procs(family, timeout=20)
         assert not alive, [p.cmdline() for p in alive]
 
     saved = layout.latest_complete_snapshot(save).iteration
