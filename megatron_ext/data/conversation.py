@@ -55,6 +55,18 @@ def check_answers(messages: list[dict]) -> None:
         raise BadConversation(EMPTY_ANSWER)
 
 
+def image_files(record: dict) -> list[str]:
+    """A record's `"image"`: absent (no image), one file name, or a list of them (LLaVA-Interleave)."""
+    image = record.get("image")
+    if image in (None, "", []):
+        return []
+    if isinstance(image, str):
+        return [image]
+    if isinstance(image, list) and all(isinstance(name, str) and name for name in image):
+        return image
+    raise BadConversation(MALFORMED, "'image' must be a file name or a list of file names")
+
+
 def count_image_markers(messages: list[dict]) -> int:
     return sum(m["content"].count(IMAGE_MARKER) for m in messages if m["role"] != "assistant")
 

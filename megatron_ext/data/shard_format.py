@@ -29,7 +29,9 @@ from megatron_ext.data.conversation import MALFORMED, BadConversation, place_ima
 KEPT_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png"}
 # Modes a PNG holds; anything else (CMYK, YCbCr, ...) is converted to RGB before it is written.
 _PNG_MODES = {"1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"}
-_IMAGE_PART = re.compile(r"^(?:(\d+)\.)?(jpg|jpeg|png)$")
+# Image parts: the extensions readers decode as images, with an optional "N." (Nth image) in front.
+_IMAGE_EXTENSIONS = ("jpg", "jpeg", "png")
+_IMAGE_PART = re.compile(rf"^(?:(\d+)\.)?({'|'.join(_IMAGE_EXTENSIONS)})$")
 
 
 class ImageFileError(Exception):
@@ -75,7 +77,7 @@ def _image_in_its_own_mode(key: str, data: bytes):
     """webdataset handler: an image part as PIL in the file's own mode (None for other parts)."""
     from PIL import Image
 
-    if key.rsplit(".", 1)[-1].lower() not in ("jpg", "jpeg", "png"):
+    if key.rsplit(".", 1)[-1].lower() not in _IMAGE_EXTENSIONS:
         return None
     image = Image.open(io.BytesIO(data))
     image.load()

@@ -16,7 +16,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext.data.conversation import MALFORMED, BadConversation, llava_messages, place_images, qa_messages
+from megatron_ext.data.conversation import (
+    MALFORMED,
+    BadConversation,
+    image_files,
+    llava_messages,
+    place_images,
+    qa_messages,
+)
 from megatron_ext.data.shard_format import ImageFileError, image_file_part, image_part_names
 from megatron_ext.errors import UserError
 
@@ -83,17 +90,6 @@ def _messages(kind: str, record: dict) -> tuple[list[dict], list | None]:
     return messages, turns if multi else None
 
 
-def _image_files(record: dict) -> list[str]:
-    image = record.get("image")
-    if image in (None, "", []):
-        return []
-    if isinstance(image, str):
-        return [image]
-    if isinstance(image, list) and all(isinstance(name, str) and name for name in image):
-        return image
-    raise BadConversation(MALFORMED, "'image' must be a file name or a list of file names")
-
-
 def shard_sample(kind: str, image_root: Path, item: tuple[int, object]) -> ShardSample | Skip:
     """The webdataset sample for record `item` = (index, record), or a Skip."""
     index, record = item
@@ -103,7 +99,7 @@ def shard_sample(kind: str, image_root: Path, item: tuple[int, object]) -> Shard
     sample_id = str(record.get("id", index))
     try:
         messages, turns = _messages(kind, record)
-        files = _image_files(record)
+        files = image_files(record)
         place_images(messages, len(files))
         images = [image_file_part(image_root / name) for name in files]
     except BadConversation as exc:

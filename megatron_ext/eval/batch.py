@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ext.data.conversation import BadConversation, image_files
 from megatron_ext.errors import UserError
 from megatron_ext.eval.checkpoints import ModelSource
 from megatron_ext.eval.generation import Generation, Generator
@@ -51,10 +52,10 @@ def read_requests(path: str | Path, source: ModelSource, options: SamplingOption
             raise UserError(f"{where} is not JSON ({exc})") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise UserError(f"{where} needs a \"prompt\" string (and optionally \"image\" and \"id\")")
-        files = record.get("image") or []
-        files = [files] if isinstance(files, str) else files
-        if not isinstance(files, list) or not all(isinstance(f, str) and f for f in files):
-            raise UserError(f"{where}: \"image\" must be a file name or a list of file names")
+        try:
+            files = image_files(record)
+        except BadConversation as exc:
+            raise UserError(f"{where}: {exc.detail}") from None
         images = [load_image(path.parent / f, f"{where}: image") for f in files]
         try:
             encoded = encode_request(source, record["prompt"], images, options)
