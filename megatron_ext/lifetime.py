@@ -5,7 +5,8 @@ re-run of the same command then shares.
 torchrun starts each rank in a session of its own, so no process-group signal reaches the ranks,
 and SIGKILL cannot be forwarded at all. Two guards:
 - `die_with_parent()`: the kernel sends this process SIGKILL when its parent exits (Linux
-  PR_SET_PDEATHSIG): torchrun started by run.py, each rank started by torchrun.
+  PR_SET_PDEATHSIG): torchrun started by run.py, each rank started by torchrun, and every process a
+  rank forks later (megatron-core's checkpoint writers).
 - `watch_launcher()`: each rank also watches run.py itself (LAUNCHER_ENV, set by run.py) and ends
   when it is gone. That covers what a parent-death signal cannot: inside Singularity the image's
   starter process sits between run.py and torchrun.
@@ -26,13 +27,23 @@ LAUNCHER_ENV = "MEGATRON_EXT_LAUNCHER"  # "pid:start time" of the run.py that st
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """SIGKILL this process when its parent exits (Linux; elsewhere nothing)."""
-    if not sys.platform.startswith("linux"):
-        return
+def _arm_parent_death_signal() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() == 1:  # the parent was already gone before the signal was armed
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent exits, and each process it forks when that one's parent
+    exits (Linux; elsewhere nothing).
+
+    Forks need their own: the kernel clears the signal in a forked child. megatron-core forks its
+    checkpoint writers; one whose rank was killed mid-save lives on, and blocks for good once its
+    results fill the pipe to the rank nobody reads any more."""
+    if not sys.platform.startswith("linux"):
+        return
+    _arm_parent_death_signal()
+    os.register_at_fork(after_in_child=_arm_parent_death_signal)
 
 
 def launcher_marker() -> dict[str, str]:

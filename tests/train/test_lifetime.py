@@ -1,5 +1,5 @@
-"""A run and its save directory: run.py killed alone (kill -9, an OOM kill) takes torchrun and every
-rank with it, a second run on a live run's --save-dir is refused, and once the first is gone the
+"""A run and its save directory: run.py killed alone (kill -9, an OOM kill) takes torchrun, every
+rank and every process a rank started with it, a second run on a live run's --save-dir is refused, and once the first is gone the
 next run takes over the directory and resumes."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 
+from megatron_ext import lifetime
 from megatron_ext.checkpoint import layout
 from tests.helpers import REPO_ROOT, run, started
 from tests.train.conftest import metrics
@@ -23,6 +24,35 @@ def _run_py(checkpoint, data, save, iters: int) -> list[str]:
             "--data-path", str(data), "--save", "--save-dir", str(save), "--save-interval", "2", "--micro-batch-size",
             "2", "--global-batch-size", "4", "--num-workers", "0", "--stage", "2",
             "--", "--train-iters", str(iters), "--seq-length", "128", "--lr", "1e-3"]
+
+
+def _started_by(launcher_pid: int) -> list[psutil.Process]:
+    """Live processes whose environment names `launcher_pid` as their run.py (forks and their helpers
+    included: they are reparented once a rank dies, so a tree walk from run.py misses them)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if (proc.status() != psutil.STATUS_ZOMBIE
+                    and proc.environ().get(lifetime.LAUNCHER_ENV, "").startswith(f"{launcher_pid}:")):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_process_forked_by_a_guarded_one_dies_with_it():
+    middle = (f"import os, sys, time; sys.path.insert(0, {str(REPO_ROOT)!r}); from megatron_ext import lifetime\n"
+              "lifetime.die_with_parent()\n"
+              "pid = os.fork()\n"
+              "if pid == 0: time.sleep(60); os._exit(0)\n"
+              "print(pid, flush=True); time.sleep(60)\n")
+    with started([sys.executable, "-c", middle], stdout=subprocess.PIPE, text=True) as proc:
+        forked = psutil.Process(int(proc.stdout.readline()))
+        os.kill(proc.pid, signal.SIGKILL)
+        gone, alive = psutil.wait_procs([forked], timeout=10)
+        assert not alive
 
 
 @pytest.mark.multiprocess
@@ -45,6 +75,10 @@ def test_run_py_killed_alone_takes_its_ranks_along(tmp_path, megatron_clip, trai
         os.kill(first.pid, signal.SIGKILL)  # run.py alone: nothing is forwarded
         gone, alive = psutil.wait_procs(family, timeout=20)
         assert not alive, [p.cmdline() for p in alive]
+        deadline = time.monotonic() + 20
+        while (left := _started_by(first.pid)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, [p.cmdline() for p in left]
 
     saved = layout.latest_complete_snapshot(save).iteration
     resumed = run(_run_py(megatron_clip, train_data, save, saved + 2), timeout=300)
