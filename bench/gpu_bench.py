@@ -116,7 +116,6 @@ def synthetic_micro_batches(plan, preset: Preset, packing: bool, rng: np.random.
     from megatron.energon import Sample
 
     from megatron_ext.data.batching import BatchLayout
-    from megatron_ext.train.data import as_dict
 
     arch = plan.arch
     size = arch.vision.image_size
@@ -134,7 +133,7 @@ def synthetic_micro_batches(plan, preset: Preset, packing: bool, rng: np.random.
         images = [torch.randn(3, size, size)]
         samples.append(layout.sample(Sample(__key__=str(i), __restore_key__=()), ids, labels, answer, images, False))
     groups = [layout.pack(pack) for pack in layout.packs(samples)] if packing else samples
-    return [as_dict(layout.batch([group])) for group in groups]
+    return [layout.batch([group]).as_dict() for group in groups]
 
 
 def _synchronize():
@@ -155,10 +154,11 @@ def _peak_memory_gib() -> float:
 def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: int, peak_tflops: float) -> dict:
 
     from megatron_ext.distributed import device, init_parallel, shutdown
+    from megatron_ext.model.forward_step import make_forward_step
     from megatron_ext.model.inputs import ModelInputs
     from megatron_ext.train.flops import iteration_flops
     from megatron_ext.train.model_setup import build_training_model
-    from megatron_ext.train.step import make_forward_step, train_step
+    from megatron_ext.train.step import train_step
     from megatron_ext.train.trainer import BATCH_STATS, batch_stats
 
     preset = PRESETS[preset_name]

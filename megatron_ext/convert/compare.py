@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.model.sequence_alignment import combined_length
+
 DEFAULT_PROMPT = "Describe this image."
 
 
@@ -61,7 +63,7 @@ def megatron_logits(model, images: torch.Tensor, input_ids: torch.Tensor, img_se
     image_token_index = model.image_token_index
     ids = collapse_image_tokens(input_ids, image_token_index)
     num_images = int((ids[0] == image_token_index).sum())
-    seq_length = ids.shape[1] + num_images * (img_seq_len - 1)
+    seq_length = combined_length(ids.shape[1], num_images, img_seq_len)
     max_length = model.language_model.max_sequence_length
     if seq_length > max_length:
         raise ValueError(f"{seq_length} tokens (images expanded) exceed the model's seq_length {max_length}")

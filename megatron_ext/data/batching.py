@@ -32,7 +32,7 @@ import torch
 from megatron.energon import Batch, Sample, edataclass
 
 from megatron_ext.data.packing import knapsack_bins
-from megatron_ext.model.sequence_alignment import SequenceAlignment, round_up
+from megatron_ext.model.sequence_alignment import SequenceAlignment, combined_length, round_up
 
 
 @edataclass
@@ -58,6 +58,16 @@ class LlavaBatch(Batch):
     num_samples: int
     num_truncated: int
     num_skipped: int
+
+    def as_dict(self) -> dict:
+        """The plain dict the forward step (`model.inputs`) reads, plus the batch's sample keys."""
+        out = {name: getattr(self, name) for name in _BATCH_FIELDS}
+        out["keys"] = list(self.__key__)
+        return out
+
+
+_BATCH_FIELDS = ("images", "input_ids", "labels", "loss_mask", "segment_ids", "num_samples", "num_truncated",
+                 "num_skipped")
 
 
 @dataclass(frozen=True)
@@ -86,7 +96,7 @@ class BatchLayout:
     def sample(self, base: Sample, ids: np.ndarray, labels: np.ndarray, loss_mask: np.ndarray, images: list,
                truncated: bool) -> EncodedSample:
         """One conversation (already fitted), padded to the per-sample alignment."""
-        combined = len(ids) + len(images) * (self.img_seq_len - 1)
+        combined = combined_length(len(ids), len(images), self.img_seq_len)
         pad = round_up(combined, self.alignment.per_sample) - combined
         return EncodedSample.derive_from(
             base,
@@ -100,7 +110,7 @@ class BatchLayout:
         )
 
     def combined_length(self, sample: EncodedSample) -> int:
-        return len(sample.input_ids) + len(sample.images) * (self.img_seq_len - 1)
+        return combined_length(len(sample.input_ids), len(sample.images), self.img_seq_len)
 
     def packs(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
         """Samples grouped into sequences of at most `max_length` (`packing.knapsack_bins`)."""
@@ -125,7 +135,7 @@ class BatchLayout:
         """Rows padded to one width whose combined length is a multiple of `alignment.total`."""
         width = max(len(s.input_ids) for s in samples)
         # LLaVAModel's combined length: the row width plus the most images any row expands.
-        combined = width + max(len(s.images) for s in samples) * (self.img_seq_len - 1)
+        combined = combined_length(width, max(len(s.images) for s in samples), self.img_seq_len)
         width += round_up(combined, self.alignment.total) - combined
         shape = (len(samples), width)
         input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)

@@ -2,7 +2,7 @@
 
 - Loss and perplexity (Megatron checkpoints): the trainer's own task encoder (chat template,
   masks, truncation) and the trainer's own forward step and token-weighted loss reduction
-  (`megatron_ext.train.step`), so the number is the one the trainer logs as validation loss.
+  (`megatron_ext.model.forward_step`), so the number is the one the trainer logs as validation loss.
   HF checkpoints get generation metrics only (convert them to Megatron for loss and perplexity).
 - Generated answers to the last user turn of each sample, scored against the sample's last
   assistant turn with `megatron_ext.eval.metrics`.
@@ -102,9 +102,8 @@ def megatron_loss(model, source: ModelSource, data_path: str, split: str, limit:
     from megatron_ext.data.loader import worker_config
     from megatron_ext.data.task_encoder import LlavaTaskEncoder
     from megatron_ext.distributed import device
+    from megatron_ext.model.forward_step import eval_loss, make_forward_step
     from megatron_ext.model.inputs import ModelInputs
-    from megatron_ext.train.data import as_dict
-    from megatron_ext.train.step import eval_loss, make_forward_step
 
     arch = source.snapshot.arch
     encoder = LlavaTaskEncoder.for_model(str(source.snapshot.tokenizer_dir), arch, seq_length=seq_length,
@@ -116,7 +115,7 @@ def megatron_loss(model, source: ModelSource, data_path: str, split: str, limit:
     total, tokens = 0.0, 0
     model.eval()
     for batch in get_loader(dataset):
-        loss, n = eval_loss(model, forward_step, [as_dict(batch)], model_length, micro_batch_size=1)
+        loss, n = eval_loss(model, forward_step, [batch.as_dict()], model_length, micro_batch_size=1)
         if n:
             total, tokens = total + loss * n, tokens + n
     return (total / tokens if tokens else float("nan")), tokens

@@ -71,7 +71,7 @@ def prepare(values: dict, passthrough_argv: list[str], env: Mapping[str, str]) -
         check_interface(values["interface"])
     flag_values = {field: list(values[field]) if isinstance(values[field], tuple) else values[field] for field in TRAINER_FLAGS}
     setup = trainer_setup(flag_values, passthrough, topology.world_size,
-                          _transformer_engine(topology, values["sif_path"]))
+                          _transformer_engine(topology, values["sif_path"]), topology.on_gpu)
     _check_save_dir_free(setup.config, topology)
     output_name = values["slurm_output_name"]
     command = build_command(topology, setup.config, setup.argv, setup.paths, values["sif_path"],

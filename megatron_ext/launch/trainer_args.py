@@ -2,8 +2,9 @@
 
 Completed with what the user should not have to type: the stage's defaults (global batch size,
 learning rate, frozen LM), the image and pad token ids (from the tokenizer), and the number of
-iterations (one epoch of the prepared dataset's train split). Checked so that a bad path or an
-impossible batch layout is one line before launch, not a traceback from every rank.
+iterations (one epoch of the prepared dataset's train split). Then checked by the trainer's own
+plan (`train.plan.make_plan`), so that a bad path or an impossible batch layout is one line before
+launch, not a traceback from every rank.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from megatron_ext.checkpoint import layout
 from megatron_ext.data.prepared import split_counts
 from megatron_ext.errors import UserError
 from megatron_ext.launch.tokens import TokenizerFiles
-from megatron_ext.train.execution import resolve_execution
 from megatron_ext.train.options import TrainConfig, fields, to_argv
-from megatron_ext.train.plan import parse_skip_ranges
+from megatron_ext.train.plan import make_plan
 
 PATH_FIELDS = ("megatron_load_dir", "tokenizer_load_dir", "save_dir", "data_path")
 
@@ -42,22 +42,8 @@ def _absolute(config: TrainConfig) -> TrainConfig:
                                           for name in PATH_FIELDS if getattr(config, name)})
 
 
-def _check_layout(config: TrainConfig, world_size: int, te: bool) -> None:
-    for flag, value in (("--micro-batch-size", config.micro_batch_size), ("--global-batch-size", config.global_batch_size)):
-        if value < 1:
-            raise UserError(f"{flag} {value} must be >= 1")
-    dp = resolve_execution(config, world_size, te).data_parallel_size
-    per_step = config.micro_batch_size * dp
-    if config.global_batch_size % per_step:
-        raise UserError(f"--global-batch-size {config.global_batch_size} must be a multiple of --micro-batch-size "
-                        f"{config.micro_batch_size} x data-parallel size {dp} = {per_step}")
-    parse_skip_ranges(config.skip_train_iteration_range)
-
-
 def _snapshots(config: TrainConfig) -> tuple[layout.Snapshot | None, layout.Snapshot | None]:
     """(checkpoint to start from, latest snapshot of --save-dir to resume), both checked."""
-    if config.save and not config.save_dir:
-        raise UserError("--save needs --save-dir")
     save_dir = Path(config.save_dir) if config.save_dir else None
     if save_dir is not None and save_dir.exists() and not save_dir.is_dir():
         raise UserError(f"--save-dir {save_dir} exists and is not a directory")
@@ -114,11 +100,10 @@ def _token_ids(config: TrainConfig, snapshot: layout.Snapshot | None) -> tuple[d
     return changes, [f"token ids from {tokenizer.directory}: {found}"]
 
 
-def trainer_setup(flag_values: dict, passthrough: dict, world_size: int, te: bool) -> TrainerSetup:
+def trainer_setup(flag_values: dict, passthrough: dict, world_size: int, te: bool, on_gpu: bool) -> TrainerSetup:
     """`flag_values`: run.py's trainer flags by field name; `passthrough`: fields given after `--`;
-    `te`: Transformer Engine is usable where the trainer will run."""
+    `te`: Transformer Engine is usable where the trainer will run; `on_gpu`: its ranks use GPUs."""
     config = _absolute(TrainConfig(**{**flag_values, **passthrough}).resolved())
-    _check_layout(config, world_size, te)
     start, resume = _snapshots(config)
     train_samples, data_paths = _data(config)
     changes, notes = _token_ids(config, resume or start)
@@ -129,6 +114,7 @@ def trainer_setup(flag_values: dict, passthrough: dict, world_size: int, te: boo
         notes.append(f"{changes['train_iters']} iterations = one epoch of {train_samples} training samples at global "
                      f"batch {config.global_batch_size} (change with -- --train-iters N or -- --epochs E)")
     config = dataclasses.replace(config, **changes)
+    make_plan(config, world_size, on_gpu, te)
 
     argv = to_argv({f.name: getattr(config, f.name) for f in fields() if getattr(config, f.name) != _default(f)})
     paths = [Path(p) for p in (config.tokenizer_load_dir, config.save_dir) if p] + data_paths

@@ -139,7 +139,7 @@ class VisionArch:
                 f"vision model_type {model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_VISION_MODELS)})"
             )
-        from megatron_ext.model.activations import hf_activation
+        from megatron_ext.model.activation_names import hf_activation
 
         hf_layers = _get(cfg, "num_hidden_layers")
         # hidden_states[0] is the embedding output, hidden_states[i] the output of layer i.
@@ -184,7 +184,7 @@ class LlavaArch:
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "LlavaArch":
-        from megatron_ext.model.activations import hf_activation
+        from megatron_ext.model.activation_names import hf_activation
 
         cfg = _as_dict(cfg)
         if cfg.get("model_type") != "llava":

@@ -1,4 +1,5 @@
-"""Sequence lengths the parallel layout needs, in the image-expanded (combined) sequence.
+"""Sequence lengths in the image-expanded (combined) sequence: a sample's, and the multiples the
+parallel layout needs.
 
 The task encoder pads samples and micro batches to them; the launcher and the trainer check
 --seq-length against them. Imports no torch.
@@ -36,3 +37,9 @@ def sequence_alignment(tp: int, cp: int, sequence_parallel: bool, fp8: bool) -> 
 
 def round_up(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
+
+
+def combined_length(num_tokens: int, num_images: int, img_seq_len: int) -> int:
+    """Positions a token sequence takes in the language model once LLaVAModel expands each of its
+    `num_images` image tokens into `img_seq_len` image embeddings."""
+    return num_tokens + num_images * (img_seq_len - 1)

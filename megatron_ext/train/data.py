@@ -13,16 +13,6 @@ from megatron_ext.data.loader import restore_loader_state, save_loader_state, tr
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
 from megatron_ext.train.plan import RunPlan
 
-_TENSORS = ("images", "input_ids", "labels", "loss_mask", "segment_ids")
-_COUNTS = ("num_samples", "num_truncated", "num_skipped")
-
-
-def as_dict(batch) -> dict:
-    """A `LlavaBatch` as the plain dict the forward step reads (plus its sample keys)."""
-    out = {name: getattr(batch, name) for name in _TENSORS + _COUNTS}
-    out["keys"] = list(batch.__key__)
-    return out
-
 
 def samples_digest(keys: list[str]) -> str:
     """A short fingerprint of which samples, in which order, a global batch holds."""
@@ -50,7 +40,7 @@ class TrainData:
     def next_micro_batches(self, count: int) -> list[dict]:
         if self._batches is None:
             self._batches = iter(self.loader)
-        return [as_dict(next(self._batches)) for _ in range(count)]
+        return [next(self._batches).as_dict() for _ in range(count)]
 
     def save(self, path: Path) -> None:
         save_loader_state(self.loader, path)
@@ -74,6 +64,6 @@ class ValData:
 
     def global_batches(self) -> list[list[dict]]:
         """One full pass (energon restarts the split on every pass), as groups of micro batches."""
-        batches = [as_dict(batch) for batch in self.loader]
+        batches = [batch.as_dict() for batch in self.loader]
         n = self.num_microbatches
         return [batches[i:i + n] for i in range(0, len(batches) - n + 1, n)]

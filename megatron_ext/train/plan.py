@@ -121,10 +121,13 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
         from megatron_ext.model.backends import te_available
 
         te = te_available()
+    for flag, value in (("--micro-batch-size", config.micro_batch_size), ("--global-batch-size", config.global_batch_size)):
+        if value < 1:
+            raise UserError(f"{flag} {value} must be >= 1")
     execution = resolve_execution(config, world_size, te)
     dp = execution.data_parallel_size
     per_step = config.micro_batch_size * dp
-    if config.micro_batch_size < 1 or config.global_batch_size < 1 or config.global_batch_size % per_step:
+    if config.global_batch_size % per_step:
         raise UserError(f"--global-batch-size {config.global_batch_size} must be a multiple of --micro-batch-size "
                         f"{config.micro_batch_size} x data-parallel size {dp} = {per_step}")
     if config.eval_generate_samples and not config.eval_interval:

@@ -1,19 +1,11 @@
-"""One training iteration: megatron-core's forward/backward schedule, then the optimizer step.
-
-The loss is the token-weighted mean over every loss-masked token of the global batch (per-token
-loss mode), so TP/PP/DP layouts and packed or unpacked batches give the same number.
-"""
+"""One training iteration: megatron-core's forward/backward schedule, then the optimizer step."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 
-import torch
-
-from megatron_ext.distributed import device
-from megatron_ext.model.inputs import ModelInputs
+from megatron_ext.model.forward_step import reduce_loss, run_schedule
 
 
 @dataclass
@@ -28,90 +20,12 @@ class StepResult:
         return math.isfinite(self.loss)
 
 
-def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    loss_mask = loss_mask.float()
-    total = (per_token_loss.float() * loss_mask).sum()
-    tokens = loss_mask.sum().to(torch.int)
-    return total, tokens, {"loss": torch.stack([total.detach(), tokens.float()])}
-
-
-def _llava(model):
-    """The LLaVAModel inside megatron's wrappers (DDP, Float16Module)."""
-    while not hasattr(model, "add_encoder"):
-        model = model.module
-    return model
-
-
-def _zero_from_trained_encoder(llava) -> torch.Tensor:
-    """0, computed from every trained parameter of the vision tower and projector.
-
-    megatron's DDP reduces a gradient bucket once every parameter in it has a gradient from the last
-    micro batch (with --overlap-grad-reduce); a micro batch without images never runs the vision
-    side, so its buckets would never be reduced. Adding this to the output gives those parameters a
-    zero gradient instead (LLaVA and megatron-core's FSDP path do the same with a dummy image).
-    """
-    trained = [p for module in (llava.vision_model, llava.vision_projection) if module is not None
-               for p in module.parameters() if p.requires_grad]
-    return sum((p.sum() for p in trained), torch.zeros(())) * 0.0
-
-
-def make_forward_step(inputs: ModelInputs):
-    """megatron's forward_step_func over micro-batch dicts, laid out for the model by `inputs`."""
-
-    def forward_step(data_iterator, model):
-        kwargs = inputs(next(data_iterator))
-        output, loss_mask = model(**kwargs)
-        llava = _llava(model)
-        if llava.add_encoder and kwargs["images"].shape[0] == 0 and torch.is_grad_enabled():
-            output = output + _zero_from_trained_encoder(llava).to(output)
-        return output, partial(_loss_func, loss_mask)
-
-    return forward_step
-
-
-def reduce_loss(losses: list[dict]) -> tuple[float, int]:
-    """Token-weighted loss over the global batch, known on every rank."""
-    from megatron.core import parallel_state
-
-    summed = torch.zeros(2, dtype=torch.float64, device=device())
-    for item in losses:
-        summed += item["loss"].to(summed)
-    # Only the last pipeline stage has losses: spread them over the stage group, then sum over DP
-    # (context-parallel ranks each hold part of every sequence).
-    torch.distributed.all_reduce(summed, group=parallel_state.get_pipeline_model_parallel_group())
-    torch.distributed.all_reduce(summed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-    total, tokens = summed.tolist()
-    return (total / tokens if tokens else float("nan")), int(tokens)
-
-
-def _schedule(model, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
-              forward_only: bool) -> list[dict]:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
-        model=[model],
-        num_microbatches=len(micro_batches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-    )
-
-
 def train_step(trained, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int) -> StepResult:
     trained.ddp.zero_grad_buffer()
     trained.optimizer.zero_grad()
-    loss, tokens = reduce_loss(_schedule(trained.ddp, forward_step, micro_batches, seq_length, micro_batch_size, False))
+    loss, tokens = reduce_loss(run_schedule(trained.ddp, forward_step, micro_batches, seq_length, micro_batch_size, False))
     if not math.isfinite(loss):
         return StepResult(loss, tokens, None, updated=False)
     _, grad_norm, _ = trained.optimizer.step()
     trained.scheduler.step(increment=1)
     return StepResult(loss, tokens, grad_norm, updated=True)
-
-
-def eval_loss(model, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int) -> tuple[float, int]:
-    """Token-weighted loss of one global batch, forward only. `model`: the trainer's DDP module or a
-    bare LLaVAModel (scripts/eval/evaluate.py)."""
-    with torch.no_grad():
-        return reduce_loss(_schedule(model, forward_step, micro_batches, seq_length, micro_batch_size, True))

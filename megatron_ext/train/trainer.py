@@ -24,6 +24,7 @@ from megatron_ext.distributed import device
 from megatron_ext.errors import UserError, report
 from megatron_ext.eval.evaluation import AnswerEvaluation
 from megatron_ext.fsutil import write_jsonl
+from megatron_ext.model.forward_step import eval_loss, make_forward_step
 from megatron_ext.model.inputs import ModelInputs
 from megatron_ext.train import checkpointing
 from megatron_ext.train.data import samples_digest
@@ -33,7 +34,7 @@ from megatron_ext.train.model_setup import TrainingModel, build_training_model
 from megatron_ext.train.options import TrainConfig
 from megatron_ext.train.plan import RunPlan, make_plan
 from megatron_ext.train.run_lock import RunLock
-from megatron_ext.train.step import StepResult, eval_loss, make_forward_step, train_step
+from megatron_ext.train.step import StepResult, train_step
 
 log = logging.getLogger(__name__)
 

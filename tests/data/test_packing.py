@@ -76,14 +76,13 @@ def test_thd_boundaries_are_the_blocks_of_the_mask_and_aligned(alignment):
     FP8 (16), every sub-sequence and the whole row have the lengths those need."""
     from megatron_ext.model.inputs import ModelInputs
     from megatron_ext.model.sequence_alignment import SequenceAlignment
-    from megatron_ext.train.data import as_dict
 
     layout = _layout(SequenceAlignment(*alignment))
     samples = _samples(layout, [[1, 99, 2, 3], [4, 5, 6], [7, 99, 8, 9, 10, 11, 99, 12]])
     batch = layout.batch([layout.pack(samples)])
     inputs = ModelInputs(99, 5, 64, False, "sdpa", torch.float32, torch.device("cpu"))
     length = inputs.combined_length(batch.input_ids)
-    params = inputs(as_dict(batch))["packed_seq_params"]
+    params = inputs(batch.as_dict())["packed_seq_params"]
     bounds = params.cu_seqlens_q_padded.tolist()
     assert bounds == params.cu_seqlens_q.tolist() and bounds[0] == 0 and bounds[-1] == length
     assert length % alignment[0] == 0

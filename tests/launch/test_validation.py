@@ -72,6 +72,11 @@ CASES = {
     "passthrough value": (["--", "--lr", "fast"], 0, "'fast' is not a valid float"),
     "launcher flag after --": (["--", "--tp", "2"], 0, "--tp after --: give it as run.py's --tp"),
     "no training samples": (["--data-path", "NO_TRAIN"], 0, "has no training samples"),
+    # Checked by the trainer's own plan, before anything starts.
+    "seq length under the image": (["--", "--seq-length", "200"], 0,
+                                   "--seq-length 200 leaves no room for text after 256 image embeddings"),
+    "answers without evaluations": (["--", "--eval-generate-samples", "4"], 0,
+                                    "--eval-generate-samples needs --eval-interval"),
 }
 
 

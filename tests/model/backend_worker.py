@@ -53,9 +53,8 @@ def batches(encoder, layout: str) -> list:
 
 def per_sample_losses(model, inputs, batch, separate: bool = True) -> dict:
     from megatron_ext.data.packing import combined_segment_ids
-    from megatron_ext.train.data import as_dict
 
-    kwargs = inputs(as_dict(batch))
+    kwargs = inputs(batch.as_dict())
     if not separate:
         kwargs.pop("packed_seq_params", None)
         kwargs["attention_mask"] = None

@@ -18,12 +18,12 @@ def _expected_digests(checkpoint, data, iterations: int) -> list[str]:
     """Fingerprints of the first global batches (2 micro batches of 2) straight from the data loader."""
     from megatron_ext.data.loader import train_loader
     from megatron_ext.data.task_encoder import LlavaTaskEncoder
-    from megatron_ext.train.data import as_dict, samples_digest
+    from megatron_ext.train.data import samples_digest
 
     snapshot = layout.find_snapshot(checkpoint)
     encoder = LlavaTaskEncoder.for_model(str(snapshot.tokenizer_dir), snapshot.arch, seq_length=128)
     batches = iter(train_loader(data, encoder, micro_batch_size=2, num_workers=0, seed=1234))
-    return [samples_digest([k for _ in range(2) for k in as_dict(next(batches))["keys"]]) for _ in range(iterations)]
+    return [samples_digest([k for _ in range(2) for k in next(batches).as_dict()["keys"]]) for _ in range(iterations)]
 
 
 @pytest.mark.multiprocess
