@@ -1,13 +1,14 @@
-"""megatron-ext-generate, megatron-ext-chat, megatron-ext-evaluate: a Megatron (any TP x PP, under
-torchrun) or Hugging Face LLaVA checkpoint answers prompts, chats, or is scored on a dataset split.
+"""megatron-ext-generate, -chat, -evaluate, -benchmark: a Megatron (any TP x PP, under torchrun) or
+Hugging Face LLaVA checkpoint answers prompts, chats, is scored on a dataset split, or on lmms-eval tasks.
 
     megatron-ext-generate --megatron-dir D --image cat.jpg --prompt "What is this?"
     megatron-ext-generate --hf-dir D --input-jsonl requests.jsonl --output-jsonl answers.jsonl
     megatron-ext-chat --megatron-dir D --image cat.jpg
     megatron-ext-evaluate --megatron-dir D --data-path DATA --output-dir OUT [--split test] [--fast-n 50]
+    megatron-ext-benchmark --hf-dir D --tasks textvqa_val,scienceqa_img --output-dir OUT [--limit 100]
     torchrun --nproc-per-node 2 -m megatron_ext.commands.eval generate --megatron-dir D --tp 2 ...
 
-(scripts/eval/generate.py, chat.py and evaluate.py run the same commands.)
+(scripts/eval/generate.py, chat.py, evaluate.py and benchmark.py run the same commands.)
 """
 
 import click
@@ -95,7 +96,37 @@ def evaluate(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, d
         shutdown()
 
 
-group = click.Group("megatron-ext-eval", help=__doc__.split("\n")[0], commands=[generate, chat, evaluate])
+@click.command("benchmark")
+@quiet_option
+@checkpoint_options
+@click.option("--tasks", required=True, help="Comma-separated lmms-eval task names, e.g. textvqa_val,mmmu_val,scienceqa_img.")
+@click.option("--include-path", type=click.Path(file_okay=False), help="Directory of extra task YAMLs (local datasets).")
+@click.option("--limit", type=int, help="Only the first N samples of each task (a quick check).")
+@click.option("--output-dir", required=True, type=click.Path(file_okay=False),
+              help="Where lmms-eval's results and per-sample logs and summary.json go.")
+@click.option("--force", is_flag=True, help="Replace a non-empty --output-dir.")
+@click.option("--tensorboard-dir", type=click.Path(file_okay=False), help="Also log the scores to TensorBoard here.")
+@click.option("--wandb-project", help="Also log the scores to this Weights & Biases project.")
+def benchmark(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, tasks, include_path, limit, output_dir,
+              force, tensorboard_dir, wandb_project):
+    """Score a checkpoint on lmms-eval tasks (its prompts and scorers): lmms-eval's result files and
+    per-sample logs plus OUT/summary.json, and a table. HF checkpoints run in lmms-eval's llava_hf model;
+    Megatron ones directly, under torchrun at any TP x PP."""
+    from megatron_ext.distributed import shutdown
+    from megatron_ext.eval.benchmark import run_benchmark
+    from megatron_ext.eval.checkpoints import open_checkpoint
+    from megatron_ext.logs import setup_logging
+
+    setup_logging()
+    source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype, image_aspect)
+    try:
+        run_benchmark(source, tasks=[t for t in tasks.split(",") if t], include_path=include_path, output_dir=output_dir,
+                      force=force, limit=limit, tp=tp, pp=pp, tensorboard_dir=tensorboard_dir, wandb_project=wandb_project)
+    finally:
+        shutdown()
+
+
+group = click.Group("megatron-ext-eval", help=__doc__.split("\n")[0], commands=[generate, chat, evaluate, benchmark])
 
 
 def generate_main() -> None:
@@ -108,6 +139,10 @@ def chat_main() -> None:
 
 def evaluate_main() -> None:
     run_command(evaluate)
+
+
+def benchmark_main() -> None:
+    run_command(benchmark)
 
 
 if __name__ == "__main__":

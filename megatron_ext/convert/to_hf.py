@@ -163,7 +163,7 @@ def _write_chat_template(export: Export, out: Path) -> None:
     except UserError as exc:
         log.warning("the exported processor keeps the tokenizer's chat template: the trained one is not found (%s)", exc)
         return
-    (out / CHAT_TEMPLATE_FILE).write_text(processor_template(template))
+    (out / CHAT_TEMPLATE_FILE).write_text(processor_template(template, tokenizer))
 
 
 def _export(export: Export, out: Path) -> None:

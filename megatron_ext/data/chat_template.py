@@ -9,6 +9,9 @@ have none): for every assistant turn i, the text rendered for ``messages[:i]`` w
 prompt is a prefix of the text rendered for ``messages[:i+1]``; what follows it, up to trailing
 whitespace the template puts between turns, is the assistant's reply including its end-of-turn
 token. A token belongs to the assistant when its characters overlap such a span.
+
+The rendered text is tokenized as transformers' processors tokenize a rendered chat: with the
+tokenizer's special tokens unless the text already starts with the BOS (`needs_special_tokens`).
 """
 
 from __future__ import annotations
@@ -56,10 +59,31 @@ _STRUCTURED_TO_TEXT = (
 )
 
 
-def processor_template(template: str) -> str:
+# Behind it when the tokenizer adds its BOS itself: HF's documented LLaVA usage (and lmms-eval)
+# passes the rendered text to `processor(text=...)`, which adds the BOS; rendering one too doubled it.
+_NO_RENDERED_BOS = "{%- set bos_token = '' %}"
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether encoding with special tokens puts a BOS in front (Llama's tokenizers do; Qwen2's have none)."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [bos]
+
+
+def needs_special_tokens(tokenizer, text: str) -> bool:
+    """transformers' processor rule for rendered chats: add the tokenizer's special tokens unless the
+    text already starts with the BOS. Training and generation encode by it too, so a template with
+    or without a rendered BOS gives the same ids."""
+    return not (tokenizer.bos_token and text.startswith(tokenizer.bos_token))
+
+
+def processor_template(template: str, tokenizer) -> str:
     """`template` for a checkpoint's processor (and tokenizer: they share chat_template.jinja): the
-    same text for string contents, and for HF's structured contents the text training renders."""
-    return template if template.startswith(_STRUCTURED_TO_TEXT) else _STRUCTURED_TO_TEXT + template
+    same text for string contents, and for HF's structured contents the text training renders;
+    without a rendered BOS when `tokenizer` adds it (as llava-hf's own templates do)."""
+    if template.startswith(_STRUCTURED_TO_TEXT):
+        return template
+    return _STRUCTURED_TO_TEXT + (_NO_RENDERED_BOS if adds_bos(tokenizer) else "") + template
 
 
 def template_names() -> list[str]:
@@ -132,7 +156,8 @@ class ChatTokenizer:
     def encode(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids (int64, one image token per `<image>`) and a bool mask of assistant tokens."""
         text, spans = self.render(messages)
-        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        encoding = self.tokenizer(text, add_special_tokens=needs_special_tokens(self.tokenizer, text),
+                                  return_offsets_mapping=True)
         ids = np.asarray(encoding["input_ids"], dtype=np.int64)
         offsets = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
         assistant = np.zeros(len(ids), dtype=bool)

@@ -2,8 +2,8 @@
 
 Messages follow the data pipeline's convention (`megatron_ext.data.conversation`): string contents
 with a literal `<image>` where each image goes. They are rendered with the same chat template the
-trainer uses (`megatron_ext.data.chat_template`), tokenized without extra special tokens (the
-template writes the BOS itself, as the task encoder's tokenization assumes), and passed through the
+trainer uses (`megatron_ext.data.chat_template`), tokenized as the task encoder tokenizes (special
+tokens added unless the text starts with the BOS: `chat_template.needs_special_tokens`), and passed through the
 checkpoint's HF processor, which expands every `<image>` into one token per image embedding.
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.data.chat_template import needs_special_tokens
 from megatron_ext.data.conversation import IMAGE_MARKER, BadConversation, place_images
 from megatron_ext.data.images import fit_aspect
 from megatron_ext.errors import UserError
@@ -83,6 +84,7 @@ class PromptEncoder:
         if markers != len(images):
             raise ValueError(f"{markers} {IMAGE_MARKER} markers for {len(images)} images")
         images = [fit_aspect(image, self.processor.image_processor, self.image_aspect) for image in images]
-        batch = self.processor(images=images or None, text=self.render(messages), add_special_tokens=False,
-                               return_tensors="pt")
+        text = self.render(messages)
+        batch = self.processor(images=images or None, text=text, return_tensors="pt",
+                               add_special_tokens=needs_special_tokens(self.tokenizer, text))
         return EncodedPrompt(batch["input_ids"], batch.get("pixel_values") if images else None)

@@ -160,7 +160,7 @@ def build_llava(
         num_additional_image_tokens=recipe.extra_tokens,
         image_token=IMAGE_TOKEN,
         # Wrapped so that HF's structured messages render as training renders them (lmms-eval, vLLM).
-        chat_template=processor_template(tokenizer.chat_template) if tokenizer.chat_template else None,
+        chat_template=processor_template(tokenizer.chat_template, tokenizer) if tokenizer.chat_template else None,
     )
 
     with atomic_output_dir(save_dir) as tmp:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_ext.data.chat_template import ChatTokenizer, resolve_chat_template, template_names
+from megatron_ext.data.chat_template import ChatTokenizer, needs_special_tokens, resolve_chat_template, template_names
 from megatron_ext.data.conversation import BadConversation, llava_messages, place_images, qa_messages
 from megatron_ext.errors import UserError
 
@@ -40,8 +40,10 @@ def test_mask_matches_hf_generation_markers(tokenizer):
     must equal ours, which never looks at those markers."""
     ids, assistant = _chat(tokenizer, "tokenizer").encode(CONVERSATION)
     hf = tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    assert ids.tolist() == hf["input_ids"]
-    assert assistant.tolist() == [bool(x) for x in hf["assistant_masks"]]
+    # This template renders no BOS; as transformers' processors do, the tokenizer then adds its own
+    # (a tokenizer's apply_chat_template never adds one).
+    assert ids.tolist() == [tokenizer.bos_token_id] + hf["input_ids"]
+    assert assistant.tolist() == [False] + [bool(x) for x in hf["assistant_masks"]]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_REPLY))
@@ -111,15 +113,19 @@ def test_processor_template_renders_string_and_structured_messages_as_training(t
     from megatron_ext.data.chat_template import processor_template
 
     template = resolve_chat_template(name, "en", tokenizer)[1]
-    wrapped = processor_template(template)
-    assert processor_template(wrapped) == wrapped
+    wrapped = processor_template(template, tokenizer)
+    assert processor_template(wrapped, tokenizer) == wrapped
     structured = [{"role": m["role"], "content": ([{"type": "image"}] if "<image>" in m["content"] else [])
                    + [{"type": "text", "text": m["content"].replace("<image>\n", "")}]} for m in CONVERSATION]
     for messages, prompt in ((CONVERSATION, False), (CONVERSATION[:-1], True)):
         training = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=prompt)
+        training_ids = tokenizer(training, add_special_tokens=needs_special_tokens(tokenizer, training)).input_ids
         for given in (messages, structured[:len(messages)]):
-            assert tokenizer.apply_chat_template(given, chat_template=wrapped, tokenize=False,
-                                                 add_generation_prompt=prompt) == training
+            rendered = tokenizer.apply_chat_template(given, chat_template=wrapped, tokenize=False, add_generation_prompt=prompt)
+            # The tiny tokenizer adds its BOS (as Llama's does): the processor's template leaves it to
+            # it, so `processor(text=rendered)` (HF's documented flow, lmms-eval's) gives training's ids.
+            assert not rendered.startswith(tokenizer.bos_token)
+            assert tokenizer(rendered).input_ids == training_ids
     image = tokenizer.convert_tokens_to_ids("<image>")
     ids, mask = ChatTokenizer(tokenizer, wrapped, image).encode(CONVERSATION)
     expected_ids, expected_mask = ChatTokenizer(tokenizer, template, image).encode(CONVERSATION)

@@ -179,11 +179,12 @@ def test_processor_renders_hf_structured_messages_as_the_trainer_does(tmp_path, 
                   {"role": "user", "content": [{"type": "text", "text": "Why?"}]}]
     as_trained = [{"role": "user", "content": "<image>\n<image>\nCompare them."},
                   {"role": "assistant", "content": "The second is taller."}, {"role": "user", "content": "Why?"}]
+    # HF's documented flow (lmms-eval's too): render, then let the processor add the special tokens.
     hf_text = processor.apply_chat_template(structured, add_generation_prompt=True)
-    # The template writes the BOS itself, so the processor adds none (as apply_chat_template(tokenize=True) does).
-    hf_ids = processor(images=images, text=hf_text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    hf_ids = processor(images=images, text=hf_text, return_tensors="pt")["input_ids"]
     ours = PromptEncoder(processor, string_only).encode(as_trained, images).input_ids
     assert torch.equal(hf_ids, ours) and int((ours == processor.tokenizer.convert_tokens_to_ids("<image>")).sum()) == 32
+    assert int((ours == processor.tokenizer.bos_token_id).sum()) == 1
     # The text model's template alone cannot render such messages (Llama-3's fails on a list content).
     with pytest.raises(TypeError):
         processor.tokenizer.apply_chat_template(structured, chat_template=string_only, tokenize=False)

@@ -1,0 +1,174 @@
+"""Standard benchmark scores (TextVQA, GQA, MMMU, ScienceQA, ...) through lmms-eval, the evaluator
+LLaVA papers report with: its task definitions, prompts and scorers, none of ours.
+
+- HF checkpoints run in lmms-eval's own LLaVA-HF model (`llava_hf`); the processor our converters
+  write renders lmms-eval's messages as training did (`chat_template.processor_template`).
+- Megatron checkpoints run directly, at any TP x PP under torchrun, in `lmms_model.MegatronLlava`.
+  lmms-eval runs as a single process on every rank (it would otherwise split requests over all
+  ranks, tensor-parallel peers included); the model splits them over data-parallel replicas.
+
+Output: lmms-eval's own files (`*_results.json`, `*_samples_<task>.jsonl`) and `summary.json`, a
+list of {"task", "metric", "score", "n"}, also printed as a table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from megatron_ext.errors import UserError
+
+SUMMARY_FILE = "summary.json"
+EVAL_EXTRA = "pip install 'megatron-ext[eval]'"
+# lmms-eval reads the process layout from these; under torchrun they describe the model's ranks.
+_RANK_VARIABLES = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+
+
+def require_lmms_eval() -> None:
+    """A one-line error when lmms-eval is missing; its own log (loguru) kept to warnings, as ours is."""
+    try:
+        import lmms_eval  # noqa: F401
+        from loguru import logger
+    except ImportError:
+        raise UserError(f"benchmarks run through lmms-eval, which is not installed: {EVAL_EXTRA}") from None
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+
+
+def task_manager(tasks: list[str], include_path: str | None):
+    """lmms-eval's index of the tasks: --include-path alone when it holds them all (indexing
+    lmms-eval's ~2000 own tasks takes seconds), else with lmms-eval's own; unknown names refused."""
+    from lmms_eval.tasks import TaskManager
+
+    if include_path:
+        local = TaskManager("WARNING", include_path=str(Path(include_path).resolve()), include_defaults=False)
+        if all(t in local.all_tasks for t in tasks):
+            return local
+    manager = TaskManager("WARNING", include_path=str(Path(include_path).resolve()) if include_path else None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise UserError(f"--tasks: unknown lmms-eval task(s) {', '.join(unknown)}; see `python -m lmms_eval --tasks list`"
+                        ", or give the directory of your own task YAMLs with --include-path")
+    return manager
+
+
+@contextlib.contextmanager
+def _single_process_view():
+    """Under torchrun, lmms-eval sees one process: every rank runs it whole, the model splits the work."""
+    if "WORLD_SIZE" not in os.environ:
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in _RANK_VARIABLES}
+    os.environ.update(_RANK_VARIABLES)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def evaluate_tasks(model, model_args: str, tasks: list[str], manager, limit: int | None, tracker=None) -> dict:
+    """lmms-eval's `simple_evaluate` (collective for Megatron models); its results, samples included."""
+    from lmms_eval.evaluator import simple_evaluate
+
+    with _single_process_view():
+        return simple_evaluate(model=model, model_args=model_args, tasks=tasks, task_manager=manager, limit=limit,
+                               log_samples=True, evaluation_tracker=tracker, bootstrap_iters=0,
+                               distributed_executor_backend="torchrun", verbosity="WARNING")
+
+
+def summarize(results: dict) -> list[dict]:
+    """One row per task and metric: lmms-eval's "metric,filter" keys, stderr and aliases left out."""
+    rows = []
+    for task, metrics in results["results"].items():
+        n = results.get("n-samples", {}).get(task, {}).get("effective")
+        for key, score in metrics.items():
+            metric = key.split(",")[0]
+            if key == "alias" or "_stderr" in metric or not isinstance(score, (int, float)):
+                continue
+            rows.append({"task": task, "metric": metric, "score": float(score), "n": n})
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="lmms-eval scores")
+    for column in ("task", "metric", "score", "n"):
+        table.add_column(column, justify="right" if column in ("score", "n") else "left")
+    for row in rows:
+        table.add_row(row["task"], row["metric"], f"{row['score']:.4f}", str(row["n"]))
+    console = Console(width=100)
+    with console.capture() as captured:
+        console.print(table)
+    return captured.get()
+
+
+def _log_scores(rows: list[dict], tensorboard_dir: str | None, wandb_project: str | None, step: int) -> None:
+    scalars = {f"benchmark/{r['task']}/{r['metric']}": r["score"] for r in rows}
+    if tensorboard_dir:
+        from torch.utils.tensorboard import SummaryWriter
+
+        with SummaryWriter(log_dir=tensorboard_dir) as writer:
+            for name, value in scalars.items():
+                writer.add_scalar(name, value, step)
+    if wandb_project:
+        import wandb
+
+        with wandb.init(project=wandb_project, job_type="benchmark") as run:
+            run.log(scalars, step=step)
+
+
+def run_benchmark(source, *, tasks: list[str], include_path: str | None, output_dir: str, force: bool,
+                  limit: int | None, tp: int | None, pp: int | None, tensorboard_dir: str | None = None,
+                  wandb_project: str | None = None) -> list[dict]:
+    """scripts/eval/benchmark.py: lmms-eval on `source` (an opened checkpoint), files in `output_dir`."""
+    from megatron_ext.fsutil import atomic_output_dir, check_output_dir
+
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit must be at least 1, got {limit}")
+    if include_path and not Path(include_path).is_dir():
+        raise UserError(f"--include-path {include_path} is not a directory of task YAMLs")
+    out = check_output_dir(output_dir, force, "--output-dir")
+    require_lmms_eval()
+    from lmms_eval.loggers import EvaluationTracker
+
+    manager = task_manager(tasks, include_path)
+    if source.kind == "hf":
+        import torch
+
+        model = model_name = "llava_hf"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model_args = f"pretrained={source.path},device={device},device_map={device},dtype={source.dtype}"
+        output_rank = True
+    else:
+        from megatron_ext.eval.lmms_model import MODEL_ID, MegatronLlava
+
+        model = MegatronLlava(source=source, generator=source.generator(tp, pp))
+        model_args = f"pretrained={source.path}"  # names the run in lmms-eval's results
+        output_rank = model.generator.is_output_rank
+        model_name = MODEL_ID
+    tracker = EvaluationTracker()  # its output path is set once the results are in
+    results = evaluate_tasks(model, model_args, tasks, manager, limit, tracker)
+    # What the results file records as the model (it would try to copy a model object).
+    tracker.general_config_tracker.model_source = model_name
+    rows = summarize(results)
+    if output_rank:
+        samples = results.pop("samples")
+        with atomic_output_dir(out) as tmp:
+            tracker.output_path = str(tmp)
+            tracker.save_results_aggregated(results=results, samples=samples, datetime_str=results["date"])
+            for task in results["configs"]:
+                tracker.save_results_samples(task_name=task, samples=samples[task])
+            (tmp / SUMMARY_FILE).write_text(json.dumps(rows, indent=2))
+        _log_scores(rows, tensorboard_dir, wandb_project, step=source.snapshot.iteration if source.snapshot else 0)
+        print(_table(rows), end="")
+        print(f"lmms-eval results and samples written to {out}")
+    return rows

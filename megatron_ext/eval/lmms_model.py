@@ -1,0 +1,110 @@
+"""Our Megatron checkpoints as an lmms-eval model, so lmms-eval's own tasks and scorers grade them.
+
+`MegatronLlava` is a chat model in lmms-eval's sense: each request carries HF-structured messages
+(`{"type": "image"}` and `{"type": "text"}` parts). They become the string form training renders
+(each image as `<image>\\n` before its text: the rule `chat_template.processor_template` gives HF
+processors), and the checkpoint's prompt encoder and Megatron generator answer them, at the
+checkpoint's TP x PP under torchrun. Data-parallel replicas split the requests and exchange the
+answers, so lmms-eval itself runs as one process on every rank and sees every answer.
+
+Registered for lmms-eval's own CLI as `megatron_llava` (entry point `lmms_eval.models`).
+"""
+
+from __future__ import annotations
+
+from lmms_eval.api.instance import GenerationResult, TokenCounts
+from lmms_eval.api.model import lmms
+from lmms_eval.models.registry_v2 import ModelManifest
+
+from megatron_ext.data.conversation import IMAGE_MARKER
+from megatron_ext.eval.prompts import load_image
+from megatron_ext.eval.sampling import SamplingOptions
+
+MODEL_ID = "megatron_llava"
+MANIFEST = ModelManifest(model_id=MODEL_ID, chat_class_path=f"{__name__}.MegatronLlava")
+# lmms-eval's LLaVA-HF chat model answers with this many new tokens when a task sets none.
+DEFAULT_MAX_NEW_TOKENS = 1024
+
+
+def as_training_messages(messages: list[dict]) -> tuple[list[dict], list]:
+    """(messages with string contents, their images in order) from HF-structured messages."""
+    converted, images = [], []
+    for message in messages:
+        text = ""
+        for part in message["content"]:
+            if part["type"] == "image":
+                text += f"{IMAGE_MARKER}\n"
+                images.append(load_image(part["url"], "image") if isinstance(part["url"], str) else part["url"])
+            elif part["type"] == "text":
+                text += part["text"]
+            else:
+                raise ValueError(f"{part['type']} inputs are not supported by LLaVA checkpoints")
+        converted.append({"role": message["role"], "content": text})
+    return converted, images
+
+
+def sampling_options(gen_kwargs: dict) -> SamplingOptions:
+    temperature = float(gen_kwargs.get("temperature") or 0.0)
+    return SamplingOptions(max_new_tokens=int(gen_kwargs.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS),
+                           temperature=temperature if gen_kwargs.get("do_sample", temperature > 0) else 0.0,
+                           top_p=float(gen_kwargs.get("top_p") or 1.0))
+
+
+def cut_at_stops(text: str, until) -> str:
+    """The answer up to the first of the task's stop strings."""
+    for stop in [until] if isinstance(until, str) else until or []:
+        if stop:
+            text = text.split(stop)[0]
+    return text
+
+
+class MegatronLlava(lmms):
+    """lmms-eval model over a Megatron checkpoint (`megatron_dir`), or over an already opened
+    `ModelSource` and `Generator` (the benchmark command and the trainer pass theirs)."""
+
+    is_simple = False
+
+    def __init__(self, megatron_dir: str | None = None, tp: int | None = None, pp: int | None = None,
+                 dtype: str = "auto", chat_template: str | None = None, image_aspect: str | None = None,
+                 source=None, generator=None, **unused):
+        super().__init__()
+        from megatron_ext.errors import UserError
+        from megatron_ext.eval.checkpoints import open_checkpoint, world_size
+
+        if source is None and world_size() > 1:
+            # lmms-eval's own CLI would hand tensor-parallel peers different requests.
+            raise UserError("under torchrun, score Megatron checkpoints with scripts/eval/benchmark.py "
+                            "(lmms-eval's CLI runs megatron_llava in one process)")
+        self.source = source or open_checkpoint(megatron_dir, None, chat_template, dtype, image_aspect)
+        self.generator = generator or self.source.generator(tp and int(tp), pp and int(pp))
+
+    def generate_until(self, requests) -> list[GenerationResult]:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return [self._answer(request) for request in requests]
+        from megatron.core import parallel_state
+
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        mine = [self._answer(request) for request in requests[dp_rank::dp_size]]
+        gathered = [None] * dp_size
+        dist.all_gather_object(gathered, mine, group=parallel_state.get_data_parallel_group())
+        # Back to the requests' order: replica r answered requests r, r + dp_size, ...
+        return [gathered[i % dp_size][i // dp_size] for i in range(len(requests))]
+
+    def _answer(self, request) -> GenerationResult:
+        _, doc_to_messages, gen_kwargs, doc_id, task, split = request.args
+        messages, images = as_training_messages(doc_to_messages(self.task_dict[task][split][doc_id]))
+        prompt = self.source.encoder.encode(messages, images)
+        generation = self.generator.generate(prompt, sampling_options(gen_kwargs))
+        # Decoded as lmms-eval's llava_hf decodes (no stripping), so both paths record the same text.
+        text = self.source.processor.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+        return GenerationResult(text=cut_at_stops(text, gen_kwargs.get("until")),
+                                token_counts=TokenCounts(output_tokens=len(generation.token_ids)))
+
+    def loglikelihood(self, requests):
+        raise NotImplementedError("megatron_llava answers generation tasks (output_type: generate_until) only")
+
+    def generate_until_multi_round(self, requests):
+        raise NotImplementedError("megatron_llava answers single-round generation tasks only")
