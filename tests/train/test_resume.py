@@ -1,5 +1,5 @@
-"""Resuming: kill -9 after a checkpoint, --exit-interval, a failed save, and resuming at TP2 x PP2 or
-into another layout; the run continues exactly (or, into another layout, to float noise)."""
+"""Resuming: kill -9 after a checkpoint, --exit-interval, a failed save, and resuming a TP2 run at TP1
+or PP2; the run continues exactly (or, into another layout, to float noise)."""
 
 from __future__ import annotations
 
@@ -182,39 +182,23 @@ def test_exit_interval_then_the_same_command_continues_exactly(tmp_path, tp2_run
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(600)
-def test_resume_into_another_layout(tmp_path, tp2_run, megatron_clip, train_data):
-    """TP2's checkpoint at iteration 2, continued at TP1: resharded on load, the same run to float noise."""
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("nproc, layout_args", [(1, {}), (2, {"pp": 2})], ids=["tp1", "pp2"])
+def test_resume_into_another_layout(tmp_path, tp2_run, megatron_clip, train_data, nproc, layout_args):
+    """TP2's checkpoint at iteration 2, continued at TP1 or at PP2: model and optimizer state resharded
+    on load, the data position and schedule restored, the same run to float noise."""
     expected = metrics(tp2_run)
-    moved = tmp_path / "tp1"
+    moved = tmp_path / "moved"
     shutil.copytree(tp2_run, moved, ignore=shutil.ignore_patterns("iter_0000004", "metrics.jsonl", "wandb",
                                                                   "tensorboard"))
     layout.mark_latest(moved, 2)
-    train(1, *trainer_args(megatron_clip, train_data, moved, **BASE), timeout=300)
+    train(nproc, *trainer_args(megatron_clip, train_data, moved, **layout_args, **BASE), timeout=240)
     got = metrics(moved)
     assert sorted(got) == [3, 4]
     for iteration in (3, 4):
         assert got[iteration]["samples_digest"] == expected[iteration]["samples_digest"]
         assert got[iteration]["loss"] == pytest.approx(expected[iteration]["loss"], rel=1e-5)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(900)
-def test_resume_at_tp2_x_pp2_continues_exactly(tmp_path, megatron_clip, train_data):
-    reference = tmp_path / "tp2pp2"
-    train(4, *trainer_args(megatron_clip, train_data, reference, tp=2, pp=2, save_interval=2, keep_last=0, **BASE),
-          timeout=400)
-    expected = metrics(reference)
-    # Resumed from the checkpoint at iteration 2 (as after a crash right after it).
-    resumed = tmp_path / "resumed"
-    shutil.copytree(reference, resumed, ignore=shutil.ignore_patterns("iter_0000004", "metrics.jsonl", "tensorboard"))
-    layout.mark_latest(resumed, 2)
-    train(4, *trainer_args(megatron_clip, train_data, resumed, tp=2, pp=2, **BASE), timeout=400)
-    got = metrics(resumed)
-    assert sorted(got) == [3, 4]
-    for iteration in (3, 4):
-        for key in ("samples_digest", "loss", "grad_norm", "lr"):
-            assert got[iteration][key] == expected[iteration][key], (iteration, key)
+        assert got[iteration]["lr"] == pytest.approx(expected[iteration]["lr"], rel=1e-12)
 
 
 @pytest.mark.multiprocess
