@@ -58,6 +58,21 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str | Non
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def split_over_data_parallel(items: list, answer) -> list:
+    """`answer(some_items)` for all `items`, the work split over the data-parallel replicas (replica
+    r takes items r, r + DP, ...; the model-parallel ranks of a replica answer together), the
+    results gathered back in the items' order on every rank. Collective; a lone process answers all."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        return answer(items)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    gathered = [None] * dp_size
+    dist.all_gather_object(gathered, answer(items[dp_rank::dp_size]), group=parallel_state.get_data_parallel_group())
+    return [gathered[i % dp_size][i // dp_size] for i in range(len(items))]
+
+
 def shutdown() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state

@@ -73,14 +73,40 @@ def _single_process_view():
                 os.environ[name] = value
 
 
-def evaluate_tasks(model, model_args: str, tasks: list[str], manager, limit: int | None, tracker=None) -> dict:
-    """lmms-eval's `simple_evaluate` (collective for Megatron models); its results, samples included."""
+def evaluate_tasks(model, model_args: str, tasks: list[str], manager, limit: int | None, tracker=None,
+                   seeded: bool = True) -> dict:
+    """lmms-eval's `simple_evaluate` (collective for Megatron models); its results, samples included.
+    `seeded=False` leaves the random generators alone (lmms-eval reseeds them; a trainer must not)."""
     from lmms_eval.evaluator import simple_evaluate
 
+    seeds = {} if seeded else dict(random_seed=None, numpy_random_seed=None, torch_random_seed=None)
     with _single_process_view():
         return simple_evaluate(model=model, model_args=model_args, tasks=tasks, task_manager=manager, limit=limit,
                                log_samples=True, evaluation_tracker=tracker, bootstrap_iters=0,
-                               distributed_executor_backend="torchrun", verbosity="WARNING")
+                               distributed_executor_backend="torchrun", verbosity="WARNING", **seeds)
+
+
+class BenchmarkEvaluation:
+    """--eval-benchmarks: the trainer's model scored on lmms-eval tasks at every evaluation (the first
+    --eval-benchmark-limit samples of each), as scripts/eval/benchmark.py scores a checkpoint."""
+
+    def __init__(self, plan):
+        from megatron_ext.eval.evaluation import TrainerPrompts
+
+        cfg = plan.config
+        require_lmms_eval()
+        self.tasks = [t for t in cfg.eval_benchmarks.split(",") if t]
+        self.limit = cfg.eval_benchmark_limit
+        self.manager = task_manager(self.tasks, cfg.eval_benchmark_include_path)
+        self.prompts = TrainerPrompts(plan)
+
+    def run(self, model) -> dict:
+        """{"benchmark/<task>/<metric>": score}; collective, the same on every rank."""
+        from megatron_ext.eval.lmms_model import MegatronLlava
+
+        lm = MegatronLlava(encoder=self.prompts.encoder, generator=self.prompts.generator(model))
+        results = evaluate_tasks(lm, "", self.tasks, self.manager, self.limit, seeded=False)
+        return {f"benchmark/{row['task']}/{row['metric']}": row["score"] for row in summarize(results)}
 
 
 def summarize(results: dict) -> list[dict]:
@@ -151,7 +177,7 @@ def run_benchmark(source, *, tasks: list[str], include_path: str | None, output_
     else:
         from megatron_ext.eval.lmms_model import MODEL_ID, MegatronLlava
 
-        model = MegatronLlava(source=source, generator=source.generator(tp, pp))
+        model = MegatronLlava(encoder=source.encoder, generator=source.generator(tp, pp))
         model_args = f"pretrained={source.path}"  # names the run in lmms-eval's results
         output_rank = model.generator.is_output_rank
         model_name = MODEL_ID

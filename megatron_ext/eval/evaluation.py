@@ -57,9 +57,8 @@ def score_records(records: list[dict]) -> dict:
     return {**scores, "generated_samples": len(answered), "too_long_samples": len(records) - len(answered)}
 
 
-class AnswerEvaluation:
-    """--eval-generate-samples N: the trainer's model answers the first N val samples greedily at every
-    evaluation, scored as scripts/eval/evaluate.py scores them, with the trainer's chat template."""
+class TrainerPrompts:
+    """How the trainer's evaluations prompt its model: its processor, chat template and aspect mode."""
 
     def __init__(self, plan):
         from megatron_ext.data.chat_template import resolve_chat_template
@@ -67,30 +66,38 @@ class AnswerEvaluation:
         from megatron_ext.hf import loading
 
         cfg = plan.config
-        self.samples = read_samples(cfg.data_path, "val", limit=cfg.eval_generate_samples)
         self.processor = loading.load_processor(str(plan.tokenizer_dir), "--tokenizer-load-dir")
         _, template = resolve_chat_template(cfg.chat_template, cfg.lang, self.processor.tokenizer)
         self.encoder = PromptEncoder(self.processor, template, cfg.image_aspect)
         self.stop_ids = stop_token_ids(self.processor.tokenizer)
         self.arch = plan.arch
+
+    def generator(self, model):
+        """A generator over this rank's bare LLaVAModel (`TrainingModel.model`), collective."""
+        from megatron_ext.eval.megatron_generator import MegatronGenerator
+
+        return MegatronGenerator(model, self.arch, self.processor, self.stop_ids)
+
+
+class AnswerEvaluation:
+    """--eval-generate-samples N: the trainer's model answers the first N val samples greedily at every
+    evaluation, scored as scripts/eval/evaluate.py scores them, with the trainer's chat template."""
+
+    def __init__(self, plan):
+        cfg = plan.config
+        self.samples = read_samples(cfg.data_path, "val", limit=cfg.eval_generate_samples)
+        self.prompts = TrainerPrompts(plan)
         self.options = SamplingOptions(max_new_tokens=cfg.eval_max_new_tokens)
 
     def run(self, model) -> tuple[dict, list[dict]]:
         """(scores, prediction records); collective over the whole world, the same on every rank.
         `model`: this rank's bare LLaVAModel (`TrainingModel.model`) in any TP x PP x DP layout;
         data-parallel replicas split the samples. The model is put in eval mode and back."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state
+        from megatron_ext.distributed import split_over_data_parallel
 
-        from megatron_ext.eval.megatron_generator import MegatronGenerator
-
-        generator = MegatronGenerator(model, self.arch, self.processor, self.stop_ids)
-        dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-        mine = answer_samples(generator, self.encoder, self.samples[dp_rank::dp_size], self.options)
-        gathered = [None] * dp_size
-        dist.all_gather_object(gathered, mine, group=parallel_state.get_data_parallel_group())
-        # Back to the split's order: replica r answered samples r, r + dp_size, ...
-        records = [gathered[i % dp_size][i // dp_size] for i in range(len(self.samples))]
+        generator = self.prompts.generator(model)
+        records = split_over_data_parallel(
+            self.samples, lambda mine: answer_samples(generator, self.prompts.encoder, mine, self.options))
         return score_records(records), records
 
 

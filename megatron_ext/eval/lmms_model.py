@@ -59,47 +59,39 @@ def cut_at_stops(text: str, until) -> str:
 
 
 class MegatronLlava(lmms):
-    """lmms-eval model over a Megatron checkpoint (`megatron_dir`), or over an already opened
-    `ModelSource` and `Generator` (the benchmark command and the trainer pass theirs)."""
+    """lmms-eval model over a Megatron checkpoint (`megatron_dir`: lmms-eval's CLI, one process), or
+    over a prompt encoder and a Megatron generator (benchmark.py and the trainer pass theirs)."""
 
     is_simple = False
 
     def __init__(self, megatron_dir: str | None = None, tp: int | None = None, pp: int | None = None,
                  dtype: str = "auto", chat_template: str | None = None, image_aspect: str | None = None,
-                 source=None, generator=None, **unused):
+                 encoder=None, generator=None, **unused):
         super().__init__()
         from megatron_ext.errors import UserError
         from megatron_ext.eval.checkpoints import open_checkpoint, world_size
 
-        if source is None and world_size() > 1:
-            # lmms-eval's own CLI would hand tensor-parallel peers different requests.
-            raise UserError("under torchrun, score Megatron checkpoints with scripts/eval/benchmark.py "
-                            "(lmms-eval's CLI runs megatron_llava in one process)")
-        self.source = source or open_checkpoint(megatron_dir, None, chat_template, dtype, image_aspect)
-        self.generator = generator or self.source.generator(tp and int(tp), pp and int(pp))
+        if generator is None:
+            if world_size() > 1:
+                # lmms-eval's own CLI would hand tensor-parallel peers different requests.
+                raise UserError("under torchrun, score Megatron checkpoints with scripts/eval/benchmark.py "
+                                "(lmms-eval's CLI runs megatron_llava in one process)")
+            source = open_checkpoint(megatron_dir, None, chat_template, dtype, image_aspect)
+            encoder, generator = source.encoder, source.generator(tp and int(tp), pp and int(pp))
+        self.encoder = encoder
+        self.generator = generator
 
     def generate_until(self, requests) -> list[GenerationResult]:
-        import torch.distributed as dist
+        from megatron_ext.distributed import split_over_data_parallel
 
-        if not dist.is_initialized():
-            return [self._answer(request) for request in requests]
-        from megatron.core import parallel_state
-
-        dp_rank = parallel_state.get_data_parallel_rank()
-        dp_size = parallel_state.get_data_parallel_world_size()
-        mine = [self._answer(request) for request in requests[dp_rank::dp_size]]
-        gathered = [None] * dp_size
-        dist.all_gather_object(gathered, mine, group=parallel_state.get_data_parallel_group())
-        # Back to the requests' order: replica r answered requests r, r + dp_size, ...
-        return [gathered[i % dp_size][i // dp_size] for i in range(len(requests))]
+        return split_over_data_parallel(requests, lambda mine: [self._answer(request) for request in mine])
 
     def _answer(self, request) -> GenerationResult:
         _, doc_to_messages, gen_kwargs, doc_id, task, split = request.args
         messages, images = as_training_messages(doc_to_messages(self.task_dict[task][split][doc_id]))
-        prompt = self.source.encoder.encode(messages, images)
-        generation = self.generator.generate(prompt, sampling_options(gen_kwargs))
+        generation = self.generator.generate(self.encoder.encode(messages, images), sampling_options(gen_kwargs))
         # Decoded as lmms-eval's llava_hf decodes (no stripping), so both paths record the same text.
-        text = self.source.processor.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+        text = self.generator.processor.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
         return GenerationResult(text=cut_at_stops(text, gen_kwargs.get("until")),
                                 token_counts=TokenCounts(output_tokens=len(generation.token_ids)))
 

@@ -21,7 +21,7 @@ from megatron_ext.launch.tokens import TokenizerFiles
 from megatron_ext.train.options import TrainConfig, fields, to_argv
 from megatron_ext.train.plan import make_plan
 
-PATH_FIELDS = ("megatron_load_dir", "tokenizer_load_dir", "save_dir", "data_path")
+PATH_FIELDS = ("megatron_load_dir", "tokenizer_load_dir", "save_dir", "data_path", "eval_benchmark_include_path")
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,7 @@ def trainer_setup(flag_values: dict, passthrough: dict, world_size: int, te: boo
     make_plan(config, world_size, on_gpu, te)
 
     argv = to_argv({f.name: getattr(config, f.name) for f in fields() if getattr(config, f.name) != _default(f)})
-    paths = [Path(p) for p in (config.tokenizer_load_dir, config.save_dir) if p] + data_paths
+    paths = [Path(p) for p in (config.tokenizer_load_dir, config.save_dir, config.eval_benchmark_include_path) if p]
+    paths += data_paths
     paths += [snapshot.root for snapshot in (start, resume) if snapshot]
     return TrainerSetup(config=config, argv=argv, paths=paths, notes=notes)

@@ -117,6 +117,10 @@ class TrainConfig:
     eval_generate_samples: int = opt(0, "At every evaluation also answer the first N val samples greedily and log "
                                         "exact match, BLEU, ROUGE-L and CIDEr.")
     eval_max_new_tokens: int = opt(32, "Most tokens per answer in those evaluations.")
+    eval_benchmarks: str | None = opt(None, "At every evaluation also score these lmms-eval tasks (comma-separated, "
+                                            "e.g. textvqa_val; needs the eval extra) and log their scores.")
+    eval_benchmark_limit: int = opt(200, "Samples per lmms-eval task in those evaluations.")
+    eval_benchmark_include_path: str | None = opt(None, "Directory of extra lmms-eval task YAMLs (local datasets).")
     # --- debugging -------------------------------------------------------------------------
     debug: bool = opt(False, "Verbose logging.")
     deterministic: bool = opt(False, "Deterministic algorithms (slower).")

@@ -134,6 +134,13 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
         raise UserError("--eval-generate-samples needs --eval-interval (evaluations are when answers are generated)")
     if config.eval_generate_samples < 0 or config.eval_max_new_tokens < 1:
         raise UserError("--eval-generate-samples must be >= 0 and --eval-max-new-tokens >= 1")
+    if config.eval_benchmarks and not config.eval_interval:
+        raise UserError("--eval-benchmarks needs --eval-interval (evaluations are when the benchmarks run)")
+    if config.eval_benchmark_limit < 1:
+        raise UserError(f"--eval-benchmark-limit must be >= 1, got {config.eval_benchmark_limit}")
+    include = config.eval_benchmark_include_path
+    if include and not Path(include).is_dir():
+        raise UserError(f"--eval-benchmark-include-path {include} is not a directory of task YAMLs")
     skip_ranges = parse_skip_ranges(config.skip_train_iteration_range)
 
     resume = layout.latest_complete_snapshot(Path(config.save_dir)) if config.save_dir else None

@@ -100,6 +100,11 @@ class Trainer:
         self.train_data = TrainData(plan)
         self.val_data = ValData(plan) if self.cfg.eval_interval else None
         self.answer_eval = AnswerEvaluation(plan) if self.cfg.eval_generate_samples else None
+        self.benchmark_eval = None
+        if self.cfg.eval_benchmarks:
+            from megatron_ext.eval.benchmark import BenchmarkEvaluation  # lmms-eval: imported only when asked
+
+            self.benchmark_eval = BenchmarkEvaluation(plan)
         self.iteration = 0
         self.counters = {"skipped_iterations": 0, "nonfinite_iterations": 0, "samples": 0, "skipped_samples": 0,
                          "truncated_samples": 0}
@@ -205,6 +210,8 @@ class Trainer:
             result.update(scores)
             if self.cfg.save and torch.distributed.get_rank() == 0:
                 write_jsonl(Path(self.cfg.save_dir) / PREDICTIONS_DIR / f"iter_{self.iteration:07d}.jsonl", records)
+        if self.benchmark_eval is not None:
+            result.update(self.benchmark_eval.run(self.trained.model))
         return result
 
     def save(self) -> None:

@@ -1,7 +1,7 @@
 """scripts/eval/benchmark.py: lmms-eval scores an HF checkpoint (through lmms-eval's llava_hf model)
 and the same weights as a Megatron checkpoint at TP2 (through our model class) with the same answers
 and the same scores, on local VQA, multiple-choice and captioning tasks; the scores are lmms-eval's
-and equal the ones recomputed here from the answers."""
+and equal the ones recomputed here from the answers; the trainer's --eval-benchmarks logs them too."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from megatron_ext.convert.compare import synthetic_image
 from tests.eval.lmms_tasks import write_tasks
 from tests.helpers import child_env, run_script, run_torchrun
+from tests.train.conftest import metrics, train, trainer_args
 
 MAX_NEW_TOKENS = 6
 TASKS = "tiny_vqa,tiny_mc,tiny_caption"
@@ -55,7 +56,7 @@ def _answers(out: Path) -> dict[str, dict[int, str]]:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_hf_and_megatron_tp2_give_the_same_answers_and_lmms_eval_scores(llava_clip, megatron_clip, hf_reference,
-                                                                        tmp_path):
+                                                                        train_data, tmp_path):
     (tmp_path / "images").mkdir()
     images = [synthetic_image(10 + i, size) for i, size in enumerate([(64, 48), (50, 80), (40, 40)])]
     paths = [tmp_path / "images" / f"image{i}.png" for i in range(len(images))]
@@ -100,6 +101,15 @@ def test_hf_and_megatron_tp2_give_the_same_answers_and_lmms_eval_scores(llava_cl
     assert scores["tiny_mc", "exact_match"]["score"] == pytest.approx(sum(mc) / 3)
     assert scores["tiny_caption", "coco_CIDEr"]["score"] >= 0.0
     assert "tiny_vqa" in shown and f"lmms-eval results and samples written to {hf_out}" in shown
+
+    # The trainer at DP2, evaluating after an iteration that changed no weight (skipped), logs the same.
+    save = tmp_path / "run"
+    train(2, *trainer_args(megatron_clip, train_data, save, train_iters=1, skip_train_iteration_range="1-1",
+                           eval_interval=1, eval_iters=1, eval_benchmarks=TASKS, eval_benchmark_include_path=tasks,
+                           eval_benchmark_limit=3), env=env, timeout=300)
+    logged = metrics(save, split="val")[1]
+    for (task, metric), row in scores.items():
+        assert logged[f"benchmark/{task}/{metric}"] == row["score"], (task, metric)
 
 
 @pytest.mark.multiprocess

@@ -19,6 +19,8 @@ CASES = {
     "generation needs evaluations": (dict(eval_generate_samples=4), {},
                                      "error: --eval-generate-samples needs --eval-interval (evaluations are when "
                                      "answers are generated)"),
+    "benchmarks need evaluations": (dict(eval_benchmarks="textvqa_val"), {},
+                                    "error: --eval-benchmarks needs --eval-interval"),
 }
 
 
