@@ -48,12 +48,12 @@ def test_the_grep_would_see_a_family_name():
 
 
 def test_every_supported_family_is_registered():
-    assert sorted(families.text_families()) == ["llama", "mistral", "qwen2"]
+    assert sorted(families.text_families()) == ["llama", "mistral", "qwen2", "qwen3"]
     assert sorted(families.vision_families()) == ["clip_vision_model", "siglip_vision_model"]
 
 
 def test_unknown_model_types_name_the_supported_ones():
-    with pytest.raises(UserError, match=r"^text model_type 'gpt2' is not supported \(supported: llama, mistral, qwen2\)$"):
+    with pytest.raises(UserError, match=r"^text model_type 'gpt2' is not supported \(supported: llama, mistral, qwen2, qwen3\)$"):
         families.text_family("gpt2")
     with pytest.raises(UserError, match=r"^vision model_type 'vit' is not supported "
                                         r"\(supported: clip_vision_model, siglip_vision_model\)$"):
