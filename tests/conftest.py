@@ -70,6 +70,14 @@ def tiny_qwen2_tied(tmp_path_factory) -> Path:
     return make_text_model(tmp_path_factory.mktemp("tiny_qwen2") / "text", TinyTextSpec(arch="qwen2", tie_word_embeddings=True))
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    """A Qwen3 text model: q/k RMSNorm per head, head_dim 32 (hidden 64 / 4 heads would be 16)."""
+    from megatron_ext.hf.tiny_models import TinyTextSpec, make_text_model
+
+    return make_text_model(tmp_path_factory.mktemp("tiny_qwen3") / "text", TinyTextSpec(arch="qwen3"))
+
+
 def _build(tmp_path_factory, name, text, vision, padding=False) -> Path:
     from megatron_ext.hf.build_llava import build_llava
 
@@ -86,6 +94,12 @@ def llava_clip(tmp_path_factory, tiny_hf) -> Path:
 def llava_qwen2_siglip(tmp_path_factory, tiny_qwen2_tied, tiny_hf) -> Path:
     """LLaVA: Qwen2-style (qkv bias, tied embeddings) + SigLIP (all patches, no post-norm)."""
     return _build(tmp_path_factory, "llava_qwen2_siglip", tiny_qwen2_tied, tiny_hf["vision-siglip"])
+
+
+@pytest.fixture(scope="session")
+def llava_qwen3_siglip(tmp_path_factory, tiny_qwen3, tiny_hf) -> Path:
+    """LLaVA: Qwen3 (q/k norms, head_dim != hidden/heads) + SigLIP."""
+    return _build(tmp_path_factory, "llava_qwen3_siglip", tiny_qwen3, tiny_hf["vision-siglip"])
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """megatron-ext-demo: the tiny end-to-end demo on CPU, and the tiny random models it starts from.
 
     megatron-ext-demo run [--output-dir demo_output]
-    megatron-ext-demo tiny-models --save-dir DIR [--text-arch qwen2] [--tie-word-embeddings]
+    megatron-ext-demo tiny-models --save-dir DIR [--text-arch MODEL_TYPE] [--tie-word-embeddings]
 
 (scripts/demo/run_demo.py and make_tiny_hf_models.py run the same commands.)
 """
@@ -14,6 +14,7 @@ import click
 
 from megatron_ext.demo import DemoSettings
 from megatron_ext.errors import run_command
+from megatron_ext.families import TINY_TEXT_DEFAULT, text_families
 
 
 @click.command("run")
@@ -55,8 +56,8 @@ def demo(output_dir, stage1_iters, stage2_iters):
 
 @click.command("tiny-models")
 @click.option("--save-dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
-@click.option("--text-arch", type=click.Choice(["llama", "qwen2"]), default="llama", show_default=True,
-              help="qwen2 adds bias to the q/k/v projections.")
+@click.option("--text-arch", type=click.Choice(sorted(text_families())), default=TINY_TEXT_DEFAULT, show_default=True,
+              help="Text family (HF model_type) of the tiny text model.")
 @click.option("--tie-word-embeddings", is_flag=True, help="Share the input embedding with the LM head.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--force", is_flag=True, help="Replace a non-empty --save-dir.")

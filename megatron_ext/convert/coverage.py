@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron_ext.convert.mapping import Mapping
+from megatron_ext.convert.table import Mapping
 
 _SHOWN = 20
 

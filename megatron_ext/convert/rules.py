@@ -14,8 +14,6 @@ import torch
 
 
 class Rule:
-    num_hf: int = 1
-
     def hf_to_megatron(self, hf: list[torch.Tensor]) -> torch.Tensor:
         return hf[0]
 
@@ -101,7 +99,6 @@ class QKV(Rule):
     num_heads: int
     num_query_groups: int
     head_dim: int
-    num_hf: int = 3
 
     def _sizes(self):
         per_group = self.num_heads // self.num_query_groups
@@ -130,8 +127,6 @@ class GatedMLP(Rule):
 
     Each rank needs its slice of both halves, so it is not a plain column split.
     """
-
-    num_hf = 2
 
     def hf_to_megatron(self, hf):
         gate, up = hf

@@ -13,15 +13,15 @@ What it does, in order:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from megatron_ext.data.chat_template import processor_template
-from megatron_ext.errors import UserError
+from megatron_ext.families import tower_config, vision_family
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 from megatron_ext.hf import loading
+from megatron_ext.model.arch import VOCAB_MULTIPLE
 
 log = logging.getLogger(__name__)
 
@@ -29,42 +29,6 @@ log = logging.getLogger(__name__)
 DEFAULT_VISION_MODEL = "openai/clip-vit-large-patch14-336"
 IMAGE_TOKEN = "<image>"
 PAD_TOKEN = "<pad>"
-VOCAB_PAD_MULTIPLE = 128
-
-
-@dataclass(frozen=True)
-class VisionRecipe:
-    """How LLaVA reads features from a given tower family (as LLaVA-1.5 / LLaVA-NeXT-SigLIP do)."""
-
-    feature_layer: int  # index into hidden_states; -2 = penultimate layer's output
-    select_strategy: str  # "default" drops the CLS token, "full" keeps every position
-    extra_tokens: int  # class tokens the tower puts in front of the patches
-
-
-VISION_RECIPES = {
-    "clip_vision_model": VisionRecipe(feature_layer=-2, select_strategy="default", extra_tokens=1),
-    "siglip_vision_model": VisionRecipe(feature_layer=-1, select_strategy="full", extra_tokens=0),
-}
-# Full two-tower checkpoints (e.g. openai/clip-*) carry the vision config inside.
-_FULL_TO_VISION = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
-
-
-def vision_config_of(config, flag: str = "--vision-model"):
-    """The vision-tower config inside `config`, with its model_type checked."""
-    model_type = getattr(config, "model_type", None)
-    if model_type in _FULL_TO_VISION:
-        config = config.vision_config
-        model_type = config.model_type
-    if model_type not in VISION_RECIPES:
-        supported = ", ".join(sorted(set(VISION_RECIPES) | set(_FULL_TO_VISION)))
-        raise UserError(f"{flag}: vision model_type {model_type!r} is not supported (supported: {supported})")
-    return config
-
-
-def _vision_model_class(vision_config):
-    from transformers import CLIPVisionModel, SiglipVisionModel
-
-    return {"clip_vision_model": CLIPVisionModel, "siglip_vision_model": SiglipVisionModel}[vision_config.model_type]
 
 
 def add_special_tokens(tokenizer) -> tuple[int, int]:
@@ -85,7 +49,9 @@ def _resolve_dtype(dtype: str, text_config) -> torch.dtype:
         if isinstance(stored, torch.dtype):
             return stored
         return getattr(torch, stored) if isinstance(stored, str) else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    from megatron_ext.model.provider import DTYPES
+
+    return DTYPES[dtype]
 
 
 def build_llava(
@@ -98,6 +64,7 @@ def build_llava(
     seed: int = 0,
 ) -> Path:
     """Write a LLaVA checkpoint + tokenizer + processor to `save_dir`; returns its path."""
+    import transformers
     from transformers import AutoModelForCausalLM, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
     from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
@@ -105,17 +72,18 @@ def build_llava(
 
     text_config = loading.load_config(text_model, "--text-model")
     tokenizer = loading.load_tokenizer(text_model, "--text-model")
-    vision_config = vision_config_of(loading.load_config(vision_model, "--vision-model"))
+    vision_config = tower_config(loading.load_config(vision_model, "--vision-model"), "--vision-model")
     image_processor = loading.load_image_processor(vision_model, "--vision-model")
-    recipe = VISION_RECIPES[vision_config.model_type]
+    tower = vision_family(vision_config.model_type)
     torch_dtype = _resolve_dtype(dtype, text_config)
 
     image_token_id, pad_token_id = add_special_tokens(tokenizer)
     num_patches = (vision_config.image_size // vision_config.patch_size) ** 2
-    image_seq_length = num_patches + (recipe.extra_tokens if recipe.select_strategy == "full" else 0)
+    image_seq_length = num_patches + (tower.extra_tokens if tower.select_strategy == "full" else 0)
 
     text = loading.load_pretrained(AutoModelForCausalLM, text_model, "--text-model", dtype=torch_dtype)
-    vision = loading.load_pretrained(_vision_model_class(vision_config), vision_model, "--vision-model", dtype=torch_dtype)
+    vision = loading.load_pretrained(getattr(transformers, tower.model_class), vision_model, "--vision-model",
+                                     dtype=torch_dtype)
 
     config = LlavaConfig(
         text_config=text.config.to_dict(),
@@ -123,8 +91,8 @@ def build_llava(
         image_token_index=image_token_id,
         image_seq_length=image_seq_length,
         projector_hidden_act="gelu",
-        vision_feature_layer=recipe.feature_layer,
-        vision_feature_select_strategy=recipe.select_strategy,
+        vision_feature_layer=tower.feature_layer,
+        vision_feature_select_strategy=tower.select_strategy,
         multimodal_projector_bias=True,
         tie_word_embeddings=bool(text.config.tie_word_embeddings),
     )
@@ -144,7 +112,7 @@ def build_llava(
     # in a second step so they never change the rows (and logits) of tokens the tokenizer has.
     llava.resize_token_embeddings(len(tokenizer), mean_resizing=True)
     if vocab_size_padding:
-        llava.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=VOCAB_PAD_MULTIPLE, mean_resizing=False)
+        llava.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=VOCAB_MULTIPLE, mean_resizing=False)
     # Only now is the pad id inside the (resized) vocabulary.
     llava.config.pad_token_id = pad_token_id
     llava.config.text_config.pad_token_id = pad_token_id
@@ -156,8 +124,8 @@ def build_llava(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=vision_config.patch_size,
-        vision_feature_select_strategy=recipe.select_strategy,
-        num_additional_image_tokens=recipe.extra_tokens,
+        vision_feature_select_strategy=tower.select_strategy,
+        num_additional_image_tokens=tower.extra_tokens,
         image_token=IMAGE_TOKEN,
         # Wrapped so that HF's structured messages render as training renders them (lmms-eval, vLLM).
         chat_template=processor_template(tokenizer.chat_template, tokenizer) if tokenizer.chat_template else None,
@@ -169,6 +137,6 @@ def build_llava(
     log.info(
         "wrote %s: vocab %d (tokenizer %d), <image>=%d, <pad>=%d, vision %s, feature layer %d (%s)",
         save_dir, llava.config.text_config.vocab_size, len(tokenizer), image_token_id, pad_token_id,
-        vision_config.model_type, recipe.feature_layer, recipe.select_strategy,
+        vision_config.model_type, tower.feature_layer, tower.select_strategy,
     )
     return save_dir

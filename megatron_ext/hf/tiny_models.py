@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.families import TINY_TEXT_DEFAULT
+
 # Role markers and end-of-turn are single special tokens, as in current chat models.
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
@@ -65,7 +67,7 @@ def _corpus() -> list[str]:
 class TinyTextSpec:
     """Shape of the tiny text model. Defaults give GQA (4 query heads, 2 KV heads)."""
 
-    arch: str = "llama"  # "llama" or "qwen2" (attention bias on q/k/v)
+    arch: str = TINY_TEXT_DEFAULT  # a text family's model_type (megatron_ext.families)
     vocab_size: int = 1000
     hidden_size: int = 64
     num_layers: int = 2
@@ -124,11 +126,13 @@ def _seeded(seed: int):
 
 
 def make_text_model(save_dir: Path, spec: TinyTextSpec = TinyTextSpec(), seed: int = 0) -> Path:
-    """Write a random causal LM (Llama or Qwen2 architecture) and its tokenizer to `save_dir`."""
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+    """Write a random causal LM of family `spec.arch` and its tokenizer to `save_dir`."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from megatron_ext.families import text_family
 
     tokenizer = train_tokenizer(spec.vocab_size)
-    common = dict(
+    config = text_family(spec.arch).tiny_config(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -142,12 +146,6 @@ def make_text_model(save_dir: Path, spec: TinyTextSpec = TinyTextSpec(), seed: i
         eos_token_id=tokenizer.eos_token_id,
         initializer_range=spec.initializer_range,
     )
-    if spec.arch == "llama":
-        config = LlamaConfig(**common, rms_norm_eps=1e-5)
-    elif spec.arch == "qwen2":
-        config = Qwen2Config(**common, rms_norm_eps=1e-6)
-    else:
-        raise ValueError(f"unknown tiny text architecture {spec.arch!r} (llama, qwen2)")
     _seeded(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
@@ -159,46 +157,35 @@ def make_text_model(save_dir: Path, spec: TinyTextSpec = TinyTextSpec(), seed: i
 
 
 def make_vision_model(save_dir: Path, kind: str, spec: TinyVisionSpec = TinyVisionSpec(), seed: int = 0) -> Path:
-    """Write a random CLIP or SigLIP vision tower and its image processor to `save_dir`."""
-    from transformers import (
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        CLIPVisionModel,
-        SiglipImageProcessor,
-        SiglipVisionConfig,
-        SiglipVisionModel,
-    )
+    """Write a random vision tower and its image processor to `save_dir`; `kind` names a tower
+    family by its two-tower model_type (clip, siglip)."""
+    from megatron_ext.families import vision_families
 
-    common = dict(
+    towers = {f.full_model_type: f for f in vision_families().values()}
+    if kind not in towers:
+        raise ValueError(f"unknown tiny vision tower {kind!r} ({', '.join(sorted(towers))})")
+
+    fields = dict(
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,
-        image_size=spec.image_size,
         patch_size=spec.patch_size,
     )
     _seeded(seed)
-    if kind == "clip":
-        model = CLIPVisionModel(CLIPVisionConfig(**common, hidden_act="quick_gelu"))
-        processor = CLIPImageProcessor(
-            size={"shortest_edge": spec.image_size},
-            crop_size={"height": spec.image_size, "width": spec.image_size},
-        )
-    elif kind == "siglip":
-        model = SiglipVisionModel(SiglipVisionConfig(**common))
-        processor = SiglipImageProcessor(size={"height": spec.image_size, "width": spec.image_size})
-    else:
-        raise ValueError(f"unknown tiny vision tower {kind!r} (clip, siglip)")
+    model, processor = towers[kind].tiny_tower(fields, spec.image_size)
     model.save_pretrained(save_dir)
     processor.save_pretrained(save_dir)
     return save_dir
 
 
 def make_all(save_dir: Path, text_spec: TinyTextSpec = TinyTextSpec(), seed: int = 0) -> dict[str, Path]:
-    """The three folders the demo and tests use: text, vision-clip, vision-siglip."""
+    """The folders the demo and tests use: text, and vision-NAME for every tower family NAME
+    (vision-clip, vision-siglip)."""
+    from megatron_ext.families import vision_families
+
     save_dir = Path(save_dir)
-    return {
-        "text": make_text_model(save_dir / "text", text_spec, seed),
-        "vision-clip": make_vision_model(save_dir / "vision-clip", "clip", seed=seed + 1),
-        "vision-siglip": make_vision_model(save_dir / "vision-siglip", "siglip", seed=seed + 2),
-    }
+    made = {"text": make_text_model(save_dir / "text", text_spec, seed)}
+    for i, kind in enumerate(sorted(f.full_model_type for f in vision_families().values()), start=1):
+        made[f"vision-{kind}"] = make_vision_model(save_dir / f"vision-{kind}", kind, seed=seed + i)
+    return made

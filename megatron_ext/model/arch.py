@@ -1,7 +1,8 @@
 """What a Hugging Face LLaVA config means for megatron-core, checked once.
 
 `LlavaArch.from_hf_config` reads an HF `LlavaConfig` (object or config.json dict) and derives every
-number the Megatron model needs, refusing what megatron-core cannot compute exactly. Everything
+number the Megatron model needs, refusing what megatron-core cannot compute exactly; the text and
+vision parts are read by their family (`megatron_ext.families`). Everything
 downstream (model provider, converters, trainer) reads these dataclasses, never the HF config.
 """
 
@@ -12,15 +13,13 @@ from typing import Any
 
 from megatron_ext.errors import UserError
 
-SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
-SUPPORTED_VISION_MODELS = ("clip_vision_model", "siglip_vision_model")
 # Megatron's vocab is padded to a TP-independent multiple so checkpoints reshard across TP sizes.
 VOCAB_MULTIPLE = 128
 # megatron-core's RotaryEmbedding implements llama3 scaling with these constants only.
 _LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
+def get(cfg: Any, key: str, default: Any = None) -> Any:
     if isinstance(cfg, dict):
         return cfg.get(key, default)
     return getattr(cfg, key, default)
@@ -49,56 +48,23 @@ class TextArch:
     rope_theta: float
     rope_scaling_factor: float | None  # llama3-style scaling, None when absent
     qkv_bias: bool
+    qk_layernorm: bool  # RMSNorm over each head's query and key
     tie_word_embeddings: bool
     max_position_embeddings: int
     init_std: float
 
     @classmethod
     def from_hf(cls, cfg: Any) -> "TextArch":
-        model_type = _get(cfg, "model_type")
-        if model_type not in SUPPORTED_TEXT_MODELS:
-            raise UserError(
-                f"text model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_TEXT_MODELS)})"
-            )
-        if _get(cfg, "hidden_act", "silu") != "silu":
-            raise UserError(f"text hidden_act {_get(cfg, 'hidden_act')!r} is not supported (only silu / SwiGLU)")
-        if _get(cfg, "mlp_bias", False):
-            raise UserError("text models with mlp_bias=true are not supported")
-        if model_type == "llama" and _get(cfg, "attention_bias", False):
-            raise UserError("llama models with attention_bias=true (bias on o_proj too) are not supported")
-        sliding = _get(cfg, "sliding_window")
-        if sliding is not None and _get(cfg, "use_sliding_window", model_type == "mistral"):
-            if sliding < _get(cfg, "max_position_embeddings"):
-                raise UserError(f"sliding-window attention (sliding_window={sliding}) is not supported")
-        heads = _get(cfg, "num_attention_heads")
-        hidden = _get(cfg, "hidden_size")
-        vocab = _get(cfg, "vocab_size")
-        theta, scaling = _rope(cfg)
-        return cls(
-            model_type=model_type,
-            num_layers=_get(cfg, "num_hidden_layers"),
-            hidden_size=hidden,
-            ffn_hidden_size=_get(cfg, "intermediate_size"),
-            num_attention_heads=heads,
-            num_query_groups=_get(cfg, "num_key_value_heads") or heads,
-            kv_channels=_get(cfg, "head_dim") or hidden // heads,
-            vocab_size=vocab,
-            padded_vocab_size=padded_vocab_size(vocab),
-            norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling_factor=scaling,
-            qkv_bias=model_type == "qwen2",
-            tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
-            max_position_embeddings=_get(cfg, "max_position_embeddings"),
-            init_std=float(_get(cfg, "initializer_range", 0.02)),
-        )
+        from megatron_ext.families import text_family
+
+        return text_family(get(cfg, "model_type")).read(cfg)
 
 
-def _rope(cfg: Any) -> tuple[float, float | None]:
+def rope(cfg: Any) -> tuple[float, float | None]:
     """(theta, llama3 scaling factor or None) from transformers 5 `rope_parameters` or older keys."""
-    params = _get(cfg, "rope_parameters") or {}
-    legacy = _get(cfg, "rope_scaling") or {}
-    theta = float(params.get("rope_theta", _get(cfg, "rope_theta", 10000.0)))
+    params = get(cfg, "rope_parameters") or {}
+    legacy = get(cfg, "rope_scaling") or {}
+    theta = float(params.get("rope_theta", get(cfg, "rope_theta", 10000.0)))
     rope_type = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
     if rope_type == "default":
         return theta, None
@@ -114,8 +80,7 @@ def _rope(cfg: Any) -> tuple[float, float | None]:
 @dataclass(frozen=True)
 class VisionArch:
     model_type: str
-    subtype: str  # megatron-core CLIPViTModel subtype: "clip" or "siglip"
-    hf_num_layers: int
+    subtype: str  # megatron-core CLIPViTModel subtype
     num_layers: int  # layers up to the feature layer; the ones after it are never used by LLaVA
     hidden_size: int
     ffn_hidden_size: int
@@ -133,37 +98,9 @@ class VisionArch:
 
     @classmethod
     def from_hf(cls, cfg: Any, feature_layer: int) -> "VisionArch":
-        model_type = _get(cfg, "model_type")
-        if model_type not in SUPPORTED_VISION_MODELS:
-            raise UserError(
-                f"vision model_type {model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_VISION_MODELS)})"
-            )
-        from megatron_ext.model.activation_names import hf_activation
+        from megatron_ext.families import vision_family
 
-        hf_layers = _get(cfg, "num_hidden_layers")
-        # hidden_states[0] is the embedding output, hidden_states[i] the output of layer i.
-        used = feature_layer if feature_layer >= 0 else hf_layers + 1 + feature_layer
-        if not 1 <= used <= hf_layers:
-            raise UserError(
-                f"vision_feature_layer {feature_layer} selects no transformer layer of a {hf_layers}-layer tower"
-            )
-        clip = model_type == "clip_vision_model"
-        return cls(
-            model_type=model_type,
-            subtype="clip" if clip else "siglip",
-            hf_num_layers=hf_layers,
-            num_layers=used,
-            hidden_size=_get(cfg, "hidden_size"),
-            ffn_hidden_size=_get(cfg, "intermediate_size"),
-            num_attention_heads=_get(cfg, "num_attention_heads"),
-            image_size=_get(cfg, "image_size"),
-            patch_size=_get(cfg, "patch_size"),
-            norm_eps=float(_get(cfg, "layer_norm_eps", 1e-5)),
-            activation=hf_activation(_get(cfg, "hidden_act")),
-            class_token=clip,
-            init_std=float(_get(cfg, "initializer_range", 0.02)),
-        )
+        return vision_family(get(cfg, "model_type")).read(cfg, feature_layer)
 
 
 @dataclass(frozen=True)
@@ -195,7 +132,8 @@ class LlavaArch:
         strategy = cfg.get("vision_feature_select_strategy", "default")
         vision = VisionArch.from_hf(cfg["vision_config"], feature_layer)
         if strategy == "default" and not vision.class_token:
-            raise UserError("vision_feature_select_strategy 'default' drops a class token, but SigLIP has none; use 'full'")
+            raise UserError(f"vision_feature_select_strategy 'default' drops a class token, but {vision.model_type} "
+                            "has none; use 'full'")
         image_token = cfg.get("image_token_index", cfg.get("image_token_id"))
         return cls(
             text=TextArch.from_hf(cfg["text_config"]),

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from megatron_ext.distributed import device
+from megatron_ext.families import text_family, vision_family
 from megatron_ext.model.activations import ACTIVATIONS
 from megatron_ext.model.arch import LlavaArch
 from megatron_ext.model.backends import resolve_backend, te_available
@@ -98,28 +98,13 @@ def transformer_configs(arch: LlavaArch, opts: ModelOptions, backend: str, tp: i
         num_attention_heads=t.num_attention_heads,
         num_query_groups=t.num_query_groups,
         kv_channels=t.kv_channels,
-        normalization="RMSNorm",
-        layernorm_epsilon=t.norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=t.qkv_bias,
+        **text_family(t.model_type).language_config(t),
     )
     vision = TransformerConfig(
         **_common(opts, backend, tp, v.init_std),
         # The ViT lives whole on the first pipeline stage; a PP size here would drop layers.
         pipeline_model_parallel_size=1,
-        num_layers=v.num_layers,
-        hidden_size=v.hidden_size,
-        ffn_hidden_size=v.ffn_hidden_size,
-        num_attention_heads=v.num_attention_heads,
-        kv_channels=v.hidden_size // v.num_attention_heads,
-        normalization="LayerNorm",
-        layernorm_epsilon=v.norm_eps,
-        gated_linear_unit=False,
-        activation_func=ACTIVATIONS[v.activation],
-        add_bias_linear=True,
-        add_qkv_bias=True,
+        **vision_family(v.model_type).vision_config(v),
     )
     vision.vision_model_type = v.subtype
     projector = TransformerConfig(
@@ -147,7 +132,7 @@ def build_model(arch: LlavaArch, opts: ModelOptions = ModelOptions(), vp_stage: 
     arch.check_parallel(tp, pp)
     backend = opts.resolved_backend()
     language_cfg, vision_cfg, projector_cfg = transformer_configs(arch, opts, backend, tp, pp)
-    specs = llava_specs(backend)
+    specs = llava_specs(backend, language_cfg)
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     t = arch.text
@@ -178,9 +163,9 @@ def build_model(arch: LlavaArch, opts: ModelOptions = ModelOptions(), vp_stage: 
         image_token_index=arch.image_token_index,
         vp_stage=vp_stage,
     )
-    if model.vision_model is not None and arch.vision.subtype == "siglip":
-        # HF LLaVA reads SigLIP features from hidden_states, before post_layernorm; megatron's
-        # siglip subtype applies it. Dropping it here makes both compute the same features.
+    if model.vision_model is not None:
+        # HF LLaVA reads features from hidden_states, which no tower's post_layernorm touches;
+        # megatron's CLIPViTModel applies one for some subtypes (siglip). Without it both agree.
         model.vision_model.ln_post = None
     model.model_type = ModelType.encoder_or_decoder
     # How batches must express packing to it (model.inputs).

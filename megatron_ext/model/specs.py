@@ -64,8 +64,9 @@ def _with_core_attention(layer_spec, core_attention):
     return spec
 
 
-def llava_specs(backend: str) -> LlavaSpecs:
-    """Specs for a resolved backend: te, sdpa or local."""
+def llava_specs(backend: str, language_config) -> LlavaSpecs:
+    """Specs for a resolved backend (te, sdpa or local). The language layer follows the language
+    TransformerConfig its family wrote: its norm class and whether q/k are normalised."""
     from megatron.core.transformer.mlp import MLPSubmodules
 
     if backend == "te":
@@ -74,7 +75,7 @@ def llava_specs(backend: str) -> LlavaSpecs:
         from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_transformer_engine_spec
 
         specs = LlavaSpecs(
-            language=get_gpt_layer_with_transformer_engine_spec(),
+            language=get_gpt_layer_with_transformer_engine_spec(qk_layernorm=language_config.qk_layernorm),
             vision=get_vit_layer_with_transformer_engine_spec(),
             projector=MLPSubmodules(linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear),
             backend=backend,
@@ -88,7 +89,8 @@ def llava_specs(backend: str) -> LlavaSpecs:
 
         core_attention = SDPAttention if backend == "sdpa" else DotProductAttention
         specs = LlavaSpecs(
-            language=_with_core_attention(get_gpt_layer_local_spec(normalization="RMSNorm"), core_attention),
+            language=_with_core_attention(get_gpt_layer_local_spec(
+                normalization=language_config.normalization, qk_layernorm=language_config.qk_layernorm), core_attention),
             vision=_local_vit_layer_spec(core_attention),
             projector=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             backend=backend,

@@ -87,11 +87,13 @@ def _hf_config(config: TrainConfig, start: layout.Snapshot | None, resume: layou
 
 
 def _apply_class_token_choice(hf_config: dict, no_add_class_token: bool) -> dict:
-    """--no-add-class-token: the CLIP class token is not passed to the language model."""
+    """--no-add-class-token: the vision class token is not passed to the language model."""
+    from megatron_ext.families import vision_family
+
     if not no_add_class_token or hf_config.get("vision_feature_select_strategy") == "default":
         return hf_config
-    if hf_config["vision_config"].get("model_type") != "clip_vision_model":
-        return hf_config  # SigLIP has no class token to drop
+    if not vision_family(hf_config["vision_config"].get("model_type")).class_token:
+        return hf_config  # a tower without a class token has none to drop
     return {**hf_config, "vision_feature_select_strategy": "default"}
 
 

@@ -1,0 +1,115 @@
+"""What Llama-shaped text families share: RMSNorm, SwiGLU, RoPE, grouped-query attention and
+the HF names `LlamaForCausalLM` uses. A family module creates one `LlamaLikeFamily` with the few
+things that set it apart (q/k/v bias, per-head q/k norms, a sliding-window default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_ext.convert.rules import GATED_MLP, QKV, REPLICATED, ROW, VocabParallel
+from megatron_ext.convert.table import HF_LM, LM, Mapping, row
+from megatron_ext.errors import UserError
+from megatron_ext.model.arch import TextArch, get, padded_vocab_size, rope
+
+_ATTN = HF_LM + "self_attn."
+
+
+@dataclass(frozen=True)
+class LlamaLikeFamily:
+    model_type: str  # HF config's model_type
+    config_class: str  # transformers config class the tiny test model is built from
+    qkv_bias: bool = False  # bias on q/k/v (not on o_proj) whatever the config says (Qwen2)
+    qk_layernorm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
+    # Whether `sliding_window` applies when the config has no `use_sliding_window` (Mistral).
+    sliding_window_by_default: bool = False
+    tiny_norm_eps: float = 1e-6
+    tiny_head_dim: int | None = None  # None: hidden_size / heads
+
+    def read(self, cfg: Any) -> TextArch:
+        """The TextArch of an HF text config of this family, refusing what megatron-core cannot compute."""
+        if get(cfg, "hidden_act", "silu") != "silu":
+            raise UserError(f"text hidden_act {get(cfg, 'hidden_act')!r} is not supported (only silu / SwiGLU)")
+        if get(cfg, "mlp_bias", False):
+            raise UserError("text models with mlp_bias=true are not supported")
+        if get(cfg, "attention_bias", False) and not self.qkv_bias:
+            raise UserError(f"{self.model_type} models with attention_bias=true (bias on o_proj too) are not supported")
+        sliding = get(cfg, "sliding_window")
+        if sliding is not None and get(cfg, "use_sliding_window", self.sliding_window_by_default):
+            if sliding < get(cfg, "max_position_embeddings"):
+                raise UserError(f"sliding-window attention (sliding_window={sliding}) is not supported")
+        heads = get(cfg, "num_attention_heads")
+        hidden = get(cfg, "hidden_size")
+        vocab = get(cfg, "vocab_size")
+        theta, scaling = rope(cfg)
+        return TextArch(
+            model_type=self.model_type,
+            num_layers=get(cfg, "num_hidden_layers"),
+            hidden_size=hidden,
+            ffn_hidden_size=get(cfg, "intermediate_size"),
+            num_attention_heads=heads,
+            num_query_groups=get(cfg, "num_key_value_heads") or heads,
+            kv_channels=get(cfg, "head_dim") or hidden // heads,
+            vocab_size=vocab,
+            padded_vocab_size=padded_vocab_size(vocab),
+            norm_eps=float(get(cfg, "rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling_factor=scaling,
+            qkv_bias=self.qkv_bias,
+            qk_layernorm=self.qk_layernorm,
+            tie_word_embeddings=bool(get(cfg, "tie_word_embeddings", False)),
+            max_position_embeddings=get(cfg, "max_position_embeddings"),
+            init_std=float(get(cfg, "initializer_range", 0.02)),
+        )
+
+    def language_config(self, t: TextArch) -> dict:
+        """megatron-core TransformerConfig fields of the language model (the layer spec follows
+        `normalization` and `qk_layernorm`)."""
+        import torch.nn.functional as F
+
+        return dict(
+            normalization="RMSNorm",
+            layernorm_epsilon=t.norm_eps,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=t.qkv_bias,
+            qk_layernorm=t.qk_layernorm,
+        )
+
+    def rows(self, t: TextArch) -> tuple[list[Mapping], list[Mapping]]:
+        """(tensors held once, tensors of every layer `*`) of the language model."""
+        vocab = VocabParallel(t.vocab_size, t.padded_vocab_size)
+        qkv = QKV(t.num_attention_heads, t.num_query_groups, t.kv_channels)
+        projections = tuple(_ATTN + f"{p}_proj." for p in "qkv")
+        layer = [
+            row(LM + "self_attention.linear_qkv.layer_norm_weight", HF_LM + "input_layernorm.weight", REPLICATED),
+            row(LM + "self_attention.linear_qkv.weight", tuple(p + "weight" for p in projections), qkv),
+            row(LM + "self_attention.linear_proj.weight", _ATTN + "o_proj.weight", ROW),
+            row(LM + "mlp.linear_fc1.layer_norm_weight", HF_LM + "post_attention_layernorm.weight", REPLICATED),
+            row(LM + "mlp.linear_fc1.weight", (HF_LM + "mlp.gate_proj.weight", HF_LM + "mlp.up_proj.weight"), GATED_MLP),
+            row(LM + "mlp.linear_fc2.weight", HF_LM + "mlp.down_proj.weight", ROW),
+        ]
+        if t.qkv_bias:
+            layer.append(row(LM + "self_attention.linear_qkv.bias", tuple(p + "bias" for p in projections), qkv))
+        if t.qk_layernorm:
+            layer += [row(LM + "self_attention.q_layernorm.weight", _ATTN + "q_norm.weight", REPLICATED),
+                      row(LM + "self_attention.k_layernorm.weight", _ATTN + "k_norm.weight", REPLICATED)]
+        embed = "language_model.model.embed_tokens.weight"
+        once = [
+            row("language_model.embedding.word_embeddings.weight", embed, vocab),
+            row("language_model.decoder.final_layernorm.weight", "language_model.model.norm.weight", REPLICATED),
+            # With tied embeddings only the last pipeline stage has its own copy of this tensor.
+            row("language_model.output_layer.weight", embed if t.tie_word_embeddings else "language_model.lm_head.weight",
+                vocab, tied=t.tie_word_embeddings),
+        ]
+        return once, layer
+
+    def tiny_config(self, **fields):
+        """A transformers config of this family with `fields` (sizes, vocab, special tokens)."""
+        import transformers
+
+        if self.tiny_head_dim is not None:
+            fields = {**fields, "head_dim": self.tiny_head_dim}
+        return getattr(transformers, self.config_class)(**fields, rms_norm_eps=self.tiny_norm_eps)

@@ -1,0 +1,69 @@
+"""The family registry: one place knows each family, lookups name what is supported, and no module
+outside megatron_ext/families/ names a family."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_ext import families
+from megatron_ext.errors import UserError
+
+PACKAGE = Path(families.__file__).resolve().parent.parent
+
+
+def _family_patterns() -> list[re.Pattern]:
+    """Quoted model_type strings and transformers class names of every family."""
+    quoted, classes = set(), set()
+    for f in families.text_families().values():
+        quoted.add(f.model_type)
+        classes.add(f.config_class.removesuffix("Config"))
+    for f in families.vision_families().values():
+        quoted |= {f.model_type, f.full_model_type, f.subtype}
+        classes |= {f.config_class.removesuffix("VisionConfig"), f.model_class.removesuffix("VisionModel")}
+    suffixes = "Config|VisionConfig|Model|VisionModel|ForCausalLM|ImageProcessor|Tokenizer"
+    return [re.compile(rf"""["']({'|'.join(map(re.escape, sorted(quoted)))})["']"""),
+            re.compile(rf"\b({'|'.join(map(re.escape, sorted(classes)))})({suffixes})\w*\b")]
+
+
+def test_no_module_outside_the_families_package_names_a_family():
+    patterns = _family_patterns()
+    hits = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "families":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if any(p.search(line) for p in patterns):
+                hits.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}")
+    assert not hits, "family names outside megatron_ext/families/:\n" + "\n".join(hits)
+
+
+def test_the_grep_would_see_a_family_name():
+    patterns = _family_patterns()
+    assert any(p.search('if cfg.model_type == "qwen2":') for p in patterns)
+    assert any(p.search("from transformers import SiglipVisionModel") for p in patterns)
+    assert not any(p.search("clip_grad=cfg.clip_grad") for p in patterns)
+
+
+def test_every_supported_family_is_registered():
+    assert sorted(families.text_families()) == ["llama", "mistral", "qwen2", "qwen3"]
+    assert sorted(families.vision_families()) == ["clip_vision_model", "siglip_vision_model"]
+
+
+def test_unknown_model_types_name_the_supported_ones():
+    with pytest.raises(UserError, match=r"^text model_type 'gpt2' is not supported \(supported: llama, mistral, qwen2, qwen3\)$"):
+        families.text_family("gpt2")
+    with pytest.raises(UserError, match=r"^vision model_type 'vit' is not supported "
+                                        r"\(supported: clip_vision_model, siglip_vision_model\)$"):
+        families.vision_family("vit")
+
+
+@pytest.mark.parametrize("lookup,model_type,says", [
+    (families.text_family, "gemma3_text", "post_feedforward_layernorm"),
+    (families.vision_family, "internvl_vision", "lambda_1, lambda_2"),
+])
+def test_families_known_to_be_missing_are_refused_with_what_megatron_core_lacks(lookup, model_type, says):
+    with pytest.raises(UserError, match=rf"^\w+ model_type '{model_type}' is not supported: .*{says}.*\(supported: "):
+        lookup(model_type)
