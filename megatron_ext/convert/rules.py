@@ -4,13 +4,18 @@ Every rule has three symmetric pieces:
   hf_to_megatron(hf tensors) -> the full Megatron tensor (the layout a TP=1 model holds)
   megatron_to_hf(full)       -> the HF tensors, exactly as they were
   shard(full, rank, size)    -> what tensor-parallel rank `rank` of `size` holds
+
+torch is imported where a rule computes: the model families declare their tables with these rules,
+and the launcher reads the families without importing torch (its --dry-run stays light).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class Rule:
@@ -72,6 +77,8 @@ class VocabParallel(Column):
     padded_vocab_size: int
 
     def hf_to_megatron(self, hf):
+        import torch
+
         (table,) = hf
         if table.shape[0] != self.vocab_size:
             raise ValueError(f"expected {self.vocab_size} vocabulary rows, found {table.shape[0]}")
@@ -105,12 +112,16 @@ class QKV(Rule):
         return [per_group * self.head_dim, self.head_dim, self.head_dim]
 
     def hf_to_megatron(self, hf):
+        import torch
+
         q, k, v = hf
         g = self.num_query_groups
         grouped = [t.reshape(g, -1, *t.shape[1:]) for t in (q, k, v)]
         return torch.cat(grouped, dim=1).reshape(-1, *q.shape[1:])
 
     def megatron_to_hf(self, full):
+        import torch
+
         g = self.num_query_groups
         grouped = full.reshape(g, -1, *full.shape[1:])
         q, k, v = torch.split(grouped, self._sizes(), dim=1)
@@ -129,6 +140,8 @@ class GatedMLP(Rule):
     """
 
     def hf_to_megatron(self, hf):
+        import torch
+
         gate, up = hf
         return torch.cat([gate, up], dim=0)
 
@@ -136,6 +149,8 @@ class GatedMLP(Rule):
         return [t.contiguous() for t in full.chunk(2, dim=0)]
 
     def shard(self, full, rank, size):
+        import torch
+
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
 
