@@ -14,6 +14,7 @@ from pathlib import Path
 
 from megatron_ext.checkpoint import layout
 from megatron_ext.errors import UserError
+from megatron_ext.lora.settings import lora_settings
 from megatron_ext.model.arch import LlavaArch
 from megatron_ext.model.backends import compute_dtype
 from megatron_ext.train.execution import Execution, resolve_execution
@@ -132,6 +133,7 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
     if config.eval_generate_samples < 0 or config.eval_max_new_tokens < 1:
         raise UserError("--eval-generate-samples must be >= 0 and --eval-max-new-tokens >= 1")
     skip_ranges = parse_skip_ranges(config.skip_train_iteration_range)
+    lora_settings(config)
 
     resume = layout.latest_complete_snapshot(Path(config.save_dir)) if config.save_dir else None
     if resume is not None and config.load_optim is not False and resume.meta.get("has_optimizer"):
