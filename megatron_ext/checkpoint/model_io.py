@@ -33,8 +33,9 @@ def _stored_keys(snapshot_dir: Path) -> set[str]:
     return set(load_sharded_metadata(str(snapshot_dir)))
 
 
-def load_model_weights(model, snapshot_dir: str | Path) -> None:
-    """Load this rank's part of every model tensor from a snapshot, whatever TP/PP it was saved with.
+def load_model_weights(model, snapshot_dir: str | Path, select=None) -> None:
+    """Load this rank's part of every model tensor from a snapshot, whatever TP/PP it was saved with;
+    with `select` (state-dict name -> bool), only the tensors it selects (e.g. a LoRA model's base).
 
     Collective. Keys the snapshot holds beside the model (optimizer, trainer state) are ignored.
     `_extra_state` entries the snapshot lacks are skipped (e.g. Transformer Engine's FP8 scaling
@@ -46,13 +47,15 @@ def load_model_weights(model, snapshot_dir: str | Path) -> None:
     stored = _stored_keys(Path(snapshot_dir))
     request, skipped = {}, []
     for name, entry in model.sharded_state_dict().items():
+        if select is not None and not select(name):
+            continue
         if name.endswith(_EXTRA_STATE) and isinstance(entry, ShardedObject) and entry.unique_key not in stored:
             skipped.append(name)
         else:
             request[name] = entry
     loaded = dist_checkpointing.load({MODEL_KEY: request}, str(snapshot_dir))[MODEL_KEY]
     result = model.load_state_dict({name: loaded[name] for name in request}, strict=False)
-    missing = [name for name in result.missing_keys if name not in skipped]
+    missing = [name for name in result.missing_keys if name not in skipped and (select is None or select(name))]
     if missing or result.unexpected_keys:
         raise RuntimeError(f"model weights from {snapshot_dir} do not fit the model: missing {missing}, "
                            f"unexpected {result.unexpected_keys}")

@@ -20,6 +20,7 @@ import torch
 from megatron_ext.checkpoint import layout
 from megatron_ext.checkpoint.model_io import load_model_weights, save_model_weights
 from megatron_ext.errors import UserError
+from megatron_ext.lora.layers import has_lora, is_adapter_key
 from megatron_ext.train.model_setup import TrainingModel
 from megatron_ext.train.plan import RunPlan
 
@@ -140,8 +141,11 @@ def load_weights(trained: TrainingModel, snapshot: layout.Snapshot, with_optimiz
     """Load model weights (any saved TP/PP) and, if asked, the optimizer state the snapshot holds."""
     from megatron.core import dist_checkpointing
 
+    # A LoRA model started from a checkpoint without adapters: its base weights come from it, the adapters are new.
+    fresh_adapters = has_lora(trained.model) and not snapshot.trainer_options.get("lora_rank")
+    select = (lambda name: not is_adapter_key(name)) if fresh_adapters else None
     try:
-        load_model_weights(trained.model, snapshot.path)
+        load_model_weights(trained.model, snapshot.path, select=select)
         if with_optimizer:
             loaded = dist_checkpointing.load(_optimizer_state(trained, is_loading=True), str(snapshot.path))
             with torch.no_grad():

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_ext.lora.layers import add_lora
+from megatron_ext.lora.settings import lora_settings
 from megatron_ext.model.provider import DTYPES, ModelOptions, build_model
 from megatron_ext.train.plan import RunPlan
 
@@ -41,8 +43,14 @@ class TrainingModel:
 
 
 def freeze_for_stage(model, plan: RunPlan) -> None:
-    """Stage 1 trains the projector; stage 2 the projector and the LM; the ViT only with --unfreeze-vit."""
+    """Stage 1 trains the projector; stage 2 the projector and the LM; the ViT only with --unfreeze-vit.
+    With --lora-rank, the adapters (and the projector with --lora-train-projector) and nothing else."""
     cfg = plan.config
+    lora = lora_settings(cfg)
+    if lora is not None:
+        wrapped = add_lora(model, lora, seed=cfg.seed)
+        log.info("LoRA rank %d on %d layers of this rank", lora.rank, len(wrapped))
+        return
     model.freeze(freeze_language_model=cfg.freeze_lm, freeze_vision_model=not cfg.unfreeze_vit,
                  freeze_vision_projection=False)
 
@@ -121,5 +129,5 @@ def build_training_model(plan: RunPlan) -> TrainingModel:
     trained = TrainingModel(model, ddp, optimizer, scheduler)
     log.info("model built: %d parameters on this rank, %d trainable (stage %d%s)",
              sum(p.numel() for p in model.parameters()), trained.trainable_parameters(), cfg.stage,
-             ", LM frozen" if cfg.freeze_lm else "")
+             ", LM frozen" if cfg.freeze_lm or cfg.lora_rank else "")
     return trained

@@ -90,6 +90,15 @@ class TrainConfig:
     stage: int = opt(1, "1: train the projector (LM and ViT frozen); 2: train projector + LM (ViT frozen).", choices=[1, 2])
     freeze_lm: bool = opt(False, "Freeze the language model (implied by --stage 1).")
     unfreeze_vit: bool = opt(False, "Also train the vision tower.")
+    # --- LoRA ------------------------------------------------------------------------------
+    lora_rank: int = opt(0, "LoRA adapter rank (0: no LoRA). Stage 2: the language model is frozen and adapters on "
+                            "--lora-targets are trained; checkpoints then hold the adapters (and the projector with "
+                            "--lora-train-projector) and name the base checkpoint they apply to.")
+    lora_alpha: float = opt(16.0, "LoRA alpha: the adapters' output is scaled by alpha / rank.")
+    lora_dropout: float = opt(0.0, "Dropout on the adapters' input.")
+    lora_targets: str = opt("qkv,proj,fc1,fc2", "Language-model linear layers that get adapters, comma-separated: qkv "
+                                                "(fused Q/K/V), proj (attention output), fc1 (gate/up), fc2 (down).")
+    lora_train_projector: bool = opt(False, "With --lora-rank, also train the projector in full (LLaVA's LoRA recipe).")
     # --- data ------------------------------------------------------------------------------
     data_path: str | None = opt(None, "Prepared energon dataset directory or metadataset YAML (blend).")
     seq_length: int | None = opt(None, "Language-model sequence length incl. image embeddings (default: min(2048, model max)).")

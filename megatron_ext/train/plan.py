@@ -14,6 +14,7 @@ from pathlib import Path
 
 from megatron_ext.checkpoint import layout
 from megatron_ext.errors import UserError
+from megatron_ext.lora.settings import lora_settings
 from megatron_ext.model.arch import LlavaArch
 from megatron_ext.model.backends import compute_dtype
 from megatron_ext.train.execution import Execution, resolve_execution
@@ -144,6 +145,7 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
     if include and not Path(include).is_dir():
         raise UserError(f"--eval-benchmark-include-path {include} is not a directory of task YAMLs")
     skip_ranges = parse_skip_ranges(config.skip_train_iteration_range)
+    lora_settings(config)
 
     resume = layout.latest_complete_snapshot(Path(config.save_dir)) if config.save_dir else None
     if resume is not None and config.load_optim is not False and resume.meta.get("has_optimizer"):

@@ -1,0 +1,1 @@
+"""LoRA fine-tuning: adapter settings (`settings`), the adapter layers (`layers`)."""
