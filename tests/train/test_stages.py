@@ -27,17 +27,19 @@ def _changed_prefixes(before: dict, after: dict) -> set[str]:
 
 def _assert_processor_renders_as_trained(hf_dir, template_name):
     """The exported processor renders HF's structured messages (lmms-eval, vLLM) with the template
-    the run was trained with, as the trainer rendered the same conversation."""
+    the run was trained with: rendered, then tokenized as HF's processor does, the trainer's ids."""
     from transformers import AutoProcessor
 
-    from megatron_ext.data.chat_template import resolve_chat_template
+    from megatron_ext.data.chat_template import needs_special_tokens, resolve_chat_template
 
     processor = AutoProcessor.from_pretrained(hf_dir)
-    trained = resolve_chat_template(template_name, "en", processor.tokenizer)[1]
+    tokenizer = processor.tokenizer
+    trained = resolve_chat_template(template_name, "en", tokenizer)[1]
     structured = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
     as_trained = [{"role": "user", "content": "<image>\nWhat is it?"}]
-    assert processor.apply_chat_template(structured, add_generation_prompt=True) == processor.tokenizer.apply_chat_template(
-        as_trained, chat_template=trained, tokenize=False, add_generation_prompt=True)
+    training = tokenizer.apply_chat_template(as_trained, chat_template=trained, tokenize=False, add_generation_prompt=True)
+    rendered = processor.apply_chat_template(structured, add_generation_prompt=True)
+    assert tokenizer(rendered).input_ids == tokenizer(training, add_special_tokens=needs_special_tokens(tokenizer, training)).input_ids
 
 
 @pytest.mark.multiprocess
