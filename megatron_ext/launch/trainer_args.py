@@ -17,6 +17,7 @@ from megatron_ext.checkpoint import layout
 from megatron_ext.data.prepared import split_counts
 from megatron_ext.errors import UserError
 from megatron_ext.launch.tokens import TokenizerFiles
+from megatron_ext.lora.settings import lora_settings
 from megatron_ext.train.execution import resolve_execution
 from megatron_ext.train.options import TrainConfig, fields, to_argv
 from megatron_ext.train.plan import parse_skip_ranges
@@ -119,6 +120,7 @@ def trainer_setup(flag_values: dict, passthrough: dict, world_size: int, te: boo
     `te`: Transformer Engine is usable where the trainer will run."""
     config = _absolute(TrainConfig(**{**flag_values, **passthrough}).resolved())
     _check_layout(config, world_size, te)
+    lora_settings(config)
     start, resume = _snapshots(config)
     train_samples, data_paths = _data(config)
     changes, notes = _token_ids(config, resume or start)
@@ -133,4 +135,6 @@ def trainer_setup(flag_values: dict, passthrough: dict, world_size: int, te: boo
     argv = to_argv({f.name: getattr(config, f.name) for f in fields() if getattr(config, f.name) != _default(f)})
     paths = [Path(p) for p in (config.tokenizer_load_dir, config.save_dir) if p] + data_paths
     paths += [snapshot.root for snapshot in (start, resume) if snapshot]
+    # An adapter checkpoint loads its base checkpoint too.
+    paths += [Path(snapshot.lora_base["path"]) for snapshot in (start, resume) if snapshot and snapshot.lora_base]
     return TrainerSetup(config=config, argv=argv, paths=paths, notes=notes)

@@ -120,7 +120,8 @@ def test_adapter_checkpoint_is_small_names_its_base_and_resumes_exactly(megatron
 
 def test_exports_equal_the_megatron_model_with_adapters(tmp_path, llava_clip, megatron_clip, lora_run):
     """The PEFT adapter on the HF base (loaded by peft), the merged HF model and the Megatron base
-    with its adapters give the same logits."""
+    with its adapters give the same logits; generation with the adapter checkpoint answers as the
+    merged model does."""
     import torch
     from peft import PeftModel
     from transformers import LlavaForConditionalGeneration
@@ -142,3 +143,11 @@ def test_exports_equal_the_megatron_model_with_adapters(tmp_path, llava_clip, me
     merged_logits = hf_logits(merged, batch)
     assert (peft_logits - merged_logits).abs().max() <= 1e-4
     assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapters changed the model
+
+    # generate.py runs the adapter checkpoint (on its base) as the merged HF model answers.
+    image = tmp_path / "image.png"
+    synthetic_image().save(image)
+    answers = [run_script("eval/generate.py", flag, path, "--image", image, "--prompt", "Describe this image.",
+                          "--max-new-tokens", 8, timeout=120).stdout.strip()
+               for flag, path in (("--megatron-dir", lora_run), ("--hf-dir", merged))]
+    assert answers[0] and answers[0] == answers[1]
