@@ -77,6 +77,11 @@ class Snapshot:
         return self.run_config.get("config") or {}
 
     @property
+    def lora_base(self) -> dict | None:
+        """For an adapter checkpoint (a LoRA run's): the base checkpoint it applies to (path, fingerprint)."""
+        return self.meta.get("lora_base")
+
+    @property
     def arch(self):
         from megatron_ext.model.arch import LlavaArch
 
@@ -96,7 +101,8 @@ class Snapshot:
 
 
 def write_metadata(snapshot_dir: Path, *, kind: str, iteration: int, hf_config: dict, tp: int, pp: int,
-                   dtype: str, has_optimizer: bool = False, run_config: dict | None = None) -> dict:
+                   dtype: str, has_optimizer: bool = False, run_config: dict | None = None,
+                   lora_base: dict | None = None) -> dict:
     meta = {
         "format": FORMAT,
         "kind": kind,
@@ -107,6 +113,8 @@ def write_metadata(snapshot_dir: Path, *, kind: str, iteration: int, hf_config: 
         "hf_config": hf_config,
         "run_config": run_config,
     }
+    if lora_base is not None:
+        meta["lora_base"] = lora_base
     (Path(snapshot_dir) / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
     return meta
 

@@ -86,22 +86,36 @@ def hf_to_megatron(tp, pp, hf_dir, megatron_dir, force, sif_path):
 @click.option("--tp", type=int, help="Expected tensor-parallel size of the checkpoint (checked, not needed).")
 @click.option("--pp", type=int, help="Expected pipeline-parallel size of the checkpoint (checked, not needed).")
 @click.option("--megatron-dir", required=True, type=click.Path(file_okay=False), help="Megatron checkpoint root or snapshot.")
-@click.option("--hf-dir", required=True, type=click.Path(file_okay=False), help="Where to write the HF checkpoint.")
+@click.option("--hf-dir", type=click.Path(file_okay=False), help="Where to write the HF checkpoint.")
 @click.option("--tokenizer-dir", type=click.Path(file_okay=False),
               help="Tokenizer/processor to ship with the model. Default: the checkpoint's tokenizer/.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest safetensors file.")
-@click.option("--force", is_flag=True, help="Replace a non-empty --hf-dir.")
+@click.option("--lora-merge", is_flag=True, help="An adapter checkpoint (a --lora-rank run's): write its base with the "
+                                                 "adapters merged, a plain HF LLaVA.")
+@click.option("--lora-adapter-dir", type=click.Path(file_okay=False),
+              help="An adapter checkpoint: write its adapters here as a PEFT LoRA adapter for the HF export of its "
+                   "base checkpoint (peft.PeftModel.from_pretrained loads it).")
+@click.option("--force", is_flag=True, help="Replace a non-empty --hf-dir / --lora-adapter-dir.")
 @_SIF_OPTION
-def megatron_to_hf(tp, pp, megatron_dir, hf_dir, tokenizer_dir, max_shard_size, force, sif_path):
+def megatron_to_hf(tp, pp, megatron_dir, hf_dir, tokenizer_dir, max_shard_size, lora_merge, lora_adapter_dir, force,
+                   sif_path):
     """Convert a Megatron checkpoint (converted or trained, any TP/PP) back to a Hugging Face LLaVA directory."""
     if sif_path:
-        _in_container(sif_path, [megatron_dir, hf_dir, tokenizer_dir])
+        _in_container(sif_path, [megatron_dir, hf_dir, tokenizer_dir, lora_adapter_dir])
     from megatron_ext.convert.to_hf import convert
+    from megatron_ext.errors import UserError
     from megatron_ext.logs import setup_logging
 
     setup_logging()
-    path = convert(megatron_dir, hf_dir, tokenizer_dir, tp, pp, force, max_shard_size)
-    click.echo(f"HF checkpoint written to {path}")
+    if not hf_dir and not lora_adapter_dir:
+        raise UserError("give --hf-dir (an HF model) or, for an adapter checkpoint, --lora-adapter-dir (a PEFT adapter)")
+    if lora_adapter_dir:
+        from megatron_ext.lora.export import write_peft_adapter
+
+        click.echo(f"PEFT adapter written to {write_peft_adapter(megatron_dir, lora_adapter_dir, force)}")
+    if hf_dir:
+        path = convert(megatron_dir, hf_dir, tokenizer_dir, tp, pp, force, max_shard_size, lora_merge=lora_merge)
+        click.echo(f"HF checkpoint written to {path}")
 
 
 @click.command("compare")

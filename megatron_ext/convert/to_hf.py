@@ -34,6 +34,7 @@ from megatron_ext.convert.hf_checkpoint import (
 from megatron_ext.convert.mapping import llava_mapping
 from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
+from megatron_ext.lora.export import TrainedTensors, read_trained
 from megatron_ext.model.arch import LlavaArch
 from megatron_ext.progress import progress
 
@@ -50,10 +51,16 @@ class Export:
     arch: LlavaArch
     tokenizer_dir: Path
     max_shard_size: int
+    lora: TrainedTensors | None = None  # --lora-merge: the adapters merged into their base's weights
+
+    @property
+    def weights(self) -> layout.Snapshot:
+        """The snapshot the model's tensors are read from (an adapter snapshot's base)."""
+        return self.lora.base if self.lora else self.snapshot
 
 
 def plan_export(megatron_dir: str | Path, tokenizer_dir: str | Path | None = None, tp: int | None = None,
-                pp: int | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Export:
+                pp: int | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, lora_merge: bool = False) -> Export:
     """Refuse bad input before anything is written. `tp`/`pp`, when given, must match the snapshot."""
     from transformers.utils.hub import convert_file_size_to_int
 
@@ -68,7 +75,13 @@ def plan_export(megatron_dir: str | Path, tokenizer_dir: str | Path | None = Non
     except ValueError:
         raise UserError(f"--max-shard-size {max_shard_size!r} is not a size (use e.g. 5GB, 500MB)") from None
     tok = check_tokenizer_dir(tokenizer_dir or snapshot.tokenizer_dir, "--tokenizer-dir")
-    return Export(snapshot=snapshot, arch=arch, tokenizer_dir=tok, max_shard_size=shard_bytes)
+    if lora_merge and snapshot.lora_base is None:
+        raise UserError(f"--lora-merge: {snapshot.path} holds no LoRA adapters (it was not saved by a --lora-rank run)")
+    if snapshot.lora_base is not None and not lora_merge:
+        raise UserError(f"--megatron-dir {snapshot.path} holds LoRA adapters, not a whole model: pass --lora-merge for "
+                        "an HF model with them merged, or --lora-adapter-dir DIR for a PEFT adapter")
+    return Export(snapshot=snapshot, arch=arch, tokenizer_dir=tok, max_shard_size=shard_bytes,
+                  lora=read_trained(snapshot) if lora_merge else None)
 
 
 def _extra_specs(snapshot: layout.Snapshot) -> list[TensorSpec]:
@@ -120,9 +133,10 @@ def _write_weights(groups: list[dict], extra: list[TensorSpec], export: Export, 
     writer = ShardWriter(out, export.max_shard_size, planned + extra)
     bar = progress(total=len(planned), desc="writing tensors", unit="tensor")
     for group in groups:
-        loaded = read_tensors(export.snapshot.path, group)
+        loaded = read_tensors(export.weights.path, group)
         for name in group:
-            for hf_name, hf_tensor in hf_tensors(name, loaded.pop(name)):
+            tensor = loaded.pop(name)
+            for hf_name, hf_tensor in hf_tensors(name, export.lora.merged(name, tensor) if export.lora else tensor):
                 writer.add(hf_name, hf_tensor.to(dtype))
                 bar.update()
     bar.close()
@@ -174,16 +188,17 @@ def _export(export: Export, out: Path) -> None:
     table = llava_mapping(export.arch)
     # The model's tensors are those under the table's top-level prefixes (a trainer snapshot also
     # holds its optimizer state); anything there the table does not know is refused by the check.
-    stored = stored_tensors(snapshot.path, tuple({name.split(".")[0] + "." for name in table}))
+    stored = stored_tensors(export.weights.path, tuple({name.split(".")[0] + "." for name in table}))
     _check_coverage(export, list(stored), [spec.name for spec in extra])
     _write_weights(_by_layer(stored), extra, export, out)
     _write_configs(export, out)
 
 
 def convert(megatron_dir: str | Path, hf_dir: str | Path, tokenizer_dir: str | Path | None = None, tp: int | None = None,
-            pp: int | None = None, force: bool = False, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
+            pp: int | None = None, force: bool = False, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+            lora_merge: bool = False) -> Path:
     """The whole export, in this process; returns the HF directory."""
-    export = plan_export(megatron_dir, tokenizer_dir, tp, pp, max_shard_size)
+    export = plan_export(megatron_dir, tokenizer_dir, tp, pp, max_shard_size, lora_merge)
     out = check_output_dir(hf_dir, force, "--hf-dir")
     if out == export.snapshot.root or out in export.snapshot.root.parents:
         raise UserError(f"--hf-dir {out} would replace the input --megatron-dir {export.snapshot.root}; choose another directory")

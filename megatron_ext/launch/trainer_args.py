@@ -120,4 +120,6 @@ def trainer_setup(flag_values: dict, passthrough: dict, world_size: int, te: boo
     paths = [Path(p) for p in (config.tokenizer_load_dir, config.save_dir, config.eval_benchmark_include_path) if p]
     paths += data_paths
     paths += [snapshot.root for snapshot in (start, resume) if snapshot]
+    # An adapter checkpoint loads its base checkpoint too.
+    paths += [Path(snapshot.lora_base["path"]) for snapshot in (start, resume) if snapshot and snapshot.lora_base]
     return TrainerSetup(config=config, argv=argv, paths=paths, notes=notes)

@@ -48,3 +48,9 @@ def lora_settings(config) -> LoraSettings | None:
         raise UserError(f"--lora-targets {config.lora_targets!r}: expected a comma-separated subset of {','.join(TARGETS)}")
     return LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
                         targets=tuple(dict.fromkeys(targets)), train_projector=config.lora_train_projector)
+
+
+def saved_settings(options: dict) -> LoraSettings:
+    """The settings a LoRA run saved in its run config (`TrainConfig` fields), for inference (no dropout)."""
+    return LoraSettings(rank=options["lora_rank"], alpha=options["lora_alpha"], dropout=0.0,
+                        targets=tuple(options["lora_targets"].split(",")), train_projector=options["lora_train_projector"])

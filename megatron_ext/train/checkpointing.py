@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from megatron_ext.checkpoint import layout
-from megatron_ext.checkpoint.model_io import load_model_weights, save_model_weights
+from megatron_ext.checkpoint.model_io import save_model_weights
 from megatron_ext.errors import UserError
-from megatron_ext.lora.layers import has_lora, is_adapter_key
+from megatron_ext.lora.checkpoint import base_record, load_snapshot_weights, trainable_names
+from megatron_ext.lora.layers import has_lora
 from megatron_ext.train.model_setup import TrainingModel
 from megatron_ext.train.plan import RunPlan
 
@@ -105,7 +106,11 @@ def save_snapshot(plan: RunPlan, trained: TrainingModel, iteration: int, common:
         tmp.mkdir(parents=True)
     torch.distributed.barrier()
 
-    save_model_weights(trained.model, tmp, extra=_optimizer_state(trained, is_loading=False) if cfg.save_optim else None)
+    lora = has_lora(trained.model)
+    # A LoRA run saves what it trains; the base stays in the checkpoint it started from.
+    trained_names = trainable_names(trained.model) if lora else None
+    save_model_weights(trained.model, tmp, extra=_optimizer_state(trained, is_loading=False) if cfg.save_optim else None,
+                       select=trained_names.__contains__ if lora else None)
     if r["rank"] == 0:
         state_dir.mkdir()
     torch.distributed.barrier()
@@ -118,7 +123,8 @@ def save_snapshot(plan: RunPlan, trained: TrainingModel, iteration: int, common:
         torch.save({**common, "iteration": iteration, "scheduler": trained.scheduler.state_dict(), "world_size": r["world"],
                     "data_parallel_size": r["dp_size"]}, state_dir / COMMON_FILE)
         layout.write_metadata(tmp, kind="trained", iteration=iteration, hf_config=plan.hf_config, tp=cfg.tp,
-                              pp=cfg.pp, dtype=plan.dtype, has_optimizer=cfg.save_optim, run_config=plan.summary())
+                              pp=cfg.pp, dtype=plan.dtype, has_optimizer=cfg.save_optim, run_config=plan.summary(),
+                              lora_base=base_record(plan.resume or plan.start) if lora else None)
         final = root / name
         if final.exists():
             shutil.rmtree(final)
@@ -141,15 +147,14 @@ def load_weights(trained: TrainingModel, snapshot: layout.Snapshot, with_optimiz
     """Load model weights (any saved TP/PP) and, if asked, the optimizer state the snapshot holds."""
     from megatron.core import dist_checkpointing
 
-    # A LoRA model started from a checkpoint without adapters: its base weights come from it, the adapters are new.
-    fresh_adapters = has_lora(trained.model) and not snapshot.trainer_options.get("lora_rank")
-    select = (lambda name: not is_adapter_key(name)) if fresh_adapters else None
     try:
-        load_model_weights(trained.model, snapshot.path, select=select)
+        load_snapshot_weights(trained.model, snapshot)
         if with_optimizer:
             loaded = dist_checkpointing.load(_optimizer_state(trained, is_loading=True), str(snapshot.path))
             with torch.no_grad():
                 trained.optimizer.load_state_dict(loaded["optimizer"])
+    except UserError:
+        raise
     except Exception as exc:
         raise UserError(f"cannot load {snapshot.path}: {str(exc).splitlines()[0]}") from exc
     if not with_optimizer:

@@ -111,6 +111,18 @@ def _train_iters(config: TrainConfig, samples_per_step: int) -> int:
     return max(1, math.ceil(config.epochs * train_samples / samples_per_step))
 
 
+def _check_same_lora(config: TrainConfig, resume: layout.Snapshot) -> None:
+    """A run resumes with the LoRA settings it was saved with: its snapshots hold exactly those adapters."""
+    saved = resume.trainer_options
+    names = ("lora_rank", "lora_alpha", "lora_targets", "lora_train_projector")
+    differ = [n for n in names if (saved.get(n, TrainConfig.__dataclass_fields__[n].default) != getattr(config, n))
+              and (saved.get("lora_rank") or config.lora_rank)]
+    if differ:
+        raise UserError(f"--save-dir {config.save_dir} was saved with other LoRA settings ("
+                        + ", ".join(f"--{n.replace('_', '-')} {saved.get(n)}" for n in differ)
+                        + "); resume with those, or save to another --save-dir")
+
+
 def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | None = None) -> RunPlan:
     """`te`: Transformer Engine is usable here (default: imported to find out)."""
     config = config.resolved()
@@ -145,7 +157,7 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
     if include and not Path(include).is_dir():
         raise UserError(f"--eval-benchmark-include-path {include} is not a directory of task YAMLs")
     skip_ranges = parse_skip_ranges(config.skip_train_iteration_range)
-    lora_settings(config)
+    lora = lora_settings(config)
 
     resume = layout.latest_complete_snapshot(Path(config.save_dir)) if config.save_dir else None
     if resume is not None and config.load_optim is not False and resume.meta.get("has_optimizer"):
@@ -157,6 +169,10 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
     start = None
     if config.megatron_load_dir and not config.init:
         start = layout.find_snapshot(config.megatron_load_dir, "--megatron-load-dir")
+    if lora is not None and start is None and resume is None:
+        raise UserError("--lora-rank needs --megatron-load-dir: the base checkpoint the adapters are trained on")
+    if resume is not None:
+        _check_same_lora(config, resume)
     hf_config = _apply_class_token_choice(_hf_config(config, start, resume), config.no_add_class_token)
     arch = LlavaArch.from_hf_config(hf_config)
     arch.check_parallel(config.tp, config.pp)

@@ -25,13 +25,13 @@ def main():
 
     from megatron_ext.data.task_encoder import LlavaTaskEncoder
     from megatron_ext.distributed import device, init_parallel, shutdown
+    from megatron_ext.model.forward_step import make_forward_step
     from megatron_ext.model.inputs import ModelInputs
     from megatron_ext.train import checkpointing
-    from megatron_ext.train.data import as_dict
     from megatron_ext.train.model_setup import build_training_model
     from megatron_ext.train.options import TrainConfig
     from megatron_ext.train.plan import make_plan
-    from megatron_ext.train.step import make_forward_step, train_step
+    from megatron_ext.train.step import train_step
 
     config = TrainConfig(megatron_load_dir=checkpoint, data_path=data, stage=2, lr=1e-3, seq_length=SEQ,
                          global_batch_size=GLOBAL_BATCH, train_iters=iters, num_workers=0, micro_batch_size=2,
@@ -52,7 +52,7 @@ def main():
         batch = it % BATCHES
         mine = encoded[batch * GLOBAL_BATCH:(batch + 1) * GLOBAL_BATCH][rank::replicas]
         rows = [mine[i:i + cfg.micro_batch_size] for i in range(0, len(mine), cfg.micro_batch_size)]
-        result = train_step(trained, forward_step, [as_dict(encoder.batch(row)) for row in rows], plan.seq_length,
+        result = train_step(trained, forward_step, [encoder.batch(row).as_dict() for row in rows], plan.seq_length,
                             cfg.micro_batch_size)
         steps.append({"loss": result.loss, "grad_norm": float(result.grad_norm)})
     params = dict(trained.model.named_parameters())

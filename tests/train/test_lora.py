@@ -4,12 +4,15 @@ model stays bit-identical, the loss falls, and TP2 and PP2 train exactly like on
 from __future__ import annotations
 
 import json
+import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_torchrun
+from tests.helpers import run_script, run_torchrun
+from tests.train.conftest import train, trainer_args
 
 WORKER = str(Path(__file__).with_name("lora_worker.py"))
 LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lora_train_projector": True}
@@ -63,3 +66,88 @@ def test_layout_trains_like_one_process(tmp_path, megatron_clip, train_data, one
         # Each stage holds the adapters of its own layer; the projector lives on the first.
         assert [len([n for n in r["trainable"] if ".lora_" in n]) for r in ranks] == [8, 8]
         assert not any(re.match("vision_projection", n) for n in ranks[1]["trainable"])
+
+
+def _train_records(save_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (save_dir / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
+
+
+def _numel(entry) -> int:
+    return math.prod(getattr(entry, "global_shape", ()))
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, megatron_clip, train_data) -> Path:
+    """The trainer's LoRA run of 4 iterations, saved at 2 and 4, then resumed from 2 (metrics.jsonl
+    holds both passes over iterations 3 and 4)."""
+    from megatron_ext.checkpoint import layout
+
+    save = tmp_path_factory.mktemp("lora_run") / "run"
+    args = trainer_args(megatron_clip, train_data, save, train_iters=4, save_interval=2, save_optim=True,
+                        lora_rank=4, lora_alpha=8.0, lora_train_projector=True)
+    train(1, *args)
+    shutil.rmtree(save / layout.snapshot_name(4))
+    layout.mark_latest(save, 2)
+    train(1, *args)
+    return save
+
+
+def test_adapter_checkpoint_is_small_names_its_base_and_resumes_exactly(megatron_clip, lora_run):
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    from megatron_ext.checkpoint import layout
+    from megatron_ext.lora.checkpoint import fingerprint
+
+    save = lora_run
+    base = layout.find_snapshot(megatron_clip)
+    snapshot = layout.find_snapshot(save)
+    assert snapshot.lora_base == {"path": str(base.path), "fingerprint": fingerprint(base.path)}
+    assert snapshot.trainer_options["lora_rank"] == 4
+    stored = load_sharded_metadata(str(snapshot.path))
+    model_keys = [k for k in stored if not k.startswith("optimizer.")]
+    assert model_keys and all(".lora_" in k or k.startswith("vision_projection.") for k in model_keys)
+    assert all(".lora_" in k or "vision_projection." in k for k in stored if k.startswith("optimizer."))
+    base_numel = sum(_numel(t) for t in load_sharded_metadata(str(base.path)).values())
+    assert sum(_numel(stored[k]) for k in model_keys) < 0.1 * base_numel  # 6%: rank 4 and the projector
+
+    # Resumed from iteration 2, the run repeats iterations 3 and 4 exactly.
+    records = _train_records(save)
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 3, 4]
+    for first, resumed in zip(records[2:4], records[4:]):
+        assert (resumed["loss"], resumed["grad_norm"], resumed["samples_digest"]) == \
+            (first["loss"], first["grad_norm"], first["samples_digest"])
+
+
+def test_exports_equal_the_megatron_model_with_adapters(tmp_path, llava_clip, megatron_clip, lora_run):
+    """The PEFT adapter on the HF base (loaded by peft), the merged HF model and the Megatron base
+    with its adapters give the same logits; generation with the adapter checkpoint answers as the
+    merged model does."""
+    import torch
+    from peft import PeftModel
+    from transformers import LlavaForConditionalGeneration
+
+    from megatron_ext.convert.compare import compare, hf_logits, process_inputs, synthetic_image
+    from megatron_ext.hf import loading
+
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    run_script("convert/convert_megatron_to_hf.py", "--megatron-dir", lora_run, "--hf-dir", merged, "--lora-merge",
+               "--lora-adapter-dir", adapter)
+    assert compare(merged, lora_run).max_abs <= 1e-4
+
+    processor = loading.load_processor(str(merged), "--hf-dir")
+    batch = process_inputs(processor, [synthetic_image()])
+    base = LlavaForConditionalGeneration.from_pretrained(llava_clip, dtype=torch.float32)
+    with torch.no_grad():
+        base_logits = base(**batch).logits
+        peft_logits = PeftModel.from_pretrained(base, adapter).eval()(**batch).logits
+    merged_logits = hf_logits(merged, batch)
+    assert (peft_logits - merged_logits).abs().max() <= 1e-4
+    assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapters changed the model
+
+    # generate.py runs the adapter checkpoint (on its base) as the merged HF model answers.
+    image = tmp_path / "image.png"
+    synthetic_image().save(image)
+    answers = [run_script("eval/generate.py", flag, path, "--image", image, "--prompt", "Describe this image.",
+                          "--max-new-tokens", 8, timeout=120).stdout.strip()
+               for flag, path in (("--megatron-dir", lora_run), ("--hf-dir", merged))]
+    assert answers[0] and answers[0] == answers[1]

@@ -1,10 +1,15 @@
-"""--lora-* options: checked before anything is built, one line naming the flag."""
+"""--lora-* options: checked before anything is built, one line naming the flag; an adapter
+checkpoint loads only onto the base checkpoint it was trained on."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from megatron_ext.checkpoint import layout
 from megatron_ext.errors import UserError
+from megatron_ext.lora.checkpoint import fingerprint, verified_base
 from megatron_ext.lora.settings import lora_settings
 from megatron_ext.train.options import TrainConfig
 
@@ -26,3 +31,22 @@ def test_settings_from_flags():
 def test_bad_settings_name_the_flag(options, flag):
     with pytest.raises(UserError, match=flag):
         lora_settings(TrainConfig(**{"stage": 2, **options}).resolved())
+
+
+def _adapters_on(base_dir, record) -> layout.Snapshot:
+    return layout.Snapshot(root=base_dir.parent, path=base_dir.parent / "adapters", meta={"lora_base": record})
+
+
+def test_adapter_checkpoint_refuses_a_changed_or_missing_base(tmp_path):
+    base = tmp_path / "base" / "release"
+    base.mkdir(parents=True)
+    (base / "__0_0.distcp").write_bytes(b"weights" * 1000)
+    (base / layout.METADATA_FILE).write_text(json.dumps({"format": layout.FORMAT}))
+    adapters = _adapters_on(base, {"path": str(base), "fingerprint": fingerprint(base)})
+    assert verified_base(adapters).path == base
+
+    (base / "__0_0.distcp").write_bytes(b"other!!" * 1000)
+    with pytest.raises(UserError, match="another version of"):
+        verified_base(adapters)
+    with pytest.raises(UserError, match="does not exist"):
+        verified_base(_adapters_on(base, {"path": str(tmp_path / "gone"), "fingerprint": "x"}))
