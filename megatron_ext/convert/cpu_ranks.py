@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from megatron_ext.environ import environ_set
 from megatron_ext.errors import UserError
 
 # megatron-core warns at import that Transformer Engine / Apex are missing (a dozen lines); the fork
@@ -28,18 +29,8 @@ _QUIET_FALLBACKS = "ignore:Transformer Engine and Apex are not installed,ignore:
 def cpu_only_env(**extra: str):
     """Hide GPUs (and default to one thread per process) for processes started inside the block;
     `extra` environment variables are set for them too."""
-    saved = {key: os.environ.get(key) for key in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", *extra)}
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.update(extra)
-    try:
+    with environ_set({"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **extra}):
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 # What every worker imports: loaded once, in the fork server.

@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_ext.environ import environ_set
 from megatron_ext.errors import UserError
 
 SUMMARY_FILE = "summary.json"
@@ -55,22 +56,9 @@ def task_manager(tasks: list[str], include_path: str | None):
     return manager
 
 
-@contextlib.contextmanager
 def _single_process_view():
     """Under torchrun, lmms-eval sees one process: every rank runs it whole, the model splits the work."""
-    if "WORLD_SIZE" not in os.environ:
-        yield
-        return
-    saved = {name: os.environ.get(name) for name in _RANK_VARIABLES}
-    os.environ.update(_RANK_VARIABLES)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return environ_set(_RANK_VARIABLES) if "WORLD_SIZE" in os.environ else contextlib.nullcontext()
 
 
 def evaluate_tasks(model, model_args: str, tasks: list[str], manager, limit: int | None, tracker=None,

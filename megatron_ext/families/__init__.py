@@ -42,20 +42,19 @@ def vision_families() -> dict[str, ViTFamily]:
     return {f.model_type: f for f in _families() if isinstance(f, ViTFamily)}
 
 
-def text_family(model_type: str | None) -> LlamaLikeFamily:
-    known = text_families()
+def _find(kind: str, known: dict, model_type: str | None):
     if model_type not in known:
-        raise UserError(f"text model_type {model_type!r} is not supported{_refused(model_type)} "
+        raise UserError(f"{kind} model_type {model_type!r} is not supported{_refused(model_type)} "
                         f"(supported: {', '.join(sorted(known))})")
     return known[model_type]
+
+
+def text_family(model_type: str | None) -> LlamaLikeFamily:
+    return _find("text", text_families(), model_type)
 
 
 def vision_family(model_type: str | None) -> ViTFamily:
-    known = vision_families()
-    if model_type not in known:
-        raise UserError(f"vision model_type {model_type!r} is not supported{_refused(model_type)} "
-                        f"(supported: {', '.join(sorted(known))})")
-    return known[model_type]
+    return _find("vision", vision_families(), model_type)
 
 
 def tower_config(config, flag: str):
