@@ -8,13 +8,13 @@ extras=""
 if [[ "${1:-}" == "--dev" ]]; then extras="[dev,eval]"; fi
 python3 -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python >= 3.11 is required")'
 python3 -m venv .venv
-# torch first (and the torchvision built for it, which lmms-eval needs), so the requirements are
-# already satisfied and pip pulls no other build.
-.venv/bin/pip install --quiet torch==2.13.0 torchvision==0.28.0
+# torch first (with --dev also the torchvision built for it, which lmms-eval needs), so the
+# requirements are already satisfied and pip pulls no other build.
+.venv/bin/pip install --quiet torch==2.13.0 ${extras:+torchvision==0.28.0}
 .venv/bin/pip install --quiet -e ".${extras}"
 # PyPI's torchvision is built against CUDA torch; beside a CPU torch it cannot even be imported and
-# breaks transformers' image processors. lmms-eval and transformers run without it.
-if [[ -n "$extras" ]] && ! .venv/bin/python -c 'import torchvision' 2>/dev/null; then
+# breaks transformers' model classes. lmms-eval and transformers run without it.
+if .venv/bin/pip show --quiet torchvision 2>/dev/null && ! .venv/bin/python -c 'import torchvision' 2>/dev/null; then
   .venv/bin/pip uninstall --quiet --yes torchvision
 fi
 echo "environment ready: .venv ($(.venv/bin/python -c 'import torch, megatron.core; print("torch", torch.__version__, "megatron-core", megatron.core.__version__)'))"
