@@ -120,12 +120,17 @@ class HfWeights:
         return _FLOAT_DTYPES[found.pop()]
 
 
-def hf_model_names(hf_config: dict) -> list[str]:
-    """The tensor names `transformers` saves for this LLaVA config (tied copies once), normalized."""
+def meta_llava(hf_config: dict):
+    """transformers' LLaVA model for this config, on the meta device (names and shapes, no memory)."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     with torch.device("meta"):
-        model = LlavaForConditionalGeneration(LlavaConfig.from_dict(hf_config))
+        return LlavaForConditionalGeneration(LlavaConfig.from_dict(hf_config))
+
+
+def hf_model_names(hf_config: dict) -> list[str]:
+    """The tensor names `transformers` saves for this LLaVA config (tied copies once), normalized."""
+    model = meta_llava(hf_config)
     unique = {name for name, _ in model.named_parameters()}
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
     return [normalize_hf_name(name) for name in model.state_dict() if name not in tied]

@@ -21,6 +21,7 @@ from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 from megatron_ext.lora.checkpoint import verified_base
 from megatron_ext.lora.layers import ADAPTER_SUFFIXES
+from megatron_ext.lora.settings import saved_settings
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -57,7 +58,7 @@ def read_trained(snapshot: layout.Snapshot) -> TrainedTensors:
                for name, spec in stored_tensors(snapshot.path, ("language_model.", "vision_projection.")).items()}
     adapters = {name[: -len(_A)] + ".weight": (tensors.pop(name), tensors.pop(name[: -len(_A)] + _B))
                 for name in list(tensors) if name.endswith(_A)}
-    return TrainedTensors(snapshot=snapshot, base=verified_base(snapshot), scaling=options["lora_alpha"] / options["lora_rank"],
+    return TrainedTensors(snapshot=snapshot, base=verified_base(snapshot), scaling=saved_settings(options).scaling,
                           adapters=adapters, full=tensors)
 
 
@@ -70,11 +71,9 @@ def adapter_snapshot(megatron_dir, flag: str = "--megatron-dir") -> layout.Snaps
 
 def _hf_module_names(hf_config: dict) -> dict[str, str]:
     """Canonical HF weight name -> the name of that module in a transformers model (what PEFT uses)."""
-    from transformers import LlavaConfig, LlavaForConditionalGeneration
+    from megatron_ext.convert.hf_checkpoint import meta_llava
 
-    with torch.device("meta"):
-        model = LlavaForConditionalGeneration(LlavaConfig.from_dict(hf_config))
-    return {normalize_hf_name(name): name[: -len(".weight")] for name, _ in model.named_parameters()
+    return {normalize_hf_name(name): name[: -len(".weight")] for name, _ in meta_llava(hf_config).named_parameters()
             if name.endswith(".weight")}
 
 
