@@ -127,7 +127,7 @@ def hf_logits(hf_dir: Path, batch) -> torch.Tensor:
 def _megatron_logits_rank(snapshot_dir: Path, tp: int, pp: int, images: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     from megatron_ext.checkpoint.layout import find_snapshot
     from megatron_ext.distributed import init_parallel, shutdown
-    from megatron_ext.lora.checkpoint import add_saved_lora, load_snapshot_weights
+    from megatron_ext.lora.checkpoint import load_for_inference
     from megatron_ext.model.provider import ModelOptions, build_model
 
     init_parallel(tp, pp)
@@ -136,9 +136,7 @@ def _megatron_logits_rank(snapshot_dir: Path, tp: int, pp: int, images: torch.Te
         arch = snapshot.arch
         model = build_model(arch, ModelOptions(seq_length=input_ids.shape[1], dtype="float32", init_weights=False,
                                                parallel_output=False))
-        # An adapter checkpoint: its base with the adapters (unmerged), the model the LoRA run trained.
-        add_saved_lora(model, snapshot)
-        load_snapshot_weights(model, snapshot)
+        load_for_inference(model, snapshot)
         return megatron_logits(model, images, input_ids, arch.img_seq_len, arch.text.vocab_size)
     finally:
         shutdown()

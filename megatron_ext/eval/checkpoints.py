@@ -83,15 +83,13 @@ def world_size() -> int:
 def load_megatron_model(snapshot: layout.Snapshot, tp: int, pp: int, seq_length: int, dtype: str):
     """This rank's LLaVAModel with the snapshot's weights, computing in `dtype` (collective)."""
     from megatron_ext.distributed import init_parallel
-    from megatron_ext.lora.checkpoint import add_saved_lora, load_snapshot_weights
+    from megatron_ext.lora.checkpoint import load_for_inference
     from megatron_ext.model.provider import ModelOptions, build_model
 
     init_parallel(tp, pp)
     model = build_model(snapshot.arch, ModelOptions(seq_length=seq_length, dtype=dtype, init_weights=False,
                                                     parallel_output=True))
-    # An adapter checkpoint (a --lora-rank run's) runs on its base checkpoint with the adapters unmerged.
-    add_saved_lora(model, snapshot)
-    load_snapshot_weights(model, snapshot)
+    load_for_inference(model, snapshot)
     return model.eval()
 
 

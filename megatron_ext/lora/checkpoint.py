@@ -76,11 +76,12 @@ def load_snapshot_weights(model, snapshot: layout.Snapshot) -> None:
     load_model_weights(model, snapshot.path, select=trained.__contains__)
 
 
-def add_saved_lora(model, snapshot: layout.Snapshot) -> None:
-    """For inference: the adapters an adapter checkpoint holds, added to a freshly built model (none
-    for a whole checkpoint), so that `load_snapshot_weights` can fill them."""
+def load_for_inference(model, snapshot: layout.Snapshot) -> None:
+    """A freshly built model given a snapshot's weights (collective): an adapter checkpoint's adapters
+    are added first (unmerged, the model its LoRA run trained), then its base and they are loaded."""
     from megatron_ext.lora.layers import add_lora
     from megatron_ext.lora.settings import saved_settings
 
     if snapshot.lora_base is not None:
         add_lora(model, saved_settings(snapshot.trainer_options), seed=0)
+    load_snapshot_weights(model, snapshot)
