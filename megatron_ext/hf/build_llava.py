@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
-
 from megatron_ext.data.chat_template import processor_template
 from megatron_ext.families import tower_config, vision_family
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
@@ -43,7 +41,9 @@ def add_special_tokens(tokenizer) -> tuple[int, int]:
     return tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), tokenizer.pad_token_id
 
 
-def _resolve_dtype(dtype: str, text_config) -> torch.dtype:
+def _resolve_dtype(dtype: str, text_config):
+    import torch
+
     if dtype == "auto":
         stored = getattr(text_config, "dtype", None) or getattr(text_config, "torch_dtype", None)
         if isinstance(stored, torch.dtype):
@@ -64,6 +64,7 @@ def build_llava(
     seed: int = 0,
 ) -> Path:
     """Write a LLaVA checkpoint + tokenizer + processor to `save_dir`; returns its path."""
+    import torch
     import transformers
     from transformers import AutoModelForCausalLM, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
     from transformers.models.llava.modeling_llava import LlavaMultiModalProjector

@@ -123,3 +123,15 @@ def test_sif_path_reruns_the_conversion_inside_the_container(llava_clip, tmp_pat
     assert inner[0] == "python" and inner[1].endswith("scripts/convert/convert_hf_to_megatron.py")
     assert inner[2:] == ["--tp", "2", "--hf-dir", str(llava_clip), "--megatron-dir", str(out)]
     assert not out.exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_the_command_module_imports_no_torch():
+    """hf-to-megatron starts the workers' fork server (torch and megatron-core, seconds of imports)
+    first thing; a torch import before it would delay every conversion by that long."""
+    import subprocess
+    import sys
+
+    code = "import sys, megatron_ext.commands.convert; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60, env=child_env()).returncode == 0
