@@ -173,7 +173,8 @@ def _write_chat_template(export: Export, out: Path) -> None:
     if not trained and not tokenizer.chat_template:
         return
     try:
-        _, template = resolve_chat_template(trained.get("chat_template"), trained.get("lang", "en"), tokenizer)
+        _, template = resolve_chat_template(trained.get("chat_template"), trained.get("lang", "en"), tokenizer,
+                                            text_model_type=export.arch.text.model_type)
     except UserError as exc:
         log.warning("the exported processor keeps the tokenizer's chat template: the trained one is not found (%s)", exc)
         return

@@ -1,8 +1,9 @@
 """Chat templates, and which tokens of a rendered conversation the assistant wrote.
 
 A template is the tokenizer's own (``"tokenizer"``), a name from ``megatron_ext/data/chat_templates/``
-(``plain``, ``llava-v1``, ``llama-3``, ``llm-jp``), or a path to a ``.jinja`` file. Unset, the
-tokenizer's template is used when it has one, else the language's default.
+(``plain``, ``llava-v1``, ``llama-3``, ``chatml``, ``llm-jp``), or a path to a ``.jinja`` file. Unset,
+the tokenizer's template is used when it has one, else the text family's chat format when its
+tokenizers always hold that format's tokens (ChatML for Qwen), else the language's default.
 
 Assistant tokens are found without ``{% generation %}`` markers (Llama-3's and Qwen2's templates
 have none): for every assistant turn i, the text rendered for ``messages[:i]`` with the generation
@@ -90,11 +91,23 @@ def template_names() -> list[str]:
     return sorted(p.stem for p in TEMPLATE_DIR.glob("*.jinja"))
 
 
-def resolve_chat_template(name: str | None, lang: str, tokenizer, flag: str = "--chat-template") -> tuple[str, str]:
-    """(description, Jinja source) of the template `name` selects."""
+def _family_default(text_model_type: str | None) -> str | None:
+    if text_model_type is None:
+        return None
+    from megatron_ext.families import text_family
+
+    return text_family(text_model_type).chat_template
+
+
+def resolve_chat_template(name: str | None, lang: str, tokenizer, flag: str = "--chat-template", *,
+                          text_model_type: str | None = None) -> tuple[str, str]:
+    """(description, Jinja source) of the template `name` selects; `text_model_type` (the LLaVA's text
+    config's) picks its family's default."""
     if name is None:
         if tokenizer.chat_template:
             return "tokenizer", tokenizer.chat_template
+        name = _family_default(text_model_type)
+    if name is None:
         if lang not in LANG_DEFAULTS:
             raise UserError(f"--lang {lang!r} has no default chat template (known: {', '.join(LANG_DEFAULTS)})")
         name = LANG_DEFAULTS[lang]

@@ -78,6 +78,7 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
         pad_token_id: int | None = None,
         chat_template: str | None = None,
         lang: str = "en",
+        text_model_type: str | None = None,
         image_aspect: str = "crop",
         packing_seq_length: int | None = None,
         alignment: SequenceAlignment = SequenceAlignment(),
@@ -85,7 +86,8 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
         tokenizer = loading.load_tokenizer(str(tokenizer_dir), "--tokenizer-load-dir")
         self.images = ImagePreprocessor(loading.load_image_processor(str(tokenizer_dir), "--tokenizer-load-dir"),
                                         image_aspect)
-        self.template_name, template = resolve_chat_template(chat_template, lang, tokenizer)
+        self.template_name, template = resolve_chat_template(chat_template, lang, tokenizer,
+                                                                    text_model_type=text_model_type)
         self.chat = ChatTokenizer(tokenizer, template, image_token_index)
         self.pad_token_id = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
         if self.pad_token_id is None:
@@ -108,7 +110,8 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
     @classmethod
     def for_model(cls, tokenizer_dir: str, arch, **kwargs) -> "LlavaTaskEncoder":
         """Encoder for a model described by a `LlavaArch` (image token and count from it)."""
-        return cls(tokenizer_dir, img_seq_len=arch.img_seq_len, image_token_index=arch.image_token_index, **kwargs)
+        return cls(tokenizer_dir, img_seq_len=arch.img_seq_len, image_token_index=arch.image_token_index,
+                   text_model_type=arch.text.model_type, **kwargs)
 
     @stateless
     def preencode_sample(self, sample: Sample) -> EncodedSample:

@@ -123,7 +123,7 @@ def _trained_options(snapshot: layout.Snapshot | None) -> dict:
 def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template: str | None = None,
                     dtype: str = "auto", image_aspect: str | None = None) -> ModelSource:
     """Exactly one of `megatron_dir` / `hf_dir`. The chat template: `chat_template` if given, else the
-    one a trained snapshot was trained with, else the tokenizer's own (else the English default).
+    one a trained snapshot was trained with, else the tokenizer's own (else its text family's or the English default).
     The image aspect mode likewise: given, else as trained, else crop.
     `dtype`: the compute dtype (`backends.compute_dtype`), whatever the checkpoint stores."""
     from megatron_ext.data.chat_template import resolve_chat_template
@@ -146,7 +146,7 @@ def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template:
     processor = loading.load_processor(str(processor_dir), flag)
     trained = _trained_options(snapshot)
     name, template = resolve_chat_template(chat_template or trained.get("chat_template"), trained.get("lang", "en"),
-                                           processor.tokenizer)
+                                           processor.tokenizer, text_model_type=arch.text.model_type)
     image_aspect = image_aspect or trained.get("image_aspect", "crop")
     return ModelSource(kind=kind, path=snapshot.root if snapshot else path, processor=processor, template_name=name,
                        encoder=PromptEncoder(processor, template, image_aspect),

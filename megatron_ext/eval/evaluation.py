@@ -67,7 +67,8 @@ class TrainerPrompts:
 
         cfg = plan.config
         self.processor = loading.load_processor(str(plan.tokenizer_dir), "--tokenizer-load-dir")
-        _, template = resolve_chat_template(cfg.chat_template, cfg.lang, self.processor.tokenizer)
+        _, template = resolve_chat_template(cfg.chat_template, cfg.lang, self.processor.tokenizer,
+                                            text_model_type=plan.arch.text.model_type)
         self.encoder = PromptEncoder(self.processor, template, cfg.image_aspect)
         self.stop_ids = stop_token_ids(self.processor.tokenizer)
         self.arch = plan.arch

@@ -24,6 +24,10 @@ class LlamaLikeFamily:
     qk_layernorm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
     # Whether `sliding_window` applies when the config has no `use_sliding_window` (Mistral).
     sliding_window_by_default: bool = False
+    # Bundled chat template (data/chat_templates/) in the family's own format, used when a tokenizer
+    # has none; only where every tokenizer of the family holds that format's tokens (not Llama's: a
+    # Llama-2 or llm-jp tokenizer has no Llama-3 headers), so elsewhere the language's default.
+    chat_template: str | None = None
     tiny_norm_eps: float = 1e-6
     tiny_head_dim: int | None = None  # None: hidden_size / heads
 

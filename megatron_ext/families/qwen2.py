@@ -2,4 +2,4 @@
 
 from megatron_ext.families.llama_like import LlamaLikeFamily
 
-FAMILY = LlamaLikeFamily(model_type="qwen2", config_class="Qwen2Config", qkv_bias=True)
+FAMILY = LlamaLikeFamily(model_type="qwen2", config_class="Qwen2Config", qkv_bias=True, chat_template="chatml")

@@ -4,4 +4,5 @@ hidden_size / heads (the tiny model's is not, so the tests see the difference)."
 
 from megatron_ext.families.llama_like import LlamaLikeFamily
 
-FAMILY = LlamaLikeFamily(model_type="qwen3", config_class="Qwen3Config", qk_layernorm=True, tiny_head_dim=32)
+FAMILY = LlamaLikeFamily(model_type="qwen3", config_class="Qwen3Config", qk_layernorm=True, chat_template="chatml",
+                         tiny_head_dim=32)

@@ -20,6 +20,7 @@ EXPECTED_REPLY = {
     "plain": ("", "<|end|>"),
     "llava-v1": (" ", "<|end|>"),
     "llama-3": ("", "<|eot_id|>"),
+    "chatml": ("", "<|im_end|>"),
     "llm-jp": ("", "<|end|>"),
 }
 
@@ -61,18 +62,41 @@ def test_named_templates_train_exactly_the_replies(tokenizer, name):
     assert len(starts) == (1 if name == "plain" else 2)
 
 
-def test_default_template_follows_tokenizer_then_language(tokenizer):
+def test_default_template_follows_tokenizer_then_family_then_language(tokenizer):
     assert resolve_chat_template(None, "en", tokenizer)[0] == "tokenizer"
+    assert resolve_chat_template(None, "en", tokenizer, text_model_type="qwen2")[0] == "tokenizer"
     without = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     without.chat_template = None
     assert resolve_chat_template(None, "en", without)[0] == "llava-v1"
     assert resolve_chat_template(None, "ja", without)[0] == "llm-jp"
+    # Every Qwen tokenizer holds ChatML's tokens; a Llama-type one need not hold Llama-3's.
+    assert resolve_chat_template(None, "ja", without, text_model_type="qwen3")[0] == "chatml"
+    assert resolve_chat_template(None, "en", without, text_model_type="llama")[0] == "llava-v1"
+    assert resolve_chat_template("plain", "en", without, text_model_type="qwen2")[0] == "plain"
     assert "### 応答:" in resolve_chat_template(None, "ja", without)[1]
     with pytest.raises(UserError, match="has no chat template"):
         resolve_chat_template("tokenizer", "en", without)
     with pytest.raises(UserError, match="not a template name"):
         resolve_chat_template("vicuna-v0", "en", tokenizer)
-    assert {"plain", "llava-v1", "llama-3", "llm-jp"} <= set(template_names())
+    assert {"plain", "llava-v1", "llama-3", "chatml", "llm-jp"} <= set(template_names())
+
+
+def test_qwen_checkpoint_whose_tokenizer_has_no_template_trains_with_chatml(llava_qwen2_siglip, tmp_path):
+    import json
+    import shutil
+
+    from megatron_ext.data.task_encoder import LlavaTaskEncoder
+    from megatron_ext.model.arch import LlavaArch
+
+    stripped = shutil.copytree(llava_qwen2_siglip, tmp_path / "model", ignore=shutil.ignore_patterns("chat_template.*"))
+    config = json.loads((stripped / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (stripped / "tokenizer_config.json").write_text(json.dumps(config))
+    arch = LlavaArch.from_hf_config(json.loads((stripped / "config.json").read_text()))
+    encoder = LlavaTaskEncoder.for_model(str(stripped), arch, seq_length=512)
+    assert encoder.template_name == "chatml"
+    text, _ = encoder.chat.render(CONVERSATION)
+    assert text.startswith("<|im_start|>user\n<image>\nWhat is in the picture?<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_template_that_rewrites_earlier_turns_is_refused(tokenizer):
