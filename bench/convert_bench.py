@@ -1,10 +1,11 @@
 """HF -> Megatron (TP2) and back on a random 1.5 GiB bf16 LLaVA: wall time against a plain
 safetensors load + save of the same tensors, peak memory against the size on disk.
 
-    python bench/convert_bench.py [--tp 2] [--work-dir DIR] [--out bench/results/convert.md]
+    python bench/convert_bench.py [--tp 2] [--text-layers 18] [--work-dir DIR] [--out bench/results/convert.md]
 
 The model is built locally (no download): a random Llama-style text model (hidden 2048, 18 layers,
-GQA 16/4 heads, FFN 5632, bfloat16) with a tiny CLIP tower, assembled by build_llava_jp's code.
+GQA 16/4 heads, FFN 5632, bfloat16) with a tiny CLIP tower, assembled by build_llava_jp's code;
+`--text-layers` scales it (84 MiB a layer) to see how the fixed cost weighs at other sizes.
 The baseline loads every safetensors file of the model whole and saves it again, in a fresh
 process (python, torch, safetensors), run twice (before and after the conversions): the faster
 counts, as the machine is shared.
@@ -34,19 +35,21 @@ SCRIPTS = REPO_ROOT / "scripts" / "convert"
 BIG_TEXT = dict(hidden_size=2048, num_layers=18, num_heads=16, num_kv_heads=4, intermediate_size=5632)
 
 
-def build_models(work: Path) -> dict[str, Path]:
-    """The benchmark model and the tiny one, built once per work directory (kept if already there)."""
+def build_models(work: Path, text_layers: int) -> dict[str, Path]:
+    """The benchmark model and the tiny one, built once per work directory and size (kept if already there)."""
     from megatron_ext.hf.build_llava import build_llava
     from megatron_ext.hf.tiny_models import TinyTextSpec, make_text_model, make_vision_model
 
-    models = {"big": work / "llava-big", "tiny": work / "llava-tiny"}
+    models = {"big": work / f"llava-big-{text_layers}layers", "tiny": work / "llava-tiny"}
     if all(path.is_dir() for path in models.values()):
         return models
-    big_text = make_text_model(work / "text-big", TinyTextSpec(**BIG_TEXT, initializer_range=0.02))
+    big_text = make_text_model(work / "text-big", TinyTextSpec(**{**BIG_TEXT, "num_layers": text_layers},
+                                                               initializer_range=0.02))
     tiny_text = make_text_model(work / "text-tiny")
     clip = make_vision_model(work / "clip", "clip")
     build_llava(models["big"], str(big_text), str(clip), dtype="bfloat16", force=True)
-    build_llava(models["tiny"], str(tiny_text), str(clip), dtype="bfloat16", force=True)
+    if not models["tiny"].is_dir():
+        build_llava(models["tiny"], str(tiny_text), str(clip), dtype="bfloat16", force=True)
     for scratch in (big_text, tiny_text, clip):
         shutil.rmtree(scratch)
     return models
@@ -71,6 +74,9 @@ def _roles(root: psutil.Process) -> dict[str, list[psutil.Process]]:
 def run_measured(cmd: list[str]) -> dict:
     """Wall time, and peak summed RSS / PSS of `cmd`'s process tree (with the PSS by role at that peak)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    # What the previous command wrote is flushed first: otherwise the kernel writes it back during
+    # this one (measured: the baseline took 3.0 s after a quiet spell, 5.5 s after a 4 GiB write).
+    os.sync()
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
     root = psutil.Process(proc.pid)
@@ -129,7 +135,7 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def report(tp: int, size: int, resaves: list[dict], big: dict, tiny: dict, load_before: float) -> str:
+def report(tp: int, text_layers: int, size: int, resaves: list[dict], big: dict, tiny: dict, load_before: float) -> str:
     base = min(run["wall"] for run in resaves)
     walls = ", ".join(f"{run['wall']:.1f} s" for run in resaves)
     machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs (1-minute load average "
@@ -140,8 +146,8 @@ def report(tp: int, size: int, resaves: list[dict], big: dict, tiny: dict, load_
         "",
         f"Machine: {machine}. Conversions run on CPU (GPUs hidden), one intra-op thread per process.",
         "",
-        f"Command: `python bench/convert_bench.py --tp {tp}`. Model: random LLaVA (Llama-style text, hidden "
-        f"{BIG_TEXT['hidden_size']}, {BIG_TEXT['num_layers']} layers, bfloat16, tiny CLIP), {_gib(size)} on disk. "
+        f"Command: `python bench/convert_bench.py --tp {tp} --text-layers {text_layers}`. Model: random LLaVA "
+        f"(Llama-style text, hidden {BIG_TEXT['hidden_size']}, {text_layers} layers, bfloat16, tiny CLIP), {_gib(size)} on disk. "
         f"Baseline: a fresh process loading every safetensors file of it whole and saving it again, run before "
         f"and after the conversions: {walls}; the faster ({base:.1f} s) counts; its peak PSS {_gib(min(run['pss'] for run in resaves))}. Page cache warm for all.",
         "",
@@ -172,13 +178,15 @@ def report(tp: int, size: int, resaves: list[dict], big: dict, tiny: dict, load_
 
 @click.command()
 @click.option("--tp", type=int, default=2, show_default=True)
+@click.option("--text-layers", type=int, default=BIG_TEXT["num_layers"], show_default=True,
+              help="Layers of the benchmark model's text model (its size).")
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Keep the models here (default: a temporary directory).")
 @click.option("--out", type=click.Path(dir_okay=False), default=str(REPO_ROOT / "bench/results/convert.md"), show_default=True)
-def main(tp, work_dir, out):
+def main(tp, text_layers, work_dir, out):
     with tempfile.TemporaryDirectory(prefix="convert-bench-") as tmp:
         work = Path(work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        models = build_models(work)
+        models = build_models(work, text_layers)
         size = dir_bytes(models["big"])
         load_before = os.getloadavg()[0]
         # The two baseline runs bracket the conversions, so that a busy spell of the machine's
@@ -187,7 +195,7 @@ def main(tp, work_dir, out):
         tiny = convert_both_ways(models["tiny"], work, tp, "tiny")
         big = convert_both_ways(models["big"], work, tp, "big")
         resaves.append(time_resave(models["big"], work))
-        text = report(tp, size, resaves, big, tiny, load_before)
+        text = report(tp, text_layers, size, resaves, big, tiny, load_before)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(text)
     click.echo(text)
