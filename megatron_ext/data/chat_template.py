@@ -1,7 +1,7 @@
 """Chat templates, and which tokens of a rendered conversation the assistant wrote.
 
 A template is the tokenizer's own (``"tokenizer"``), a name from ``megatron_ext/data/chat_templates/``
-(``plain``, ``llava-v1``, ``llama-3``, ``chatml``, ``llm-jp``), or a path to a ``.jinja`` file. Unset,
+(``plain``, ``llava-v1``, ``llama-3``, ``chatml``, ``gemma``, ``llm-jp``), or a path to a ``.jinja`` file. Unset,
 the tokenizer's template is used when it has one, else the text family's chat format when its
 tokenizers always hold that format's tokens (ChatML for Qwen), else the language's default.
 

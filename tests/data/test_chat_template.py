@@ -21,6 +21,7 @@ EXPECTED_REPLY = {
     "llava-v1": (" ", "<|end|>"),
     "llama-3": ("", "<|eot_id|>"),
     "chatml": ("", "<|im_end|>"),
+    "gemma": ("", "<end_of_turn>"),
     "llm-jp": ("", "<|end|>"),
 }
 
