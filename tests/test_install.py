@@ -31,7 +31,9 @@ def test_an_installed_copy_runs_without_the_checkout(tmp_path):
     where, checkout, templates = json.loads(run([sys.executable, "-c", probe], cwd=elsewhere, env=env,
                                                 timeout=60).stdout)
     assert where.startswith(str(site)) and checkout == "None"
-    assert templates == ["llama-3", "llava-v1", "llm-jp", "plain"]
+    # Package data: every bundled chat template is installed.
+    assert templates == sorted(p.stem for p in (REPO_ROOT / "megatron_ext/data/chat_templates").glob("*.jinja"))
+    assert {"chatml", "gemma", "llama-3", "llava-v1", "llm-jp", "plain"} <= set(templates)
     trainer = run([sys.executable, "-m", "megatron_ext.train.pretrain_llava", "--help"], cwd=elsewhere, env=env,
                   timeout=120)
     assert "--megatron-load-dir" in trainer.stdout and "--image-aspect" in trainer.stdout
