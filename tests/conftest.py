@@ -103,6 +103,12 @@ def llava_qwen3_siglip(tmp_path_factory, tiny_qwen3, tiny_hf) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llava_internvit(tmp_path_factory, tiny_hf) -> Path:
+    """LLaVA: GQA Llama + InternViT (layer scale, class token dropped, last layer)."""
+    return _build(tmp_path_factory, "llava_internvit", tiny_hf["text"], tiny_hf["vision-internvl"])
+
+
+@pytest.fixture(scope="session")
 def llava_padded(tmp_path_factory, tiny_hf) -> Path:
     """LLaVA built with --vocab-size-padding (vocab 768, a multiple of 128)."""
     return _build(tmp_path_factory, "llava_padded", tiny_hf["text"], tiny_hf["vision-clip"], padding=True)

@@ -42,11 +42,12 @@ def llava_mapping(arch: LlavaArch) -> dict[str, Mapping]:
 def hf_only_names(arch: LlavaArch, hf_names: list[str]) -> list[str]:
     """HF tensors LLaVA never uses: ViT layers after the feature layer, the tower's post-norm and
     pooling head. They travel beside the Megatron checkpoint so the way back restores them."""
+    tower = vision_family(arch.vision.model_type)
     used = arch.vision.num_layers
     unused = []
     for name in hf_names:
-        layer = re.match(r"vision_tower\.encoder\.layers\.(\d+)\.", name)
-        if (layer and int(layer.group(1)) >= used) or re.match(r"vision_tower\.(post_layernorm|head)\.", name):
+        layer = re.match(re.escape(tower.hf_layers) + r"(\d+)\.", name)
+        if (layer and int(layer.group(1)) >= used) or name.startswith(tuple(f"vision_tower.{m}." for m in tower.hf_unused)):
             unused.append(name)
     return unused
 

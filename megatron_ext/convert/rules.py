@@ -38,15 +38,17 @@ class Replicated(Rule):
 
 @dataclass(frozen=True)
 class Reshaped(Replicated):
-    """Replicated, stored with another shape in Megatron (CLIP's class token: (h,) vs (1, 1, h))."""
+    """Replicated, stored with another shape in Megatron (CLIP's class token: (h,) vs (1, 1, h);
+    InternViT's position embeddings: (1, n, h) vs (n, h)). `hf_shape` None: one dimension."""
 
     megatron_shape: tuple[int, ...]
+    hf_shape: tuple[int, ...] | None = None
 
     def hf_to_megatron(self, hf):
         return hf[0].reshape(self.megatron_shape)
 
     def megatron_to_hf(self, full):
-        return [full.reshape(-1)]
+        return [full.reshape(self.hf_shape or (-1,))]
 
 
 class Column(Rule):

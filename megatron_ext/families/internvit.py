@@ -1,7 +1,99 @@
-"""InternViT (InternVL's tower): not a family yet. What is missing, so the refusal says so."""
+"""InternViT-300M (InternVL 2.5 / 3's tower; transformers' `internvl_vision`) as a LLaVA tower: a class
+token, no pre-norm, a patch bias, q/k/v biases and a layer scale (`lambda_1`, `lambda_2`) on every
+layer's attention and MLP outputs (megatron-core's `internvit300M` ViT subtype plus
+`model/layer_scale.py`). LLaVA reads the last layer without the class token, as InternVL does.
+InternVL's pixel shuffle (4 patches into one token) belongs to its own projector, which
+transformers' LLaVA does not have, so a LLaVA with this tower sees every patch.
 
-REFUSED = {
-    "internvl_vision": "its layers scale the attention and MLP outputs (lambda_1, lambda_2), which megatron-core "
-    "0.16.1's ViT layer specs cannot express, and InternVL feeds it through pixel shuffle into its own projector "
-    "(InternVLForConditionalGeneration, not LLaVA)",
-}
+A tower can come from a whole InternVL checkpoint (`internvl`, e.g. `OpenGVLab/InternVL3-1B-hf`):
+its vision config and `model.vision_tower.*` tensors are taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_ext.convert.rules import COLUMN, QKV, REPLICATED, ROW, Reshaped
+from megatron_ext.convert.table import VIT, Mapping, row
+from megatron_ext.errors import UserError
+from megatron_ext.families.vit import ViTFamily
+from megatron_ext.model.arch import VisionArch, get
+
+_LAYER = "vision_tower.encoder.layer.*."
+_ATTN = _LAYER + "attention."
+_EMBED = "vision_tower.embeddings."
+# InternVL's normalisation of 448-pixel tiles (ImageNet's mean and std, bicubic resize).
+_IMAGENET_MEAN, _IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def _processor(image_size: int):
+    from transformers import CLIPImageProcessor
+
+    return CLIPImageProcessor(size={"height": image_size, "width": image_size}, do_center_crop=False, resample=3,
+                              image_mean=_IMAGENET_MEAN, image_std=_IMAGENET_STD)
+
+
+@dataclass(frozen=True)
+class InternViTFamily(ViTFamily):
+    def read(self, cfg: Any, feature_layer: int) -> VisionArch:
+        refusals = [
+            (get(cfg, "use_qk_norm", False), "use_qk_norm=true (InternViT-6B's RMSNorm on q and k)"),
+            (get(cfg, "norm_type", "layer_norm") != "layer_norm", f"norm_type {get(cfg, 'norm_type')!r} (InternViT-6B's)"),
+            (not get(cfg, "attention_bias", True), "attention_bias=false (InternViT-300M has q/k/v biases)"),
+            (not get(cfg, "use_absolute_position_embeddings", True), "use_absolute_position_embeddings=false"),
+        ]
+        for refused, what in refusals:
+            if refused:
+                raise UserError(f"InternViT towers with {what} are not supported (supported: InternViT-300M's layout)")
+        return super().read(cfg, feature_layer)
+
+    def rows(self, v: VisionArch) -> tuple[list[Mapping], list[Mapping]]:
+        head_dim = v.hidden_size // v.num_attention_heads
+        qkv = QKV(v.num_attention_heads, v.num_attention_heads, head_dim)
+        projections = tuple(_ATTN + f"{p}_proj." for p in "qkv")
+        layer = [
+            row(VIT + "self_attention.linear_qkv.layer_norm_weight", _LAYER + "layernorm_before.weight", REPLICATED),
+            row(VIT + "self_attention.linear_qkv.layer_norm_bias", _LAYER + "layernorm_before.bias", REPLICATED),
+            row(VIT + "self_attention.linear_qkv.weight", tuple(p + "weight" for p in projections), qkv),
+            row(VIT + "self_attention.linear_qkv.bias", tuple(p + "bias" for p in projections), qkv),
+            row(VIT + "self_attention.linear_proj.weight", _ATTN + "projection_layer.weight", ROW),
+            row(VIT + "self_attention.linear_proj.bias", _ATTN + "projection_layer.bias", REPLICATED),
+            row(VIT + "self_attention.linear_proj.layer_scale", _LAYER + "lambda_1", REPLICATED),
+            row(VIT + "mlp.linear_fc1.layer_norm_weight", _LAYER + "layernorm_after.weight", REPLICATED),
+            row(VIT + "mlp.linear_fc1.layer_norm_bias", _LAYER + "layernorm_after.bias", REPLICATED),
+            row(VIT + "mlp.linear_fc1.weight", _LAYER + "mlp.fc1.weight", COLUMN),
+            row(VIT + "mlp.linear_fc1.bias", _LAYER + "mlp.fc1.bias", COLUMN),
+            row(VIT + "mlp.linear_fc2.weight", _LAYER + "mlp.fc2.weight", ROW),
+            row(VIT + "mlp.linear_fc2.bias", _LAYER + "mlp.fc2.bias", REPLICATED),
+            row(VIT + "mlp.linear_fc2.layer_scale", _LAYER + "lambda_2", REPLICATED),
+        ]
+        positions = v.num_patches + 1
+        once = [
+            row("vision_model.conv1.weight", _EMBED + "patch_embeddings.projection.weight", REPLICATED),
+            row("vision_model.conv1.bias", _EMBED + "patch_embeddings.projection.bias", REPLICATED),
+            row("vision_model.position_embeddings.weight", _EMBED + "position_embeddings",
+                Reshaped((positions, v.hidden_size), hf_shape=(1, positions, v.hidden_size))),
+            row("vision_model.class_token", _EMBED + "cls_token", REPLICATED),
+        ]
+        return once, layer
+
+    def tiny_tower(self, fields: dict, image_size: int):
+        import torch
+
+        model, processor = super().tiny_tower({**fields, "attention_bias": True}, image_size)
+        # transformers starts every layer scale at one constant; random ones show each is mapped.
+        with torch.no_grad():
+            for layer in model.encoder.layer:
+                layer.lambda_1.uniform_(0.5, 1.5)
+                layer.lambda_2.uniform_(0.5, 1.5)
+        return model, processor
+
+
+FAMILY = InternViTFamily(
+    model_type="internvl_vision", full_model_type="internvl", subtype="internvit300M",
+    class_token=True, pre_norm=False, patch_bias=True, feature_layer=-1, select_strategy="default",
+    model_class="InternVLVisionModel", config_class="InternVLVisionConfig", tiny_hidden_act="gelu",
+    tiny_processor=_processor, layer_scale=True, hf_layers="vision_tower.encoder.layer.", hf_unused=("layernorm",),
+    tower_prefix="vision_tower.",
+)

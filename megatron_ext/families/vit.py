@@ -16,6 +16,15 @@ from megatron_ext.model.arch import VisionArch, get
 _ATTN = HF_VIT + "self_attn."
 
 
+def _square(size, key: str) -> int:
+    """A size given as one number or as (height, width), which must be equal."""
+    if isinstance(size, (list, tuple)):
+        if len(set(size)) != 1:
+            raise UserError(f"vision {key} {list(size)} is not square; megatron-core's ViT takes square images and patches")
+        return size[0]
+    return size
+
+
 @dataclass(frozen=True)
 class ViTFamily:
     model_type: str  # the tower config's model_type
@@ -32,6 +41,12 @@ class ViTFamily:
     config_class: str  # transformers config class the tiny test tower is built from
     tiny_hidden_act: str
     tiny_processor: Callable[[int], Any]  # image size -> the tower's HF image processor
+    layer_scale: bool = False  # a learned scale on each layer's attention and MLP outputs
+    hf_layers: str = "vision_tower.encoder.layers."  # HF name prefix of layer i's tensors (then "i.")
+    hf_unused: tuple[str, ...] = ("post_layernorm", "head")  # tower modules LLaVA never runs
+    # Where whole checkpoints of `full_model_type` keep the tower, when transformers does not load
+    # the tower class from them on its own (names after transformers strips the "model." prefix).
+    tower_prefix: str | None = None
 
     def read(self, cfg: Any, feature_layer: int) -> VisionArch:
         from megatron_ext.model.activation_names import hf_activation
@@ -48,12 +63,13 @@ class ViTFamily:
             hidden_size=get(cfg, "hidden_size"),
             ffn_hidden_size=get(cfg, "intermediate_size"),
             num_attention_heads=get(cfg, "num_attention_heads"),
-            image_size=get(cfg, "image_size"),
-            patch_size=get(cfg, "patch_size"),
+            image_size=_square(get(cfg, "image_size"), "image_size"),
+            patch_size=_square(get(cfg, "patch_size"), "patch_size"),
             norm_eps=float(get(cfg, "layer_norm_eps", 1e-5)),
             activation=hf_activation(get(cfg, "hidden_act")),
             class_token=self.class_token,
             init_std=float(get(cfg, "initializer_range", 0.02)),
+            layer_scale=self.layer_scale,
         )
 
     def vision_config(self, v: VisionArch) -> dict:

@@ -13,9 +13,11 @@ What it does, in order:
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 from megatron_ext.data.chat_template import processor_template
+from megatron_ext.errors import UserError
 from megatron_ext.families import tower_config, vision_family
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 from megatron_ext.hf import loading
@@ -54,6 +56,22 @@ def _resolve_dtype(dtype: str, text_config):
     return DTYPES[dtype]
 
 
+def _load_tower(tower, source: str, whole: bool, dtype):
+    """The tower's weights from a tower checkpoint or a whole one (`whole`), refusing one that lacks
+    any: transformers would initialise those at random with only a warning."""
+    import transformers
+
+    # Towers transformers cannot load from a whole checkpoint by itself are found under their prefix.
+    mapping = {"key_mapping": {"^" + re.escape(tower.tower_prefix): ""}} if whole and tower.tower_prefix else {}
+    model, info = loading.load_pretrained(getattr(transformers, tower.model_class), source, "--vision-model",
+                                          dtype=dtype, output_loading_info=True, **mapping)
+    missing = sorted(info["missing_keys"])
+    if missing:
+        raise UserError(f"--vision-model {source}: the checkpoint lacks {len(missing)} of the {tower.model_class} tensors "
+                        f"(e.g. {missing[0]}); give a {tower.model_type} or {tower.full_model_type} checkpoint")
+    return model
+
+
 def build_llava(
     save_dir: str | Path,
     text_model: str,
@@ -73,18 +91,19 @@ def build_llava(
 
     text_config = loading.load_config(text_model, "--text-model")
     tokenizer = loading.load_tokenizer(text_model, "--text-model")
-    vision_config = tower_config(loading.load_config(vision_model, "--vision-model"), "--vision-model")
+    loaded_config = loading.load_config(vision_model, "--vision-model")
+    vision_config = tower_config(loaded_config, "--vision-model")
     image_processor = loading.load_image_processor(vision_model, "--vision-model")
     tower = vision_family(vision_config.model_type)
     torch_dtype = _resolve_dtype(dtype, text_config)
 
     image_token_id, pad_token_id = add_special_tokens(tokenizer)
-    num_patches = (vision_config.image_size // vision_config.patch_size) ** 2
+    tower_arch = tower.read(vision_config, tower.feature_layer)
+    num_patches = tower_arch.num_patches
     image_seq_length = num_patches + (tower.extra_tokens if tower.select_strategy == "full" else 0)
 
     text = loading.load_pretrained(AutoModelForCausalLM, text_model, "--text-model", dtype=torch_dtype)
-    vision = loading.load_pretrained(getattr(transformers, tower.model_class), vision_model, "--vision-model",
-                                     dtype=torch_dtype)
+    vision = _load_tower(tower, vision_model, loaded_config.model_type == tower.full_model_type, torch_dtype)
 
     config = LlavaConfig(
         text_config=text.config.to_dict(),
@@ -124,7 +143,7 @@ def build_llava(
     processor = LlavaProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
-        patch_size=vision_config.patch_size,
+        patch_size=tower_arch.patch_size,
         vision_feature_select_strategy=tower.select_strategy,
         num_additional_image_tokens=tower.extra_tokens,
         image_token=IMAGE_TOKEN,

@@ -158,7 +158,7 @@ def make_text_model(save_dir: Path, spec: TinyTextSpec = TinyTextSpec(), seed: i
 
 def make_vision_model(save_dir: Path, kind: str, spec: TinyVisionSpec = TinyVisionSpec(), seed: int = 0) -> Path:
     """Write a random vision tower and its image processor to `save_dir`; `kind` names a tower
-    family by its two-tower model_type (clip, siglip)."""
+    family by the model_type of the whole checkpoints holding it (clip, siglip, internvl)."""
     from megatron_ext.families import vision_families
 
     towers = {f.full_model_type: f for f in vision_families().values()}
@@ -181,7 +181,7 @@ def make_vision_model(save_dir: Path, kind: str, spec: TinyVisionSpec = TinyVisi
 
 def make_all(save_dir: Path, text_spec: TinyTextSpec = TinyTextSpec(), seed: int = 0) -> dict[str, Path]:
     """The folders the demo and tests use: text, and vision-NAME for every tower family NAME
-    (vision-clip, vision-siglip)."""
+    (vision-clip, vision-siglip, vision-internvl)."""
     from megatron_ext.families import vision_families
 
     save_dir = Path(save_dir)

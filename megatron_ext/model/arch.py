@@ -91,6 +91,7 @@ class VisionArch:
     activation: str  # key of megatron_ext.model.activations.ACTIVATIONS
     class_token: bool
     init_std: float
+    layer_scale: bool = False  # a learned scale on each layer's attention and MLP outputs (InternViT)
 
     @property
     def num_patches(self) -> int:

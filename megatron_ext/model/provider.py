@@ -132,7 +132,7 @@ def build_model(arch: LlavaArch, opts: ModelOptions = ModelOptions(), vp_stage: 
     arch.check_parallel(tp, pp)
     backend = opts.resolved_backend()
     language_cfg, vision_cfg, projector_cfg = transformer_configs(arch, opts, backend, tp, pp)
-    specs = llava_specs(backend, language_cfg)
+    specs = llava_specs(backend, language_cfg, vision_layer_scale=arch.vision.layer_scale)
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     t = arch.text

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +64,21 @@ def _with_core_attention(layer_spec, core_attention):
     return spec
 
 
-def llava_specs(backend: str, language_config) -> LlavaSpecs:
+def _with_layer_scale(layer_spec):
+    """The layer with a learned scale on its attention and MLP outputs (`layer_scale.py`)."""
+    from megatron_ext.model.layer_scale import layer_scaled
+
+    spec = copy.deepcopy(layer_spec)
+    attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    attention.linear_proj = layer_scaled(attention.linear_proj)
+    mlp.linear_fc2 = layer_scaled(mlp.linear_fc2)
+    return spec
+
+
+def llava_specs(backend: str, language_config, vision_layer_scale: bool = False) -> LlavaSpecs:
     """Specs for a resolved backend (te, sdpa or local). The language layer follows the language
-    TransformerConfig its family wrote: its norm class and whether q/k are normalised."""
+    TransformerConfig its family wrote: its norm class and whether q/k are normalised; the vision
+    layer gets a layer scale when its tower has one."""
     from megatron.core.transformer.mlp import MLPSubmodules
 
     if backend == "te":
@@ -95,6 +107,8 @@ def llava_specs(backend: str, language_config) -> LlavaSpecs:
             projector=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             backend=backend,
         )
+    if vision_layer_scale:
+        specs = replace(specs, vision=_with_layer_scale(specs.vision))
     log.info("layer specs: %s", {"te": "Transformer Engine", "sdpa": "megatron-core local + torch SDPA attention",
                                  "local": "megatron-core local (reference attention)"}[backend])
     return specs

@@ -30,7 +30,7 @@ def test_a_naflex_siglip2_tower_is_refused_with_the_reason(config_class):
     with pytest.raises(UserError, match=r"^--vision-model: vision model_type 'siglip2(_vision_model)?' is not supported: "
                                         r"SigLIP 2 NaFlex towers .* fixed-resolution SigLIP 2 checkpoints are "
                                         r"siglip(_vision_model)? and supported \(supported: clip, clip_vision_model, "
-                                        r"siglip, siglip_vision_model\)$"):
+                                        r"internvl, internvl_vision, siglip, siglip_vision_model\)$"):
         families.tower_config(config, "--vision-model")
 
 

@@ -1,0 +1,133 @@
+"""InternViT-300M as a LLaVA tower: layer scale on every layer's attention and MLP outputs, a class
+token LLaVA drops, the last layer read. Bit-exact round trip at TP/PP 1 and 2 and logit parity are in
+tests/convert/test_roundtrip.py (fixture "internvit"); here: what is read from its config, what is
+refused, the tower taken out of a whole InternVL checkpoint, greedy generation at TP2 and a stage-1
+run that trains the projector only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_ext.errors import UserError
+from megatron_ext.model.arch import LlavaArch, VisionArch
+from tests.eval.test_generate import MAX_NEW_TOKENS, _expected, _requests
+from tests.helpers import hf_tensors, run_torchrun
+from tests.train.conftest import train, trainer_args
+
+
+def test_config_gives_layer_scale_the_last_layer_and_no_class_token(llava_internvit):
+    from megatron_ext.convert.mapping import llava_mapping
+
+    config = json.loads((llava_internvit / "config.json").read_text())
+    arch = LlavaArch.from_hf_config(config)
+    v = arch.vision
+    assert (v.subtype, v.layer_scale, v.class_token, v.num_layers) == ("internvit300M", True, True, 3)
+    assert arch.img_seq_len == v.num_patches == 16 == config["image_seq_length"]
+    table = llava_mapping(arch)
+    assert table["vision_model.decoder.layers.2.mlp.linear_fc2.layer_scale"].hf == (
+        "vision_tower.encoder.layer.2.lambda_2",)
+    assert table["vision_model.position_embeddings.weight"].rule.hf_shape == (1, 17, 32)
+
+
+@pytest.mark.parametrize("field,value,what", [
+    ("use_qk_norm", True, r"use_qk_norm=true \(InternViT-6B's RMSNorm on q and k\)"),
+    ("norm_type", "rms_norm", r"norm_type 'rms_norm' \(InternViT-6B's\)"),
+    ("attention_bias", False, r"attention_bias=false \(InternViT-300M has q/k/v biases\)"),
+])
+def test_what_internvit_300m_lacks_is_refused(field, value, what):
+    from transformers import InternVLVisionConfig
+
+    config = InternVLVisionConfig(**{"attention_bias": True, field: value})
+    with pytest.raises(UserError, match=rf"^InternViT towers with {what} are not supported "
+                                        r"\(supported: InternViT-300M's layout\)$"):
+        VisionArch.from_hf(config, -1)
+
+
+def test_a_non_square_tower_is_refused():
+    from transformers import InternVLVisionConfig
+
+    config = InternVLVisionConfig(attention_bias=True, image_size=[448, 224])
+    with pytest.raises(UserError, match=r"^vision image_size \[448, 224\] is not square; megatron-core's ViT takes "
+                                        r"square images and patches$"):
+        VisionArch.from_hf(config, -1)
+
+
+def _whole_internvl(tiny_hf, path):
+    """A whole InternVL checkpoint (tower, projector, Qwen2 text), as the -hf InternVL ones ship."""
+    from transformers import AutoImageProcessor, InternVLConfig, InternVLForConditionalGeneration, InternVLVisionConfig
+
+    tower = InternVLVisionConfig.from_pretrained(tiny_hf["vision-internvl"])
+    text = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
+    torch.manual_seed(1)
+    whole = InternVLForConditionalGeneration(InternVLConfig(vision_config=tower.to_dict(), text_config=text,
+                                                            image_token_id=99))
+    whole.save_pretrained(path)
+    AutoImageProcessor.from_pretrained(tiny_hf["vision-internvl"]).save_pretrained(path)
+    return whole
+
+
+def test_llava_takes_the_tower_out_of_a_whole_internvl_checkpoint(tiny_hf, tmp_path):
+    from transformers import LlavaForConditionalGeneration
+
+    from megatron_ext.hf.build_llava import build_llava
+
+    whole = _whole_internvl(tiny_hf, tmp_path / "internvl")
+    llava = build_llava(tmp_path / "llava", str(tiny_hf["text"]), str(tmp_path / "internvl"))
+    assert json.loads((llava / "config.json").read_text())["vision_config"]["model_type"] == "internvl_vision"
+    tower = LlavaForConditionalGeneration.from_pretrained(llava).model.vision_tower.state_dict()
+    expected = whole.model.vision_tower.state_dict()
+    assert tower.keys() == expected.keys()
+    assert all(torch.equal(tower[name], expected[name]) for name in expected)
+
+
+def test_a_tower_checkpoint_missing_tensors_is_refused_not_filled_at_random(tiny_hf, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_ext.hf.build_llava import build_llava
+
+    tower = shutil.copytree(tiny_hf["vision-internvl"], tmp_path / "tower")
+    tensors = load_file(tower / "model.safetensors")
+    del tensors["encoder.layer.1.lambda_1"]
+    save_file(tensors, tower / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=rf"^--vision-model {tower}: the checkpoint lacks 1 of the InternVLVisionModel "
+                                        r"tensors \(e.g. encoder.layer.1.lambda_1\); give a internvl_vision or internvl "
+                                        r"checkpoint$"):
+        build_llava(tmp_path / "llava", str(tiny_hf["text"]), str(tower))
+    assert not (tmp_path / "llava").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_greedy_tokens_at_tp2_equal_transformers_and_stage1_trains_the_projector_only(
+        llava_internvit, train_data, tmp_path):
+    from megatron_ext.convert.compare import synthetic_image
+    from megatron_ext.convert.mapping import normalize_hf_name
+    from megatron_ext.convert.to_hf import convert as to_hf
+    from megatron_ext.convert.to_megatron import convert as to_megatron
+    from tests.eval.conftest import HFReference
+
+    megatron = to_megatron(llava_internvit, tmp_path / "megatron", tp=2, pp=1)
+    images = [tmp_path / "images" / "a.png", tmp_path / "images" / "b.png"]
+    images[0].parent.mkdir()
+    synthetic_image(0).save(images[0])
+    synthetic_image(1, size=(90, 40)).save(images[1])
+    requests, answers = _requests(tmp_path, images), tmp_path / "answers.jsonl"
+    run_torchrun(2, "scripts/eval/generate.py", "--megatron-dir", megatron, "--input-jsonl", requests,
+                 "--output-jsonl", answers, "--max-new-tokens", MAX_NEW_TOKENS, "--tp", 2, timeout=180)
+    expected = _expected(HFReference(llava_internvit), images)
+    assert [json.loads(line)["token_ids"] for line in answers.read_text().splitlines()] == expected
+    assert all(len(ids) == MAX_NEW_TOKENS for ids in expected)
+
+    save = tmp_path / "run"
+    train(1, *trainer_args(megatron, train_data, save, stage=1, lr=1e-2, train_iters=2, chat_template="plain"))
+    before = {normalize_hf_name(k): v for k, v in hf_tensors(llava_internvit).items()}
+    after = {normalize_hf_name(k): v for k, v in hf_tensors(to_hf(save, tmp_path / "hf")).items()}
+    assert before.keys() == after.keys()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed == {n for n in before if n.startswith("multi_modal_projector.")}
