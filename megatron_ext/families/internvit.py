@@ -14,14 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_ext.convert.rules import COLUMN, QKV, REPLICATED, ROW, Reshaped
+from megatron_ext.convert.rules import REPLICATED, Reshaped
 from megatron_ext.convert.table import VIT, Mapping, row
 from megatron_ext.errors import UserError
-from megatron_ext.families.vit import ViTFamily
+from megatron_ext.families.vit import ViTFamily, layer_rows
 from megatron_ext.model.arch import VisionArch, get
 
 _LAYER = "vision_tower.encoder.layer.*."
-_ATTN = _LAYER + "attention."
 _EMBED = "vision_tower.embeddings."
 # InternVL's normalisation of 448-pixel tiles (ImageNet's mean and std, bicubic resize).
 _IMAGENET_MEAN, _IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
@@ -49,23 +48,9 @@ class InternViTFamily(ViTFamily):
         return super().read(cfg, feature_layer)
 
     def rows(self, v: VisionArch) -> tuple[list[Mapping], list[Mapping]]:
-        head_dim = v.hidden_size // v.num_attention_heads
-        qkv = QKV(v.num_attention_heads, v.num_attention_heads, head_dim)
-        projections = tuple(_ATTN + f"{p}_proj." for p in "qkv")
-        layer = [
-            row(VIT + "self_attention.linear_qkv.layer_norm_weight", _LAYER + "layernorm_before.weight", REPLICATED),
-            row(VIT + "self_attention.linear_qkv.layer_norm_bias", _LAYER + "layernorm_before.bias", REPLICATED),
-            row(VIT + "self_attention.linear_qkv.weight", tuple(p + "weight" for p in projections), qkv),
-            row(VIT + "self_attention.linear_qkv.bias", tuple(p + "bias" for p in projections), qkv),
-            row(VIT + "self_attention.linear_proj.weight", _ATTN + "projection_layer.weight", ROW),
-            row(VIT + "self_attention.linear_proj.bias", _ATTN + "projection_layer.bias", REPLICATED),
+        layer = layer_rows(v, _LAYER, norm1="layernorm_before", attention="attention.", out_proj="projection_layer",
+                           norm2="layernorm_after") + [
             row(VIT + "self_attention.linear_proj.layer_scale", _LAYER + "lambda_1", REPLICATED),
-            row(VIT + "mlp.linear_fc1.layer_norm_weight", _LAYER + "layernorm_after.weight", REPLICATED),
-            row(VIT + "mlp.linear_fc1.layer_norm_bias", _LAYER + "layernorm_after.bias", REPLICATED),
-            row(VIT + "mlp.linear_fc1.weight", _LAYER + "mlp.fc1.weight", COLUMN),
-            row(VIT + "mlp.linear_fc1.bias", _LAYER + "mlp.fc1.bias", COLUMN),
-            row(VIT + "mlp.linear_fc2.weight", _LAYER + "mlp.fc2.weight", ROW),
-            row(VIT + "mlp.linear_fc2.bias", _LAYER + "mlp.fc2.bias", REPLICATED),
             row(VIT + "mlp.linear_fc2.layer_scale", _LAYER + "lambda_2", REPLICATED),
         ]
         positions = v.num_patches + 1

@@ -13,7 +13,27 @@ from megatron_ext.convert.table import HF_VIT, VIT, Mapping, row
 from megatron_ext.errors import UserError
 from megatron_ext.model.arch import VisionArch, get
 
-_ATTN = HF_VIT + "self_attn."
+
+def layer_rows(v: VisionArch, layer: str, norm1: str, attention: str, out_proj: str, norm2: str) -> list[Mapping]:
+    """The rows of a pre-norm ViT layer (LayerNorms, q/k/v and output projection with biases, a
+    `mlp.fc1` / `mlp.fc2` MLP) under its HF names: `layer` is the layer's prefix (with `*`), the
+    others are relative to it."""
+    qkv = QKV(v.num_attention_heads, v.num_attention_heads, v.hidden_size // v.num_attention_heads)
+    projections = tuple(layer + attention + f"{p}_proj." for p in "qkv")
+    return [
+        row(VIT + "self_attention.linear_qkv.layer_norm_weight", layer + norm1 + ".weight", REPLICATED),
+        row(VIT + "self_attention.linear_qkv.layer_norm_bias", layer + norm1 + ".bias", REPLICATED),
+        row(VIT + "self_attention.linear_qkv.weight", tuple(p + "weight" for p in projections), qkv),
+        row(VIT + "self_attention.linear_qkv.bias", tuple(p + "bias" for p in projections), qkv),
+        row(VIT + "self_attention.linear_proj.weight", layer + attention + out_proj + ".weight", ROW),
+        row(VIT + "self_attention.linear_proj.bias", layer + attention + out_proj + ".bias", REPLICATED),
+        row(VIT + "mlp.linear_fc1.layer_norm_weight", layer + norm2 + ".weight", REPLICATED),
+        row(VIT + "mlp.linear_fc1.layer_norm_bias", layer + norm2 + ".bias", REPLICATED),
+        row(VIT + "mlp.linear_fc1.weight", layer + "mlp.fc1.weight", COLUMN),
+        row(VIT + "mlp.linear_fc1.bias", layer + "mlp.fc1.bias", COLUMN),
+        row(VIT + "mlp.linear_fc2.weight", layer + "mlp.fc2.weight", ROW),
+        row(VIT + "mlp.linear_fc2.bias", layer + "mlp.fc2.bias", REPLICATED),
+    ]
 
 
 def _square(size, key: str) -> int:
@@ -92,22 +112,8 @@ class ViTFamily:
 
     def rows(self, v: VisionArch) -> tuple[list[Mapping], list[Mapping]]:
         """(tensors held once, tensors of every layer `*`) of the tower."""
-        qkv = QKV(v.num_attention_heads, v.num_attention_heads, v.hidden_size // v.num_attention_heads)
-        projections = tuple(_ATTN + f"{p}_proj." for p in "qkv")
-        layer = [
-            row(VIT + "self_attention.linear_qkv.layer_norm_weight", HF_VIT + "layer_norm1.weight", REPLICATED),
-            row(VIT + "self_attention.linear_qkv.layer_norm_bias", HF_VIT + "layer_norm1.bias", REPLICATED),
-            row(VIT + "self_attention.linear_qkv.weight", tuple(p + "weight" for p in projections), qkv),
-            row(VIT + "self_attention.linear_qkv.bias", tuple(p + "bias" for p in projections), qkv),
-            row(VIT + "self_attention.linear_proj.weight", _ATTN + "out_proj.weight", ROW),
-            row(VIT + "self_attention.linear_proj.bias", _ATTN + "out_proj.bias", REPLICATED),
-            row(VIT + "mlp.linear_fc1.layer_norm_weight", HF_VIT + "layer_norm2.weight", REPLICATED),
-            row(VIT + "mlp.linear_fc1.layer_norm_bias", HF_VIT + "layer_norm2.bias", REPLICATED),
-            row(VIT + "mlp.linear_fc1.weight", HF_VIT + "mlp.fc1.weight", COLUMN),
-            row(VIT + "mlp.linear_fc1.bias", HF_VIT + "mlp.fc1.bias", COLUMN),
-            row(VIT + "mlp.linear_fc2.weight", HF_VIT + "mlp.fc2.weight", ROW),
-            row(VIT + "mlp.linear_fc2.bias", HF_VIT + "mlp.fc2.bias", REPLICATED),
-        ]
+        layer = layer_rows(v, HF_VIT, norm1="layer_norm1", attention="self_attn.", out_proj="out_proj",
+                           norm2="layer_norm2")
         once = [
             row("vision_model.conv1.weight", "vision_tower.embeddings.patch_embedding.weight", REPLICATED),
             row("vision_model.position_embeddings.weight", "vision_tower.embeddings.position_embedding.weight", REPLICATED),

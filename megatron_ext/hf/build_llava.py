@@ -83,7 +83,6 @@ def build_llava(
 ) -> Path:
     """Write a LLaVA checkpoint + tokenizer + processor to `save_dir`; returns its path."""
     import torch
-    import transformers
     from transformers import AutoModelForCausalLM, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
     from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 

@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
+from megatron_ext.convert.mapping import normalize_hf_name
 from megatron_ext.errors import UserError
 from megatron_ext.model.arch import LlavaArch, VisionArch
-from tests.eval.test_generate import MAX_NEW_TOKENS, _expected, _requests
-from tests.helpers import hf_tensors, run_torchrun
-from tests.train.conftest import train, trainer_args
+from tests.families.checks import assert_greedy_at_tp2_equals_transformers, changed_by_training
+from tests.helpers import hf_tensors
 
 
 def test_config_gives_layer_scale_the_last_layer_and_no_class_token(llava_internvit):
@@ -106,28 +106,7 @@ def test_a_tower_checkpoint_missing_tensors_is_refused_not_filled_at_random(tiny
 @pytest.mark.timeout(400)
 def test_greedy_tokens_at_tp2_equal_transformers_and_stage1_trains_the_projector_only(
         llava_internvit, train_data, tmp_path):
-    from megatron_ext.convert.compare import synthetic_image
-    from megatron_ext.convert.mapping import normalize_hf_name
-    from megatron_ext.convert.to_hf import convert as to_hf
-    from megatron_ext.convert.to_megatron import convert as to_megatron
-    from tests.eval.conftest import HFReference
-
-    megatron = to_megatron(llava_internvit, tmp_path / "megatron", tp=2, pp=1)
-    images = [tmp_path / "images" / "a.png", tmp_path / "images" / "b.png"]
-    images[0].parent.mkdir()
-    synthetic_image(0).save(images[0])
-    synthetic_image(1, size=(90, 40)).save(images[1])
-    requests, answers = _requests(tmp_path, images), tmp_path / "answers.jsonl"
-    run_torchrun(2, "scripts/eval/generate.py", "--megatron-dir", megatron, "--input-jsonl", requests,
-                 "--output-jsonl", answers, "--max-new-tokens", MAX_NEW_TOKENS, "--tp", 2, timeout=180)
-    expected = _expected(HFReference(llava_internvit), images)
-    assert [json.loads(line)["token_ids"] for line in answers.read_text().splitlines()] == expected
-    assert all(len(ids) == MAX_NEW_TOKENS for ids in expected)
-
-    save = tmp_path / "run"
-    train(1, *trainer_args(megatron, train_data, save, stage=1, lr=1e-2, train_iters=2, chat_template="plain"))
-    before = {normalize_hf_name(k): v for k, v in hf_tensors(llava_internvit).items()}
-    after = {normalize_hf_name(k): v for k, v in hf_tensors(to_hf(save, tmp_path / "hf")).items()}
-    assert before.keys() == after.keys()
-    changed = {name for name in before if not torch.equal(before[name], after[name])}
-    assert changed == {n for n in before if n.startswith("multi_modal_projector.")}
+    megatron = assert_greedy_at_tp2_equals_transformers(llava_internvit, tmp_path)
+    changed = changed_by_training(llava_internvit, megatron, train_data, tmp_path, stage=1)
+    names = {normalize_hf_name(k) for k in hf_tensors(llava_internvit)}
+    assert changed == {n for n in names if n.startswith("multi_modal_projector.")}

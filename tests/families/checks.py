@@ -1,0 +1,46 @@
+"""What every new family's tests check end to end: greedy generation from its Megatron checkpoint at
+TP2 equals transformers', and which HF tensors a short training run changes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.eval.test_generate import MAX_NEW_TOKENS, _expected, _requests
+from tests.helpers import hf_tensors, run_torchrun
+from tests.train.conftest import train, trainer_args
+
+
+def assert_greedy_at_tp2_equals_transformers(hf_dir: Path, tmp_path: Path) -> Path:
+    """Converts `hf_dir` to Megatron TP2 (returned) and checks generate.py's tokens there."""
+    from megatron_ext.convert.compare import synthetic_image
+    from megatron_ext.convert.to_megatron import convert as to_megatron
+    from tests.eval.conftest import HFReference
+
+    megatron = to_megatron(hf_dir, tmp_path / "megatron", tp=2, pp=1)
+    images = [tmp_path / "images" / "a.png", tmp_path / "images" / "b.png"]
+    images[0].parent.mkdir()
+    synthetic_image(0).save(images[0])
+    synthetic_image(1, size=(90, 40)).save(images[1])
+    requests, answers = _requests(tmp_path, images), tmp_path / "answers.jsonl"
+    run_torchrun(2, "scripts/eval/generate.py", "--megatron-dir", megatron, "--input-jsonl", requests,
+                 "--output-jsonl", answers, "--max-new-tokens", MAX_NEW_TOKENS, "--tp", 2, timeout=180)
+    expected = _expected(HFReference(hf_dir), images)
+    assert [json.loads(line)["token_ids"] for line in answers.read_text().splitlines()] == expected
+    assert all(len(ids) == MAX_NEW_TOKENS for ids in expected)
+    return megatron
+
+
+def changed_by_training(hf_dir: Path, megatron: Path, train_data: Path, tmp_path: Path, stage: int) -> set[str]:
+    """The (normalized) HF tensors a two-step run of `stage` from `megatron` changes."""
+    from megatron_ext.convert.mapping import normalize_hf_name
+    from megatron_ext.convert.to_hf import convert as to_hf
+
+    save = tmp_path / "run"
+    train(1, *trainer_args(megatron, train_data, save, stage=stage, lr=1e-2, train_iters=2, chat_template="plain"))
+    before = {normalize_hf_name(k): v for k, v in hf_tensors(hf_dir).items()}
+    after = {normalize_hf_name(k): v for k, v in hf_tensors(to_hf(save, tmp_path / "hf")).items()}
+    assert before.keys() == after.keys()
+    return {name for name in before if not torch.equal(before[name], after[name])}
