@@ -103,6 +103,30 @@ def llava_qwen3_siglip(tmp_path_factory, tiny_qwen3, tiny_hf) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> Path:
+    """A Gemma 3 text model: (1 + w) norms (random w), post-norms, a 5-key window on layer 1 only,
+    per-layer RoPE bases, an attention scale other than 1 / sqrt(head_dim)."""
+    from megatron_ext.hf.tiny_models import TinyTextSpec, make_text_model
+
+    return make_text_model(tmp_path_factory.mktemp("tiny_gemma3") / "text", TinyTextSpec(arch="gemma3_text"))
+
+
+@pytest.fixture(scope="session")
+def llava_gemma3_siglip(tmp_path_factory, tiny_gemma3, tiny_hf) -> Path:
+    """LLaVA: Gemma 3 text + SigLIP."""
+    return _build(tmp_path_factory, "llava_gemma3_siglip", tiny_gemma3, tiny_hf["vision-siglip"])
+
+
+@pytest.fixture(scope="session")
+def llava_mistral_clip(tmp_path_factory, tiny_hf) -> Path:
+    """LLaVA: Mistral (a 6-key sliding window on every layer, shorter than the test prompts) + CLIP."""
+    from megatron_ext.hf.tiny_models import TinyTextSpec, make_text_model
+
+    text = make_text_model(tmp_path_factory.mktemp("tiny_mistral") / "text", TinyTextSpec(arch="mistral"))
+    return _build(tmp_path_factory, "llava_mistral_clip", text, tiny_hf["vision-clip"])
+
+
+@pytest.fixture(scope="session")
 def llava_internvit(tmp_path_factory, tiny_hf) -> Path:
     """LLaVA: GQA Llama + InternViT (layer scale, class token dropped, last layer)."""
     return _build(tmp_path_factory, "llava_internvit", tiny_hf["text"], tiny_hf["vision-internvl"])

@@ -1,9 +1,119 @@
-"""Gemma 3 text: not a family yet. What megatron-core 0.16.1 lacks for it, so the refusal says so
-(docs/families.md lists what adding it takes)."""
+"""Gemma 3 text (`gemma3_text`, e.g. google/gemma-3-1b-it): a Llama-shaped decoder with
+- (1 + weight) RMSNorms in float32, also over each head's q and k (`model/norms.py`, TE's
+  `layernorm_zero_centered_gamma`),
+- a norm after attention and after the MLP, before each residual add (`model/post_norm.py`;
+  HF's `post_attention_layernorm` is that one here, `pre_feedforward_layernorm` the MLP's input norm),
+- text embeddings scaled by sqrt(hidden_size), GeGLU (tanh GELU), attention scaled by
+  `query_pre_attn_scalar ** -0.5`, tied embeddings,
+- sliding-window layers (`layer_types`) with their own RoPE base, full layers with theirs and
+  optionally linear position scaling (`model/layer_rope.py`).
+"""
 
-REFUSED = {
-    "gemma3_text": "megatron-core 0.16.1 has no norm after attention and after the MLP in its TransformerLayer "
-    "(Gemma's post_attention_layernorm, post_feedforward_layernorm), no sqrt(hidden_size) embedding scale in "
-    "GPTModel, no (1 + weight) RMSNorm outside Transformer Engine, and one RoPE base for all layers (Gemma 3's "
-    "sliding layers use their own)",
-}
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_ext.convert.rules import REPLICATED
+from megatron_ext.convert.table import HF_LM, LM, Mapping, row
+from megatron_ext.errors import UserError
+from megatron_ext.families.llama_like import LlamaLikeFamily
+from megatron_ext.model.arch import TextArch, get, padded_vocab_size
+
+
+def _rope(params: dict, what: str) -> tuple[float, float | None]:
+    """(theta, linear factor or None) of one layer type's RoPE."""
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        return float(params["rope_theta"]), None
+    if kind == "linear" and what == "full_attention":
+        return float(params["rope_theta"]), float(params["factor"])
+    raise UserError(f"gemma3_text RoPE {kind!r} on {what} layers is not supported (supported: default; linear on "
+                    "full_attention layers)")
+
+
+@dataclass(frozen=True)
+class Gemma3Family(LlamaLikeFamily):
+    def read(self, cfg: Any) -> TextArch:
+        refusals = [
+            (get(cfg, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh",
+             f"hidden_activation {get(cfg, 'hidden_activation')!r}"),
+            (get(cfg, "attn_logit_softcapping") is not None, "attn_logit_softcapping (Gemma 2's)"),
+            (get(cfg, "final_logit_softcapping") is not None, "final_logit_softcapping (Gemma 2's)"),
+            (get(cfg, "use_bidirectional_attention", False), "use_bidirectional_attention=true"),
+            (get(cfg, "attention_bias", False), "attention_bias=true"),
+        ]
+        for refused, what in refusals:
+            if refused:
+                raise UserError(f"gemma3_text models with {what} are not supported")
+        params = get(cfg, "rope_parameters") or {}
+        full_theta, factor = _rope(params.get("full_attention") or {"rope_theta": get(cfg, "rope_theta", 1e6)},
+                                   "full_attention")
+        sliding_theta, _ = _rope(params.get("sliding_attention")
+                                 or {"rope_theta": get(cfg, "rope_local_base_freq", 1e4)}, "sliding_attention")
+        layers = get(cfg, "num_hidden_layers")
+        layer_types = get(cfg, "layer_types") or ["full_attention"] * layers
+        hidden, heads, vocab = get(cfg, "hidden_size"), get(cfg, "num_attention_heads"), get(cfg, "vocab_size")
+        return TextArch(
+            model_type=self.model_type,
+            num_layers=layers,
+            hidden_size=hidden,
+            ffn_hidden_size=get(cfg, "intermediate_size"),
+            num_attention_heads=heads,
+            num_query_groups=get(cfg, "num_key_value_heads") or heads,
+            kv_channels=get(cfg, "head_dim") or hidden // heads,
+            vocab_size=vocab,
+            padded_vocab_size=padded_vocab_size(vocab),
+            norm_eps=float(get(cfg, "rms_norm_eps", 1e-6)),
+            rope_theta=full_theta,
+            rope_scaling_factor=None,
+            qkv_bias=False,
+            qk_layernorm=True,
+            tie_word_embeddings=bool(get(cfg, "tie_word_embeddings", True)),
+            max_position_embeddings=get(cfg, "max_position_embeddings"),
+            init_std=float(get(cfg, "initializer_range", 0.02)),
+            gated_activation="gelu_tanh",
+            norm_plus_one=True,
+            post_norms=True,
+            embedding_scale=hidden ** 0.5,
+            softmax_scale=float(get(cfg, "query_pre_attn_scalar")) ** -0.5,
+            sliding_window=get(cfg, "sliding_window"),
+            sliding_layers=tuple(kind == "sliding_attention" for kind in layer_types),
+            sliding_rope_theta=sliding_theta,
+            rope_linear_factor=factor,
+        )
+
+    def rows(self, t: TextArch) -> tuple[list[Mapping], list[Mapping]]:
+        once, layer = super().rows(t)
+        pre_mlp = LM + "mlp.linear_fc1.layer_norm_weight"
+        layer = [r for r in layer if r.megatron != pre_mlp] + [
+            row(pre_mlp, HF_LM + "pre_feedforward_layernorm.weight", REPLICATED),
+            row(LM + "self_attention.linear_proj.post_norm.weight", HF_LM + "post_attention_layernorm.weight", REPLICATED),
+            row(LM + "mlp.linear_fc2.post_norm.weight", HF_LM + "post_feedforward_layernorm.weight", REPLICATED),
+        ]
+        return once, layer
+
+    def tiny_config(self, **fields):
+        import transformers
+
+        layers = fields["num_hidden_layers"]
+        fields.pop("rope_parameters", None)
+        # A window shorter than the test prompts, sliding and full layers on every pipeline stage of
+        # two, RoPE bases that differ, and an attention scale that is not 1 / sqrt(head_dim).
+        return transformers.Gemma3TextConfig(
+            **fields, head_dim=32, query_pre_attn_scalar=24, sliding_window=5, rms_norm_eps=self.tiny_norm_eps,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+
+    def tiny_weights(self, model) -> None:
+        import torch
+
+        # transformers starts every (1 + w) norm at w = 0; random ones show each is mapped and computed.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.5)
+
+
+FAMILY = Gemma3Family(model_type="gemma3_text", config_class="Gemma3TextConfig", chat_template="gemma")

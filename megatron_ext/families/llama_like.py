@@ -30,6 +30,7 @@ class LlamaLikeFamily:
     chat_template: str | None = None
     tiny_norm_eps: float = 1e-6
     tiny_head_dim: int | None = None  # None: hidden_size / heads
+    tiny_sliding_window: int | None = None  # shorter than the test prompts, so the window matters
 
     def read(self, cfg: Any) -> TextArch:
         """The TextArch of an HF text config of this family, refusing what megatron-core cannot compute."""
@@ -39,10 +40,7 @@ class LlamaLikeFamily:
             raise UserError("text models with mlp_bias=true are not supported")
         if get(cfg, "attention_bias", False) and not self.qkv_bias:
             raise UserError(f"{self.model_type} models with attention_bias=true (bias on o_proj too) are not supported")
-        sliding = get(cfg, "sliding_window")
-        if sliding is not None and get(cfg, "use_sliding_window", self.sliding_window_by_default):
-            if sliding < get(cfg, "max_position_embeddings"):
-                raise UserError(f"sliding-window attention (sliding_window={sliding}) is not supported")
+        sliding_layers = self._sliding_layers(cfg)
         heads = get(cfg, "num_attention_heads")
         hidden = get(cfg, "hidden_size")
         vocab = get(cfg, "vocab_size")
@@ -65,21 +63,37 @@ class LlamaLikeFamily:
             tie_word_embeddings=bool(get(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=get(cfg, "max_position_embeddings"),
             init_std=float(get(cfg, "initializer_range", 0.02)),
+            sliding_window=get(cfg, "sliding_window") if any(sliding_layers) else None,
+            sliding_layers=sliding_layers,
         )
+
+    def _sliding_layers(self, cfg: Any) -> tuple[bool, ...]:
+        """Per layer, whether it attends through `sliding_window`: as `layer_types` says (Qwen2 with
+        `use_sliding_window`), else every layer when the window applies (Mistral), else none."""
+        if get(cfg, "sliding_window") is None or not get(cfg, "use_sliding_window", self.sliding_window_by_default):
+            return ()
+        layer_types = get(cfg, "layer_types") or ["sliding_attention"] * get(cfg, "num_hidden_layers")
+        return tuple(kind == "sliding_attention" for kind in layer_types)
 
     def language_config(self, t: TextArch) -> dict:
         """megatron-core TransformerConfig fields of the language model (the layer spec follows
-        `normalization` and `qk_layernorm`)."""
-        import torch.nn.functional as F
+        `normalization`, `qk_layernorm` and `layernorm_zero_centered_gamma`)."""
+        from megatron_ext.model.activations import ACTIVATIONS
 
+        # megatron-core's window: (keys before, keys after) a query; HF's counts the query itself.
+        window = dict(window_size=(t.sliding_window - 1, 0),
+                      window_attn_skip_freq=[int(s) for s in t.sliding_layers]) if any(t.sliding_layers) else {}
         return dict(
             normalization="RMSNorm",
             layernorm_epsilon=t.norm_eps,
+            layernorm_zero_centered_gamma=t.norm_plus_one,
             gated_linear_unit=True,
-            activation_func=F.silu,
+            activation_func=ACTIVATIONS[t.gated_activation],
             add_bias_linear=False,
             add_qkv_bias=t.qkv_bias,
             qk_layernorm=t.qk_layernorm,
+            softmax_scale=t.softmax_scale,
+            **window,
         )
 
     def rows(self, t: TextArch) -> tuple[list[Mapping], list[Mapping]]:
@@ -110,10 +124,16 @@ class LlamaLikeFamily:
         ]
         return once, layer
 
+    def tiny_weights(self, model) -> None:
+        """Adjust a freshly initialised tiny model where transformers' initial values would leave
+        a mapping untested (none here)."""
+
     def tiny_config(self, **fields):
         """A transformers config of this family with `fields` (sizes, vocab, special tokens)."""
         import transformers
 
         if self.tiny_head_dim is not None:
             fields = {**fields, "head_dim": self.tiny_head_dim}
+        if self.tiny_sliding_window is not None:
+            fields = {**fields, "sliding_window": self.tiny_sliding_window}
         return getattr(transformers, self.config_class)(**fields, rms_norm_eps=self.tiny_norm_eps)

@@ -148,6 +148,7 @@ def make_text_model(save_dir: Path, spec: TinyTextSpec = TinyTextSpec(), seed: i
     )
     _seeded(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    text_family(spec.arch).tiny_weights(model)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
     )

@@ -52,6 +52,21 @@ class TextArch:
     tie_word_embeddings: bool
     max_position_embeddings: int
     init_std: float
+    # What Gemma-style models add (the defaults are Llama's):
+    gated_activation: str = "silu"  # key of model.activations.ACTIVATIONS, applied to the gate
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + weight)
+    post_norms: bool = False  # an RMSNorm on the attention and MLP outputs before each residual add
+    embedding_scale: float | None = None  # text token embeddings are multiplied by it
+    softmax_scale: float | None = None  # None: 1 / sqrt(kv_channels)
+    sliding_window: int | None = None  # keys a query sees in a sliding layer, itself included
+    sliding_layers: tuple[bool, ...] = ()  # per layer: whether it slides (empty: none does)
+    sliding_rope_theta: float | None = None  # RoPE base of sliding layers when it differs from rope_theta
+    rope_linear_factor: float | None = None  # full layers' positions divided by it (HF rope_type "linear")
+
+    @property
+    def layer_ropes(self) -> bool:
+        """Whether layers compute their own RoPE (`model/layer_rope.py`) instead of sharing one."""
+        return self.sliding_rope_theta is not None or self.rope_linear_factor is not None
 
     @classmethod
     def from_hf(cls, cfg: Any) -> "TextArch":

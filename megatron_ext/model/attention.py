@@ -40,8 +40,13 @@ class SDPAttention(torch.nn.Module):
 
         if config.context_parallel_size != 1:
             raise ValueError("context parallelism needs Transformer Engine attention (--attention-backend te)")
-        if config.window_size is not None or getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ValueError("sliding-window attention and softmax variants need --attention-backend local or te")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError("softmax variants need --attention-backend local or te")
+        from megatron.core.transformer.utils import is_layer_window_attention
+
+        # (keys before, keys after) each query sees in this layer, as megatron-core's window_size.
+        self.window = config.window_size if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None
         tp = pg_collection.tp.size() if pg_collection is not None else _tensor_parallel_size()
         self.config = config
         self.attn_mask_type = attn_mask_type
@@ -80,7 +85,11 @@ class SDPAttention(torch.nn.Module):
     def _attend(self, q, k, v, attention_mask, causal: bool, dropout: float):
         """[b, h, sq, d] attention; a given mask replaces the causal rule (it already holds it)."""
         mask = None
-        if attention_mask is not None:
+        if self.window is not None:
+            mask, causal = self._band(q.shape[-2], k.shape[-2], q.device), False
+            if attention_mask is not None:
+                mask = mask & ~attention_mask
+        elif attention_mask is not None:
             mask, causal = ~attention_mask, False
         elif causal and q.shape[-2] != k.shape[-2]:
             # Fewer queries than keys: they are the last positions (SDPA's own is_causal aligns top-left).
@@ -89,6 +98,14 @@ class SDPAttention(torch.nn.Module):
             causal = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
                                               scale=self.softmax_scale, enable_gqa=self.heads != self.groups)
+
+    def _band(self, sq: int, sk: int, device) -> torch.Tensor:
+        """Keys each query may see in a sliding-window layer (True = attend); the queries are the
+        last `sq` positions, as megatron-core aligns them."""
+        before, after = self.window
+        queries = torch.arange(sk - sq, sk, device=device)[:, None]
+        keys = torch.arange(sk, device=device)[None, :]
+        return (keys >= queries - before) & (keys <= queries + after)
 
     def _dropout_rng(self, dropout: float):
         if dropout == 0.0 or self.config.sequence_parallel:

@@ -16,7 +16,7 @@ from megatron_ext.families import text_family, vision_family
 from megatron_ext.model.activations import ACTIVATIONS
 from megatron_ext.model.arch import LlavaArch
 from megatron_ext.model.backends import resolve_backend, te_available
-from megatron_ext.model.specs import llava_specs
+from megatron_ext.model.specs import LanguageExtras, llava_specs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -132,7 +132,8 @@ def build_model(arch: LlavaArch, opts: ModelOptions = ModelOptions(), vp_stage: 
     arch.check_parallel(tp, pp)
     backend = opts.resolved_backend()
     language_cfg, vision_cfg, projector_cfg = transformer_configs(arch, opts, backend, tp, pp)
-    specs = llava_specs(backend, language_cfg, vision_layer_scale=arch.vision.layer_scale)
+    specs = llava_specs(backend, language_cfg, vision_layer_scale=arch.vision.layer_scale,
+                        language_extras=_language_extras(arch.text, language_cfg, vp_stage))
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     t = arch.text
@@ -163,6 +164,8 @@ def build_model(arch: LlavaArch, opts: ModelOptions = ModelOptions(), vp_stage: 
         image_token_index=arch.image_token_index,
         vp_stage=vp_stage,
     )
+    if t.embedding_scale is not None and model.language_model.pre_process:
+        _scale_text_embeddings(model.language_model.embedding, t.embedding_scale)
     if model.vision_model is not None:
         # HF LLaVA reads features from hidden_states, which no tower's post_layernorm touches;
         # megatron's CLIPViTModel applies one for some subtypes (siglip). Without it both agree.
@@ -175,6 +178,29 @@ def build_model(arch: LlavaArch, opts: ModelOptions = ModelOptions(), vp_stage: 
     if not opts.init_weights:
         _mark_tensor_parallel_weights(model)
     return model
+
+
+def _language_extras(t, language_cfg, vp_stage: int | None) -> LanguageExtras:
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    from megatron_ext.model.layer_rope import Rope
+
+    ropes = None
+    if t.layer_ropes:
+        ropes = (Rope(t.sliding_rope_theta or t.rope_theta), Rope(t.rope_theta, t.rope_linear_factor))
+    return LanguageExtras(post_norms=t.post_norms, layer_ropes=ropes,
+                          layers_here=get_num_layers_to_build(language_cfg, vp_stage=vp_stage))
+
+
+def _scale_text_embeddings(embedding, scale: float) -> None:
+    """Multiply the text token embeddings by `scale` in their own dtype, as Gemma does. LLaVAModel
+    embeds only the text tokens with it; image features join afterwards, unscaled, as in HF."""
+
+    def scaled(module, inputs, output):
+        # float32 first, then the embeddings' dtype: transformers rounds the scale that way.
+        return output * torch.tensor(scale).to(dtype=output.dtype, device=output.device)
+
+    embedding.register_forward_hook(scaled)
 
 
 def _mark_tensor_parallel_weights(model) -> None:

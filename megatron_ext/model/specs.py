@@ -75,10 +75,56 @@ def _with_layer_scale(layer_spec):
     return spec
 
 
-def llava_specs(backend: str, language_config, vision_layer_scale: bool = False) -> LlavaSpecs:
+@dataclass(frozen=True)
+class LanguageExtras:
+    """What some text families add to megatron-core's GPT layer (all off for Llama-shaped ones)."""
+
+    post_norms: bool = False  # a norm on the attention and MLP outputs before each residual add
+    layer_ropes: tuple | None = None  # (sliding layers' Rope, full layers' Rope), `layer_rope.py`
+    layers_here: int = 0  # layers on this pipeline stage: the block spec that sets the final norm needs it
+
+
+def _with_language_extras(layer_spec, config, extras: LanguageExtras, backend: str):
+    """The GPT layer (or block) spec with its family's (1 + w) norms, post-norms and per-layer RoPE."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_ext.model.norms import OnePlusRMSNorm
+
+    spec = copy.deepcopy(layer_spec)
+    layer, attention = spec.submodules, spec.submodules.self_attention
+    # TE's norms compute (1 + w) themselves from the config; megatron-core's torch norm cannot.
+    one_plus = config.layernorm_zero_centered_gamma and backend != "te"
+    if one_plus:
+        layer.input_layernorm = layer.pre_mlp_layernorm = OnePlusRMSNorm
+        if config.qk_layernorm:
+            attention.submodules.q_layernorm = attention.submodules.k_layernorm = OnePlusRMSNorm
+    if extras.post_norms:
+        from megatron_ext.model.post_norm import post_normed
+
+        if backend == "te":
+            from megatron.core.extensions.transformer_engine import TENorm as norm
+        else:
+            norm = OnePlusRMSNorm if one_plus else WrappedTorchNorm
+        attention.submodules.linear_proj = post_normed(attention.submodules.linear_proj, norm)
+        layer.mlp.submodules.linear_fc2 = post_normed(layer.mlp.submodules.linear_fc2, norm)
+    if extras.layer_ropes:
+        from megatron_ext.model.layer_rope import LayerRopeSelfAttention
+
+        sliding, full = extras.layer_ropes
+        layer.self_attention = ModuleSpec(module=LayerRopeSelfAttention, submodules=attention.submodules,
+                                          params={**attention.params, "sliding_rope": sliding, "full_rope": full})
+    if one_plus:
+        return TransformerBlockSubmodules(layer_specs=[spec] * extras.layers_here, layer_norm=OnePlusRMSNorm)
+    return spec
+
+
+def llava_specs(backend: str, language_config, vision_layer_scale: bool = False,
+                language_extras: LanguageExtras = LanguageExtras()) -> LlavaSpecs:
     """Specs for a resolved backend (te, sdpa or local). The language layer follows the language
-    TransformerConfig its family wrote: its norm class and whether q/k are normalised; the vision
-    layer gets a layer scale when its tower has one."""
+    TransformerConfig its family wrote (its norm class, whether q/k are normalised, (1 + w) norms)
+    and `language_extras`; the vision layer gets a layer scale when its tower has one."""
     from megatron.core.transformer.mlp import MLPSubmodules
 
     if backend == "te":
@@ -109,6 +155,8 @@ def llava_specs(backend: str, language_config, vision_layer_scale: bool = False)
         )
     if vision_layer_scale:
         specs = replace(specs, vision=_with_layer_scale(specs.vision))
+    if language_extras.post_norms or language_extras.layer_ropes or language_config.layernorm_zero_centered_gamma:
+        specs = replace(specs, language=_with_language_extras(specs.language, language_config, language_extras, backend))
     log.info("layer specs: %s", {"te": "Transformer Engine", "sdpa": "megatron-core local + torch SDPA attention",
                                  "local": "megatron-core local (reference attention)"}[backend])
     return specs

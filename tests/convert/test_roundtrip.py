@@ -15,7 +15,7 @@ import torch
 from tests.helpers import hf_tensors, run_python, run_torchrun
 
 FIXTURES = {"clip": "llava_clip", "qwen": "llava_qwen2_siglip", "padded": "llava_padded", "qwen3": "llava_qwen3_siglip",
-            "internvit": "llava_internvit"}
+            "internvit": "llava_internvit", "gemma3": "llava_gemma3_siglip", "mistral": "llava_mistral_clip"}
 # Plus "bf16": llava_clip saved in bfloat16, as most published checkpoints are.
 MODELS = [*FIXTURES, "bf16"]
 LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"]
@@ -100,6 +100,8 @@ def test_megatron_logits_match_hf_in_fp32_at_tp1_and_tp2_pp2(converted, name):
 
     out, hf_dirs = converted
     inputs = torch.load(out / "logits" / f"{name}-inputs.pt")
+    # Longer than the tiny Mistral's and Gemma 3's sliding windows (6 and 5 keys), so they matter.
+    assert inputs["input_ids"].shape[-1] > 6
     reference = hf_logits(hf_dirs[name], inputs)
     assert reference.std() > 0.1  # logits that differ visibly, so the comparison can fail
     for layout in ("tp1pp1", "tp2pp2"):

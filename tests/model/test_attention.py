@@ -14,15 +14,15 @@ from megatron_ext.model.attention import SDPAttention
 HEADS, GROUPS, DIM = 4, 2, 8
 
 
-def _attention(mask_type: str, heads: int = HEADS, groups: int = GROUPS, tp: int = 1):
+def _attention(mask_type: str, heads: int = HEADS, groups: int = GROUPS, tp: int = 1, layer: int = 1, **window):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=1, hidden_size=heads * DIM, num_attention_heads=heads,
+    config = TransformerConfig(num_layers=2, hidden_size=heads * DIM, num_attention_heads=heads,
                                num_query_groups=groups, kv_channels=DIM, attention_dropout=0.0,
-                               use_cpu_initialization=True)
+                               use_cpu_initialization=True, **window)
     group = SimpleNamespace(size=lambda: tp)
-    return SDPAttention(config, 1, AttnMaskType[mask_type], pg_collection=SimpleNamespace(tp=group))
+    return SDPAttention(config, layer, AttnMaskType[mask_type], pg_collection=SimpleNamespace(tp=group))
 
 
 def _reference(q, k, v, allowed):
@@ -103,6 +103,23 @@ def test_fewer_queries_than_keys_are_the_last_positions():
     allowed = torch.ones(6, 6, dtype=torch.bool).tril()[-2:][None, None]
     got = _attention("causal")(q_last, k, v, None)
     _check(got, _sbh(_reference(_bhsd(q_last), _bhsd(k), _bhsd(v), allowed)), (q, k, v))
+
+
+def test_sliding_layers_see_the_window_and_the_others_everything_before():
+    """megatron-core's window (3, 0) is HF's sliding_window 4: a query sees itself and 3 keys back;
+    layers are chosen by `window_attn_skip_freq` (1 = sliding), as megatron's own attention does."""
+    q, k, v = _qkv(8, 2)
+    window = dict(window_size=(3, 0), window_attn_skip_freq=[1, 0])
+    position = torch.arange(8)
+    band = (position[None, :] <= position[:, None]) & (position[None, :] > position[:, None] - 4)
+    got = _attention("causal", layer=1, **window)(q, k, v, None)
+    _check(got, _sbh(_reference(_bhsd(q), _bhsd(k), _bhsd(v), band[None, None])), (q, k, v))
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    got = _attention("causal", layer=2, **window)(q, k, v, None)
+    _check(got, _sbh(_reference(_bhsd(q), _bhsd(k), _bhsd(v), causal[None, None])), (q, k, v))
+    # Decoding with a KV cache: the last query sees the last 4 keys.
+    got = _attention("causal", layer=1, **window)(q[-1:], k, v, None)
+    _check(got, _sbh(_reference(_bhsd(q[-1:]), _bhsd(k), _bhsd(v), band[-1:][None, None])), (q, k, v))
 
 
 def test_heads_are_split_over_tensor_parallel_ranks():

@@ -1,0 +1,79 @@
+"""Gemma 3 text: (1 + w) norms, post-norms, scaled embeddings, GeGLU, its own attention scale, and
+sliding-window layers with their own RoPE base. Conversion, bit-exact round trip at TP/PP 1 and 2
+and logit parity (prompts longer than the window) are in tests/convert/test_roundtrip.py (fixture
+"gemma3"); here: what is read from its config, what is refused, greedy generation at TP2 and a
+stage-2 run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_ext.convert.mapping import normalize_hf_name
+from megatron_ext.errors import UserError
+from megatron_ext.model.arch import LlavaArch, TextArch
+from tests.families.checks import assert_greedy_at_tp2_equals_transformers, changed_by_training
+from tests.helpers import hf_tensors
+
+
+def test_config_gives_the_gemma_pieces(llava_gemma3_siglip):
+    from megatron_ext.convert.mapping import llava_mapping
+    from megatron_ext.families import text_family
+
+    arch = LlavaArch.from_hf_config(json.loads((llava_gemma3_siglip / "config.json").read_text()))
+    t = arch.text
+    assert (t.norm_plus_one, t.post_norms, t.qk_layernorm, t.gated_activation) == (True, True, True, "gelu_tanh")
+    assert (t.embedding_scale, t.softmax_scale, t.kv_channels) == (8.0, 24 ** -0.5, 32)
+    assert (t.sliding_window, t.sliding_layers, t.sliding_rope_theta, t.rope_theta) == (5, (True, False), 1e4, 1e6)
+    config = text_family("gemma3_text").language_config(t)
+    assert (config["window_size"], config["window_attn_skip_freq"], config["layernorm_zero_centered_gamma"]) == \
+        ((4, 0), [1, 0], True)
+    table = llava_mapping(arch)
+    layer = "language_model.decoder.layers.1."
+    assert table[layer + "self_attention.linear_proj.post_norm.weight"].hf == (
+        "language_model.model.layers.1.post_attention_layernorm.weight",)
+    assert table[layer + "mlp.linear_fc1.layer_norm_weight"].hf == (
+        "language_model.model.layers.1.pre_feedforward_layernorm.weight",)
+    assert table[layer + "mlp.linear_fc2.post_norm.weight"].hf == (
+        "language_model.model.layers.1.post_feedforward_layernorm.weight",)
+
+
+def test_linear_rope_scaling_of_the_full_layers_is_read():
+    config = {"model_type": "gemma3_text", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+              "vocab_size": 100, "query_pre_attn_scalar": 16, "sliding_window": 8,
+              "layer_types": ["sliding_attention", "full_attention"],
+              "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    t = TextArch.from_hf(config)
+    assert (t.rope_theta, t.rope_linear_factor, t.sliding_rope_theta, t.layer_ropes) == (1e6, 8.0, 1e4, True)
+
+
+@pytest.mark.parametrize("field,value,what", [
+    ("final_logit_softcapping", 30.0, r"final_logit_softcapping \(Gemma 2's\)"),
+    ("attn_logit_softcapping", 50.0, r"attn_logit_softcapping \(Gemma 2's\)"),
+    ("hidden_activation", "silu", "hidden_activation 'silu'"),
+    ("use_bidirectional_attention", True, "use_bidirectional_attention=true"),
+])
+def test_what_gemma3_text_does_not_compute_is_refused(field, value, what):
+    with pytest.raises(UserError, match=rf"^gemma3_text models with {what} are not supported$"):
+        TextArch.from_hf({"model_type": "gemma3_text", field: value})
+
+
+def test_other_rope_types_are_refused():
+    config = {"model_type": "gemma3_text", "rope_parameters": {
+        "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}}
+    with pytest.raises(UserError, match=r"^gemma3_text RoPE 'yarn' on full_attention layers is not supported "
+                                        r"\(supported: default; linear on full_attention layers\)$"):
+        TextArch.from_hf(config)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_greedy_tokens_at_tp2_equal_transformers_and_stage2_trains_the_language_model(
+        llava_gemma3_siglip, train_data, tmp_path):
+    megatron = assert_greedy_at_tp2_equals_transformers(llava_gemma3_siglip, tmp_path)
+    changed = changed_by_training(llava_gemma3_siglip, megatron, train_data, tmp_path, stage=2)
+    names = {normalize_hf_name(k) for k in hf_tensors(llava_gemma3_siglip)}
+    assert changed == {n for n in names if n.split(".")[0] in ("language_model", "multi_modal_projector")}
+    assert "language_model.model.layers.0.post_feedforward_layernorm.weight" in changed
