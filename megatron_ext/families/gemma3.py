@@ -1,7 +1,7 @@
 """Gemma 3 text (`gemma3_text`, e.g. google/gemma-3-1b-it): a Llama-shaped decoder with
 - (1 + weight) RMSNorms in float32, also over each head's q and k (`model/norms.py`, TE's
   `layernorm_zero_centered_gamma`),
-- a norm after attention and after the MLP, before each residual add (`model/post_norm.py`;
+- a norm after attention and after the MLP, before each residual add (`model/output_step.py`;
   HF's `post_attention_layernorm` is that one here, `pre_feedforward_layernorm` the MLP's input norm),
 - text embeddings scaled by sqrt(hidden_size), GeGLU (tanh GELU), attention scaled by
   `query_pre_attn_scalar ** -0.5`, tied embeddings,

@@ -1,7 +1,7 @@
 """InternViT-300M (InternVL 2.5 / 3's tower; transformers' `internvl_vision`) as a LLaVA tower: a class
 token, no pre-norm, a patch bias, q/k/v biases and a layer scale (`lambda_1`, `lambda_2`) on every
 layer's attention and MLP outputs (megatron-core's `internvit300M` ViT subtype plus
-`model/layer_scale.py`). LLaVA reads the last layer without the class token, as InternVL does.
+`model/output_step.py`). LLaVA reads the last layer without the class token, as InternVL does.
 InternVL's pixel shuffle (4 patches into one token) belongs to its own projector, which
 transformers' LLaVA does not have, so a LLaVA with this tower sees every patch.
 
@@ -50,8 +50,8 @@ class InternViTFamily(ViTFamily):
     def rows(self, v: VisionArch) -> tuple[list[Mapping], list[Mapping]]:
         layer = layer_rows(v, _LAYER, norm1="layernorm_before", attention="attention.", out_proj="projection_layer",
                            norm2="layernorm_after") + [
-            row(VIT + "self_attention.linear_proj.layer_scale", _LAYER + "lambda_1", REPLICATED),
-            row(VIT + "mlp.linear_fc2.layer_scale", _LAYER + "lambda_2", REPLICATED),
+            row(VIT + "self_attention.linear_proj.layer_scale.weight", _LAYER + "lambda_1", REPLICATED),
+            row(VIT + "mlp.linear_fc2.layer_scale.weight", _LAYER + "lambda_2", REPLICATED),
         ]
         positions = v.num_patches + 1
         once = [

@@ -109,8 +109,13 @@ class LoraLinear(torch.nn.Module):
         return self.lora_b(h) * self.scaling
 
     def forward(self, x, *args, **kwargs):
-        output, bias = self.base(x, *args, **kwargs)
-        return output + self._adapter(x), bias
+        finish = getattr(self.base, "finish", None)
+        if finish is None:
+            output, bias = self.base(x, *args, **kwargs)
+            return output + self._adapter(x), bias
+        # The base normalises or scales its own output: the adapter's share joins its matmul's first.
+        output, bias = self.base.linear_forward(x, *args, **kwargs)
+        return finish(output + self._adapter(x), bias)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -153,7 +158,8 @@ def add_lora(model, settings: LoraSettings, seed: int) -> list[str]:
             parent_path, attr = TARGETS[target].rsplit(".", 1)
             parent = layer.get_submodule(parent_path)
             base = getattr(parent, attr)
-            kind = kinds.get(type(base))
+            # A layer with a step on its output (model/output_step.py) is its linear class plus that step.
+            kind = kinds.get(getattr(base, "wrapped_linear", type(base)))
             if kind is None or kind == "fused-norm":
                 raise UserError(f"--lora-targets {target}: {type(base).__name__} is not supported (LoRA wraps column- "
                                 "and row-parallel linear layers without a fused layer norm); use "

@@ -64,14 +64,14 @@ def _with_core_attention(layer_spec, core_attention):
     return spec
 
 
-def _with_layer_scale(layer_spec):
-    """The layer with a learned scale on its attention and MLP outputs (`layer_scale.py`)."""
-    from megatron_ext.model.layer_scale import layer_scaled
+def _with_output_steps(layer_spec, name: str, step_cls: type):
+    """The layer with a `step_cls` on its attention and MLP outputs (`output_step.py`)."""
+    from megatron_ext.model.output_step import with_output_step
 
     spec = copy.deepcopy(layer_spec)
     attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
-    attention.linear_proj = layer_scaled(attention.linear_proj)
-    mlp.linear_fc2 = layer_scaled(mlp.linear_fc2)
+    attention.linear_proj = with_output_step(attention.linear_proj, name, step_cls)
+    mlp.linear_fc2 = with_output_step(mlp.linear_fc2, name, step_cls)
     return spec
 
 
@@ -101,14 +101,12 @@ def _with_language_extras(layer_spec, config, extras: LanguageExtras, backend: s
         if config.qk_layernorm:
             attention.submodules.q_layernorm = attention.submodules.k_layernorm = OnePlusRMSNorm
     if extras.post_norms:
-        from megatron_ext.model.post_norm import post_normed
-
         if backend == "te":
             from megatron.core.extensions.transformer_engine import TENorm as norm
         else:
             norm = OnePlusRMSNorm if one_plus else WrappedTorchNorm
-        attention.submodules.linear_proj = post_normed(attention.submodules.linear_proj, norm)
-        layer.mlp.submodules.linear_fc2 = post_normed(layer.mlp.submodules.linear_fc2, norm)
+        spec = _with_output_steps(spec, "post_norm", norm)
+        layer, attention = spec.submodules, spec.submodules.self_attention
     if extras.layer_ropes:
         from megatron_ext.model.layer_rope import LayerRopeSelfAttention
 
@@ -154,7 +152,9 @@ def llava_specs(backend: str, language_config, vision_layer_scale: bool = False,
             backend=backend,
         )
     if vision_layer_scale:
-        specs = replace(specs, vision=_with_layer_scale(specs.vision))
+        from megatron_ext.model.output_step import LayerScale
+
+        specs = replace(specs, vision=_with_output_steps(specs.vision, "layer_scale", LayerScale))
     if language_extras.post_norms or language_extras.layer_ropes or language_config.layernorm_zero_centered_gamma:
         specs = replace(specs, language=_with_language_extras(specs.language, language_config, language_extras, backend))
     log.info("layer specs: %s", {"te": "Transformer Engine", "sdpa": "megatron-core local + torch SDPA attention",

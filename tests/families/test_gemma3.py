@@ -77,3 +77,29 @@ def test_greedy_tokens_at_tp2_equal_transformers_and_stage2_trains_the_language_
     names = {normalize_hf_name(k) for k in hf_tensors(llava_gemma3_siglip)}
     assert changed == {n for n in names if n.split(".")[0] in ("language_model", "multi_modal_projector")}
     assert "language_model.model.layers.0.post_feedforward_layernorm.weight" in changed
+
+    # LoRA on every target, the post-normed o_proj and down_proj included: the adapters act before
+    # the norms, so the merged export and PEFT's adapter (both on the HF layers) equal Megatron's.
+    import torch
+    from peft import PeftModel
+    from transformers import LlavaForConditionalGeneration
+
+    from megatron_ext.convert.compare import compare, hf_logits, process_inputs, synthetic_image
+    from megatron_ext.hf import loading
+    from tests.helpers import run_script
+    from tests.train.conftest import train, trainer_args
+
+    lora = tmp_path / "lora"
+    train(1, *trainer_args(megatron, train_data, lora, stage=2, lr=1e-2, train_iters=2, chat_template="plain",
+                           lora_rank=4, lora_alpha=8.0))
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    run_script("convert/convert_megatron_to_hf.py", "--megatron-dir", lora, "--hf-dir", merged, "--lora-merge",
+               "--lora-adapter-dir", adapter)
+    assert compare(merged, lora).max_abs <= 1e-4
+    batch = process_inputs(loading.load_processor(str(merged), "--hf-dir"), [synthetic_image()])
+    base = LlavaForConditionalGeneration.from_pretrained(llava_gemma3_siglip, dtype=torch.float32)
+    with torch.no_grad():
+        base_logits = base(**batch).logits
+        peft_logits = PeftModel.from_pretrained(base, adapter).eval()(**batch).logits
+    assert (peft_logits - hf_logits(merged, batch)).abs().max() <= 1e-4
+    assert (peft_logits - base_logits).abs().max() > 1e-3

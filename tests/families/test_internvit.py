@@ -27,7 +27,7 @@ def test_config_gives_layer_scale_the_last_layer_and_no_class_token(llava_intern
     assert (v.subtype, v.layer_scale, v.class_token, v.num_layers) == ("internvit300M", True, True, 3)
     assert arch.img_seq_len == v.num_patches == 16 == config["image_seq_length"]
     table = llava_mapping(arch)
-    assert table["vision_model.decoder.layers.2.mlp.linear_fc2.layer_scale"].hf == (
+    assert table["vision_model.decoder.layers.2.mlp.linear_fc2.layer_scale.weight"].hf == (
         "vision_tower.encoder.layer.2.lambda_2",)
     assert table["vision_model.position_embeddings.weight"].rule.hf_shape == (1, 17, 32)
 
