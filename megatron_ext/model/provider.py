@@ -59,7 +59,6 @@ def _common(opts: ModelOptions, backend: str, tp: int, init_std: float) -> dict:
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
         # Fused kernels exist only on GPU; on CPU they would only add torch.compile time.
-        bias_activation_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=on_gpu,
         # TE's fused RoPE (THD too); without TE megatron-core has no fused kernel.
@@ -68,6 +67,16 @@ def _common(opts: ModelOptions, backend: str, tp: int, init_std: float) -> dict:
         # Pipeline p2p must not wait on CUDA streams that do not exist on CPU.
         batch_p2p_sync=on_gpu,
     )
+
+
+def _activation(fields: dict) -> dict:
+    """`fields` with megatron-core's fused bias + activation kernel where it computes what HF does:
+    SwiGLU, on GPU. Its GELU kernels use the tanh approximation (HF's gelu is erf) and it refuses
+    other functions (quick_gelu, gelu_pytorch_tanh) at config time."""
+    import torch.nn.functional as F
+
+    fused = torch.cuda.is_available() and fields["activation_func"] is F.silu and fields["gated_linear_unit"]
+    return {**fields, "bias_activation_fusion": fused}
 
 
 def _recompute(opts: ModelOptions) -> dict:
@@ -98,13 +107,13 @@ def transformer_configs(arch: LlavaArch, opts: ModelOptions, backend: str, tp: i
         num_attention_heads=t.num_attention_heads,
         num_query_groups=t.num_query_groups,
         kv_channels=t.kv_channels,
-        **text_family(t.model_type).language_config(t),
+        **_activation(text_family(t.model_type).language_config(t)),
     )
     vision = TransformerConfig(
         **_common(opts, backend, tp, v.init_std),
         # The ViT lives whole on the first pipeline stage; a PP size here would drop layers.
         pipeline_model_parallel_size=1,
-        **vision_family(v.model_type).vision_config(v),
+        **_activation(vision_family(v.model_type).vision_config(v)),
     )
     vision.vision_model_type = v.subtype
     projector = TransformerConfig(
@@ -114,9 +123,8 @@ def transformer_configs(arch: LlavaArch, opts: ModelOptions, backend: str, tp: i
         hidden_size=t.hidden_size,
         ffn_hidden_size=t.hidden_size,
         num_attention_heads=t.num_attention_heads,
-        gated_linear_unit=False,
-        activation_func=ACTIVATIONS[arch.projector_activation],
         add_bias_linear=arch.projector_bias,
+        **_activation(dict(gated_linear_unit=False, activation_func=ACTIVATIONS[arch.projector_activation])),
     )
     return language, vision, projector
 
