@@ -18,7 +18,7 @@ from megatron_ext.convert.rules import REPLICATED
 from megatron_ext.convert.table import HF_LM, LM, Mapping, row
 from megatron_ext.errors import UserError
 from megatron_ext.families.llama_like import LlamaLikeFamily
-from megatron_ext.model.arch import TextArch, get, padded_vocab_size
+from megatron_ext.model.arch import TextArch, get
 
 
 def _rope(params: dict, what: str) -> tuple[float, float | None]:
@@ -51,31 +51,18 @@ class Gemma3Family(LlamaLikeFamily):
                                    "full_attention")
         sliding_theta, _ = _rope(params.get("sliding_attention")
                                  or {"rope_theta": get(cfg, "rope_local_base_freq", 1e4)}, "sliding_attention")
-        layers = get(cfg, "num_hidden_layers")
-        layer_types = get(cfg, "layer_types") or ["full_attention"] * layers
-        hidden, heads, vocab = get(cfg, "hidden_size"), get(cfg, "num_attention_heads"), get(cfg, "vocab_size")
+        layer_types = get(cfg, "layer_types") or ["full_attention"] * get(cfg, "num_hidden_layers")
         return TextArch(
-            model_type=self.model_type,
-            num_layers=layers,
-            hidden_size=hidden,
-            ffn_hidden_size=get(cfg, "intermediate_size"),
-            num_attention_heads=heads,
-            num_query_groups=get(cfg, "num_key_value_heads") or heads,
-            kv_channels=get(cfg, "head_dim") or hidden // heads,
-            vocab_size=vocab,
-            padded_vocab_size=padded_vocab_size(vocab),
-            norm_eps=float(get(cfg, "rms_norm_eps", 1e-6)),
+            **self.sizes(cfg),
             rope_theta=full_theta,
             rope_scaling_factor=None,
             qkv_bias=False,
             qk_layernorm=True,
             tie_word_embeddings=bool(get(cfg, "tie_word_embeddings", True)),
-            max_position_embeddings=get(cfg, "max_position_embeddings"),
-            init_std=float(get(cfg, "initializer_range", 0.02)),
             gated_activation="gelu_tanh",
             norm_plus_one=True,
             post_norms=True,
-            embedding_scale=hidden ** 0.5,
+            embedding_scale=get(cfg, "hidden_size") ** 0.5,
             softmax_scale=float(get(cfg, "query_pre_attn_scalar")) ** -0.5,
             sliding_window=get(cfg, "sliding_window"),
             sliding_layers=tuple(kind == "sliding_attention" for kind in layer_types),

@@ -41,11 +41,22 @@ class LlamaLikeFamily:
         if get(cfg, "attention_bias", False) and not self.qkv_bias:
             raise UserError(f"{self.model_type} models with attention_bias=true (bias on o_proj too) are not supported")
         sliding_layers = self._sliding_layers(cfg)
-        heads = get(cfg, "num_attention_heads")
-        hidden = get(cfg, "hidden_size")
-        vocab = get(cfg, "vocab_size")
         theta, scaling = rope(cfg)
         return TextArch(
+            **self.sizes(cfg),
+            rope_theta=theta,
+            rope_scaling_factor=scaling,
+            qkv_bias=self.qkv_bias,
+            qk_layernorm=self.qk_layernorm,
+            tie_word_embeddings=bool(get(cfg, "tie_word_embeddings", False)),
+            sliding_window=get(cfg, "sliding_window") if any(sliding_layers) else None,
+            sliding_layers=sliding_layers,
+        )
+
+    def sizes(self, cfg: Any) -> dict:
+        """The TextArch fields every decoder's HF config gives under the same names."""
+        heads, hidden, vocab = get(cfg, "num_attention_heads"), get(cfg, "hidden_size"), get(cfg, "vocab_size")
+        return dict(
             model_type=self.model_type,
             num_layers=get(cfg, "num_hidden_layers"),
             hidden_size=hidden,
@@ -56,15 +67,8 @@ class LlamaLikeFamily:
             vocab_size=vocab,
             padded_vocab_size=padded_vocab_size(vocab),
             norm_eps=float(get(cfg, "rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling_factor=scaling,
-            qkv_bias=self.qkv_bias,
-            qk_layernorm=self.qk_layernorm,
-            tie_word_embeddings=bool(get(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=get(cfg, "max_position_embeddings"),
             init_std=float(get(cfg, "initializer_range", 0.02)),
-            sliding_window=get(cfg, "sliding_window") if any(sliding_layers) else None,
-            sliding_layers=sliding_layers,
         )
 
     def _sliding_layers(self, cfg: Any) -> tuple[bool, ...]:
