@@ -12,6 +12,8 @@ Three input forms, as megatron-core's attention layer hands them over:
   micro batch larger than one;
 - packed THD `[t, heads, dim]` with `PackedSeqParams`: each sub-sequence is attended separately
   (causally), one kernel call each, so no mask is materialised and the flash kernel stays usable.
+In a sliding-window layer (megatron-core's `window_size` / `window_attn_skip_freq`) a band mask
+limits every query to its window, in all three forms.
 """
 
 from __future__ import annotations
