@@ -64,15 +64,13 @@ def _with_core_attention(layer_spec, core_attention):
     return spec
 
 
-def _with_output_steps(layer_spec, name: str, step_cls: type):
-    """The layer with a `step_cls` on its attention and MLP outputs (`output_step.py`)."""
+def _add_output_steps(spec, name: str, step_cls: type) -> None:
+    """Put a `step_cls` on the layer's attention and MLP outputs (`output_step.py`), in place."""
     from megatron_ext.model.output_step import with_output_step
 
-    spec = copy.deepcopy(layer_spec)
     attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     attention.linear_proj = with_output_step(attention.linear_proj, name, step_cls)
     mlp.linear_fc2 = with_output_step(mlp.linear_fc2, name, step_cls)
-    return spec
 
 
 @dataclass(frozen=True)
@@ -105,8 +103,7 @@ def _with_language_extras(layer_spec, config, extras: LanguageExtras, backend: s
             from megatron.core.extensions.transformer_engine import TENorm as norm
         else:
             norm = OnePlusRMSNorm if one_plus else WrappedTorchNorm
-        spec = _with_output_steps(spec, "post_norm", norm)
-        layer, attention = spec.submodules, spec.submodules.self_attention
+        _add_output_steps(spec, "post_norm", norm)
     if extras.layer_ropes:
         from megatron_ext.model.layer_rope import LayerRopeSelfAttention
 
@@ -154,7 +151,9 @@ def llava_specs(backend: str, language_config, vision_layer_scale: bool = False,
     if vision_layer_scale:
         from megatron_ext.model.output_step import LayerScale
 
-        specs = replace(specs, vision=_with_output_steps(specs.vision, "layer_scale", LayerScale))
+        vision = copy.deepcopy(specs.vision)
+        _add_output_steps(vision, "layer_scale", LayerScale)
+        specs = replace(specs, vision=vision)
     if language_extras.post_norms or language_extras.layer_ropes or language_config.layernorm_zero_centered_gamma:
         specs = replace(specs, language=_with_language_extras(specs.language, language_config, language_extras, backend))
     log.info("layer specs: %s", {"te": "Transformer Engine", "sdpa": "megatron-core local + torch SDPA attention",
