@@ -44,10 +44,12 @@ def hf_only_names(arch: LlavaArch, hf_names: list[str]) -> list[str]:
     pooling head. They travel beside the Megatron checkpoint so the way back restores them."""
     tower = vision_family(arch.vision.model_type)
     used = arch.vision.num_layers
+    layer_index = re.compile(re.escape(tower.hf_layers) + r"(\d+)\.")
+    unused_modules = tuple(f"vision_tower.{module}." for module in tower.hf_unused)
     unused = []
     for name in hf_names:
-        layer = re.match(re.escape(tower.hf_layers) + r"(\d+)\.", name)
-        if (layer and int(layer.group(1)) >= used) or name.startswith(tuple(f"vision_tower.{m}." for m in tower.hf_unused)):
+        layer = layer_index.match(name)
+        if (layer and int(layer.group(1)) >= used) or name.startswith(unused_modules):
             unused.append(name)
     return unused
 
