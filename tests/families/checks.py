@@ -1,5 +1,5 @@
 """What every new family's tests check end to end: greedy generation from its Megatron checkpoint at
-TP2 equals transformers', and which HF tensors a short training run changes."""
+TP2 equals transformers', and that a short stage-2 run trains every tensor but the vision tower's."""
 
 from __future__ import annotations
 
@@ -33,14 +33,17 @@ def assert_greedy_at_tp2_equals_transformers(hf_dir: Path, tmp_path: Path) -> Pa
     return megatron
 
 
-def changed_by_training(hf_dir: Path, megatron: Path, train_data: Path, tmp_path: Path, stage: int) -> set[str]:
-    """The (normalized) HF tensors a two-step run of `stage` from `megatron` changes."""
+def assert_stage2_trains_all_but_the_tower(hf_dir: Path, megatron: Path, train_data: Path, tmp_path: Path) -> set[str]:
+    """A two-step stage-2 run from `megatron` changes exactly the language model's and the
+    projector's HF tensors; returns them (normalized names)."""
     from megatron_ext.convert.mapping import normalize_hf_name
     from megatron_ext.convert.to_hf import convert as to_hf
 
     save = tmp_path / "run"
-    train(1, *trainer_args(megatron, train_data, save, stage=stage, lr=1e-2, train_iters=2, chat_template="plain"))
+    train(1, *trainer_args(megatron, train_data, save, stage=2, lr=1e-2, train_iters=2, chat_template="plain"))
     before = {normalize_hf_name(k): v for k, v in hf_tensors(hf_dir).items()}
     after = {normalize_hf_name(k): v for k, v in hf_tensors(to_hf(save, tmp_path / "hf")).items()}
     assert before.keys() == after.keys()
-    return {name for name in before if not torch.equal(before[name], after[name])}
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed == {n for n in before if n.split(".")[0] in ("language_model", "multi_modal_projector")}
+    return changed
