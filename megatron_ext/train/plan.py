@@ -176,6 +176,9 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
     hf_config = _apply_class_token_choice(_hf_config(config, start, resume), config.no_add_class_token)
     arch = LlavaArch.from_hf_config(hf_config)
     arch.check_parallel(config.tp, config.pp)
+    if config.cp > 1 and arch.text.layer_ropes:
+        raise UserError(f"--cp {config.cp}: {arch.text.model_type} layers compute their own RoPE, which is not split "
+                        "over context-parallel ranks; use --cp 1")
     for flag, given, expected in (("--image-token-id", config.image_token_id, arch.image_token_index),
                                   ("--pad-token-id", config.pad_token_id, arch.pad_token_id)):
         if given is not None and given != expected:

@@ -66,6 +66,17 @@ def test_other_rope_types_are_refused():
         TextArch.from_hf(config)
 
 
+def test_context_parallelism_is_refused_before_launch(llava_gemma3_siglip, tmp_path):
+    from megatron_ext.train.options import TrainConfig
+    from megatron_ext.train.plan import make_plan
+
+    config = TrainConfig(init=True, tokenizer_load_dir=str(llava_gemma3_siglip), data_path=str(tmp_path),
+                         stage=2, cp=2, micro_batch_size=1, train_iters=1)
+    with pytest.raises(UserError, match=r"^--cp 2: gemma3_text layers compute their own RoPE, which is not split over "
+                                        r"context-parallel ranks; use --cp 1$"):
+        make_plan(config, world_size=2, on_gpu=True, te=True)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_greedy_tokens_at_tp2_equal_transformers_and_stage2_trains_the_language_model(
