@@ -2,8 +2,8 @@
 
 Conversion is I/O-bound and exactness is easiest to reason about on CPU, so the workers never see a
 GPU (`CUDA_VISIBLE_DEVICES=""`, which makes `init_parallel` apply `cpu_support`). Processes are
-forked from a `forkserver` that has imported torch and megatron-core once (~5 s per import, which
-every worker would otherwise pay again, N at a time on a few cores); the server is a clean
+forked from a `forkserver` that has imported torch and megatron-core once (worker_preload.py),
+which every worker would otherwise pay again, N at a time on a few cores; the server is a clean
 single-threaded process, so forking it is safe. Each worker then takes the caller's environment
 as it is at the call, as a spawned one would. The entry script must still guard its `main()` with
 `if __name__ == "__main__":`.
@@ -33,18 +33,13 @@ def cpu_only_env(**extra: str):
         yield
 
 
-# What every worker imports: loaded once, in the fork server.
-_PRELOAD = ["torch", "megatron.core.dist_checkpointing", "megatron.core.models.multimodal.llava_model",
-            "megatron_ext.distributed", "megatron_ext.model.provider"]
-
-
 def start_fork_server(entry_module: str) -> None:
     """Start the fork server now, if it is not running, preloading what workers running a function of
     `entry_module` import: its imports take seconds, and overlap with whatever the caller does next."""
     import multiprocessing
     from multiprocessing import forkserver
 
-    multiprocessing.set_forkserver_preload(_PRELOAD + [entry_module])
+    multiprocessing.set_forkserver_preload(["megatron_ext.convert.worker_preload", entry_module])
     with cpu_only_env(PYTHONWARNINGS=_QUIET_FALLBACKS):
         forkserver.ensure_running()
 
