@@ -1,8 +1,9 @@
 """Coverage checks: every source tensor used exactly once, every destination tensor written.
 
 Both directions reduce to name bookkeeping over the mapping table, so the checks run before
-anything is written (Megatron -> HF) or before the snapshot is saved (HF -> Megatron), and a
-failure lists the offending names.
+anything is written (Megatron -> HF; the comparison with the names transformers expects, before
+the exported directory appears) or before the snapshot is saved (HF -> Megatron), and a failure
+lists the offending names.
 """
 
 from __future__ import annotations
@@ -65,21 +66,30 @@ def hf_to_megatron_problems(table: dict[str, Mapping], reports: list[FillReport]
     return problems
 
 
-def megatron_to_hf_problems(table: dict[str, Mapping], megatron_names, kept_aside, expected_hf) -> list[str]:
-    """Problems of a Megatron -> HF export, checked on names before any tensor is written.
-
-    `megatron_names`: canonical names of the full (TP1/PP1) model; `kept_aside`: HF tensors restored
-    from beside the checkpoint; `expected_hf`: the names `transformers` saves for this config.
-    """
+def megatron_to_hf_problems(table: dict[str, Mapping], megatron_names, kept_aside) -> list[str]:
+    """Problems of a Megatron -> HF export that the names alone show, checked before any tensor is
+    written. `megatron_names`: canonical names of the full (TP1/PP1) model; `kept_aside`: HF
+    tensors restored from beside the checkpoint."""
     problems = []
     unmapped = [name for name in megatron_names if name not in table]
     if unmapped:
         problems.append(_listing("Megatron tensors with no row in the mapping table", unmapped))
-    rows = [table[name] for name in megatron_names if name in table and not table[name].tied]
-    written = [hf for row in rows for hf in row.hf] + list(kept_aside)
-    twice = [name for name, count in Counter(written).items() if count > 1]
+    twice = [name for name, count in Counter(hf_names_written(table, megatron_names, kept_aside)).items() if count > 1]
     if twice:
         problems.append(_listing("HF tensors produced more than once", twice))
+    return problems
+
+
+def hf_names_written(table: dict[str, Mapping], megatron_names, kept_aside) -> list[str]:
+    """The HF tensors an export of these Megatron tensors writes (tied copies once)."""
+    rows = [table[name] for name in megatron_names if name in table and not table[name].tied]
+    return [hf for row in rows for hf in row.hf] + list(kept_aside)
+
+
+def expected_hf_problems(written, expected_hf) -> list[str]:
+    """HF tensors `transformers` expects for the config (`expected_hf`) that the export does not
+    write, and the reverse: checked before the exported directory appears."""
+    problems = []
     missing = set(expected_hf) - set(written)
     if missing:
         problems.append(_listing("HF tensors transformers expects that nothing produces", missing))

@@ -1,8 +1,10 @@
 """Megatron snapshot (converted or trained, any TP/PP) -> Hugging Face LLaVA directory.
 
-One process, without megatron-core: the checkpoint's metadata names the model's tensors (whole,
-as a TP1/PP1 model holds them) with their shapes; the names are checked against the mapping table
-and the HF model the snapshot's config describes before anything is written. The tensors are then
+Without megatron-core: the checkpoint's metadata names the model's tensors (whole, as a TP1/PP1
+model holds them) with their shapes; the names are checked against the mapping table before
+anything is written, and against the HF model the snapshot's config describes (named by a
+forked helper process, which also writes the configs and tokenizer) before the directory
+appears. The tensors are then
 read from the dist checkpoint (whatever TP/PP layout it was saved with) a layer at a time
 (dist_read.py), each table row is turned back into HF tensors, and those go straight into the
 safetensors files (whose headers were written from the planned shapes), so about one layer is in
@@ -94,13 +96,11 @@ def _extra_specs(snapshot: layout.Snapshot) -> list[TensorSpec]:
                 for name in f.keys()]
 
 
-def _check_coverage(export: Export, megatron_names: list[str], extra: list[str]) -> None:
-    snapshot = export.snapshot
-    problems = coverage.megatron_to_hf_problems(llava_mapping(export.arch), megatron_names, extra,
-                                                hf_model_names(snapshot.hf_config))
+def _refuse(export: Export, problems: list[str], extra: list[str]) -> None:
     if problems:
-        hint = "" if extra else f" ({snapshot.hf_extra_file} is missing: copy it from the converted checkpoint)"
-        raise UserError(f"--megatron-dir {snapshot.path}: cannot produce a complete HF model{hint}; " + "; ".join(problems))
+        hint = "" if extra else f" ({export.snapshot.hf_extra_file} is missing: copy it from the converted checkpoint)"
+        raise UserError(f"--megatron-dir {export.snapshot.path}: cannot produce a complete HF model{hint}; "
+                        + "; ".join(problems))
 
 
 def _by_layer(stored: dict) -> list[dict]:
@@ -147,34 +147,34 @@ def _write_weights(groups: list[dict], extra: list[TensorSpec], export: Export, 
     writer.close()
 
 
-def _write_configs(export: Export, out: Path) -> None:
+def _write_configs(snapshot: layout.Snapshot, tokenizer_dir: Path, out: Path) -> None:
     from transformers import GenerationConfig, LlavaConfig
 
     from megatron_ext.model.provider import DTYPES
 
-    config = LlavaConfig.from_dict(export.snapshot.hf_config)
-    config.dtype = DTYPES[export.snapshot.dtype]
+    config = LlavaConfig.from_dict(snapshot.hf_config)
+    config.dtype = DTYPES[snapshot.dtype]
     config.architectures = ["LlavaForConditionalGeneration"]
     config.save_pretrained(out)
-    copy_tokenizer_files(export.tokenizer_dir, out)
-    _write_chat_template(export, out)
+    copy_tokenizer_files(tokenizer_dir, out)
+    _write_chat_template(snapshot, out)
     if not (out / GENERATION_CONFIG_FILE).is_file():
         GenerationConfig.from_model_config(config).save_pretrained(out)
 
 
-def _write_chat_template(export: Export, out: Path) -> None:
+def _write_chat_template(snapshot: layout.Snapshot, out: Path) -> None:
     """The processor's (and tokenizer's) chat template: the one the snapshot was trained with, else
     the tokenizer's own, in the form that renders HF's structured messages as training did."""
     from megatron_ext.data.chat_template import CHAT_TEMPLATE_FILE, processor_template, resolve_chat_template
     from megatron_ext.hf import loading
 
-    trained = export.snapshot.trainer_options
+    trained = snapshot.trainer_options
     tokenizer = loading.load_tokenizer(str(out), "--tokenizer-dir")
     if not trained and not tokenizer.chat_template:
         return
     try:
         _, template = resolve_chat_template(trained.get("chat_template"), trained.get("lang", "en"), tokenizer,
-                                            text_model_type=export.arch.text.model_type)
+                                            text_model_type=snapshot.arch.text.model_type)
     except UserError as exc:
         log.warning("the exported processor keeps the tokenizer's chat template: the trained one is not found (%s)", exc)
         return
@@ -182,17 +182,29 @@ def _write_chat_template(export: Export, out: Path) -> None:
 
 
 def _export(export: Export, out: Path) -> None:
-    from megatron_ext.convert.dist_read import stored_tensors
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
     snapshot = export.snapshot
-    extra = _extra_specs(snapshot)
-    table = llava_mapping(export.arch)
-    # The model's tensors are those under the table's top-level prefixes (a trainer snapshot also
-    # holds its optimizer state); anything there the table does not know is refused by the check.
-    stored = stored_tensors(export.weights.path, tuple({name.split(".")[0] + "." for name in table}))
-    _check_coverage(export, list(stored), [spec.name for spec in extra])
-    _write_weights(_by_layer(stored), extra, export, out)
-    _write_configs(export, out)
+    # transformers' model and tokenizer code takes seconds to import: a forked process names the
+    # tensors transformers expects for the config, then writes the configs and tokenizer, while
+    # this one writes the weights; their names are compared before the directory appears.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as helper:
+        expected_hf = helper.submit(hf_model_names, snapshot.hf_config)
+        configs = helper.submit(_write_configs, snapshot, export.tokenizer_dir, out)
+        from megatron_ext.convert.dist_read import stored_tensors
+
+        extra_specs = _extra_specs(snapshot)
+        extra = [spec.name for spec in extra_specs]
+        table = llava_mapping(export.arch)
+        # The model's tensors are those under the table's top-level prefixes (a trainer snapshot also
+        # holds its optimizer state); anything there the table does not know is refused by the check.
+        stored = stored_tensors(export.weights.path, tuple({name.split(".")[0] + "." for name in table}))
+        _refuse(export, coverage.megatron_to_hf_problems(table, list(stored), extra), extra)
+        _write_weights(_by_layer(stored), extra_specs, export, out)
+        written = coverage.hf_names_written(table, list(stored), extra)
+        _refuse(export, coverage.expected_hf_problems(written, expected_hf.result()), extra)
+        configs.result()
 
 
 def convert(megatron_dir: str | Path, hf_dir: str | Path, tokenizer_dir: str | Path | None = None, tp: int | None = None,

@@ -97,9 +97,13 @@ def test_reverse_coverage_finds_what_transformers_expects_but_nothing_writes(cli
     table = llava_mapping(clip_arch)
     hf = _hf_names(llava_clip)
     extra = hf_only_names(clip_arch, hf)
-    assert coverage.megatron_to_hf_problems(table, list(table), extra, hf) == []
-    problems = coverage.megatron_to_hf_problems(table, list(table), extra[1:], hf)
+    assert coverage.megatron_to_hf_problems(table, list(table), extra) == []
+    assert coverage.expected_hf_problems(coverage.hf_names_written(table, list(table), extra), hf) == []
+    assert coverage.megatron_to_hf_problems(table, list(table), extra[1:]) == []  # names alone cannot tell
+    problems = coverage.expected_hf_problems(coverage.hf_names_written(table, list(table), extra[1:]), hf)
     assert problems == [f"HF tensors transformers expects that nothing produces (1): {extra[0]}"]
+    twice = coverage.megatron_to_hf_problems(table, list(table), extra + [extra[0]])
+    assert twice == [f"HF tensors produced more than once (1): {extra[0]}"]
 
 
 @pytest.mark.parametrize("fixture", ["llava_clip", "llava_qwen2_siglip"])
@@ -109,3 +113,20 @@ def test_expected_hf_names_are_what_transformers_saves(request, fixture):
     path = request.getfixturevalue(fixture)
     # With tied embeddings (the Qwen2 fixture) transformers saves embed_tokens only, no lm_head.
     assert sorted(hf_model_names(json.loads((path / "config.json").read_text()))) == sorted(_hf_names(path))
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_rules_concatenate_like_torch_cat(dim):
+    from megatron_ext.convert.rules import _concat
+
+    parts = [torch.randn(2, 3), torch.randn(4, 3)] if dim == 0 else [torch.randn(3, 2), torch.randn(3, 1)]
+    assert torch.equal(_concat(parts, dim), torch.cat(parts, dim))
+
+
+def test_rules_refuse_to_concatenate_what_torch_cat_refuses():
+    from megatron_ext.convert.rules import _concat
+
+    # copy_ would broadcast the (2, 1) part over a (2, 3) slot and let a misfit pass the shape check
+    with pytest.raises(ValueError, match="cannot concatenate"):
+        _concat([torch.zeros(2, 3), torch.zeros(2, 1)])
+
