@@ -1,7 +1,8 @@
 """Process-group setup shared by the trainer, the converters and evaluation.
 
 One call, `init_parallel(tp, pp)`, gives a process megatron-core's parallel state on either
-NCCL + CUDA or gloo + CPU (with `cpu_support` applied), and seeds every generator the same way
+NCCL + CUDA or gloo + CPU (with megatron-core imported lean, see lean_import, and `cpu_support`
+applied), and seeds every generator the same way
 Megatron-LM does, so TP/PP/DP layouts start from identical weights.
 """
 
@@ -14,6 +15,7 @@ import torch
 
 from megatron_ext import cpu_support
 from megatron_ext.errors import UserError
+from megatron_ext.lean_import import import_lean
 
 
 def local_store():
@@ -35,6 +37,9 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str | Non
     """Initialise torch.distributed (env:// as set by torchrun, or a world of one) and megatron's
     parallel state with `tp` x `pp` x `cp` model parallelism; data parallel takes the remaining ranks."""
     import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        import_lean()
     from megatron.core import parallel_state, tensor_parallel
 
     on_cpu = cpu_support.apply()

@@ -1,11 +1,13 @@
-"""Import megatron-core for a process that never compiles a kernel nor logs to W&B.
+"""Import megatron-core for a CPU process: without compiling its fused kernels, without its W&B.
 
 megatron-core decorates its fused kernels with `torch.compile` when it is imported, which imports
 TorchDynamo and Inductor, and it imports W&B for its inference logging; on this project's CPU
 machines the two are most of megatron-core's import time (1.2 s instead of 6.5 s measured for
 the converters' workers). A CPU process never runs those kernels (the fusions are GPU-only, see
-model/provider.py), so `import_lean` imports modules with megatron-core's jit fuser made the
-identity and W&B hidden; `torch.compile` and W&B are as they were afterwards, for anyone else.
+model/provider.py), so `import_lean` imports megatron-core with its jit fuser made the identity
+and W&B hidden from it; `torch.compile` and W&B are as they were afterwards, for anyone else
+(the trainer's own W&B logging included). Used where a process without CUDA first needs
+megatron-core: `distributed.init_parallel` and the converters' fork server.
 """
 
 from __future__ import annotations
@@ -35,14 +37,18 @@ def _no_compile_no_wandb():
             sys.modules.pop("wandb", None)
 
 
-def import_lean(modules: list[str]) -> None:
-    """Import `modules` (megatron-core, or modules importing it, not yet imported in this
-    process); megatron-core's fused kernels then run uncompiled in this process."""
+def import_lean(modules: list[str] = ()) -> bool:
+    """Import megatron-core, then `modules`; megatron-core's fused kernels then run uncompiled in
+    this process, whatever imports them later. False, with `modules` imported as usual, when
+    megatron-core was imported already."""
     if "megatron.core" in sys.modules:
-        raise RuntimeError("import_lean must run before megatron-core is imported")
-    with _no_compile_no_wandb():
         for name in modules:
             importlib.import_module(name)
-    from megatron.core import jit
+        return False
+    with _no_compile_no_wandb():
+        from megatron.core import jit
 
-    jit.disable_jit_fuser()  # megatron-core's own switch, so its state says what the import did
+        jit.disable_jit_fuser()  # megatron-core's own switch, for modules it imports later
+        for name in modules:
+            importlib.import_module(name)
+    return True
