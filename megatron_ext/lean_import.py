@@ -37,18 +37,14 @@ def _no_compile_no_wandb():
             sys.modules.pop("wandb", None)
 
 
-def import_lean(modules: list[str] = ()) -> bool:
+def import_lean(modules: list[str] = ()) -> None:
     """Import megatron-core, then `modules`; megatron-core's fused kernels then run uncompiled in
-    this process, whatever imports them later. False, with `modules` imported as usual, when
-    megatron-core was imported already."""
+    this process, whatever imports them later. Does nothing where megatron-core is imported already."""
     if "megatron.core" in sys.modules:
-        for name in modules:
-            importlib.import_module(name)
-        return False
+        return
     with _no_compile_no_wandb():
         from megatron.core import jit
 
         jit.disable_jit_fuser()  # megatron-core's own switch, for modules it imports later
         for name in modules:
             importlib.import_module(name)
-    return True
