@@ -9,7 +9,7 @@ Patches, each with the failure it fixes:
 1. Device redirection (`_CudaToCpuMode`, a TorchFunctionMode entered once per process):
    ~90 places ask for CUDA tensors (`.cuda()`, `device="cuda"`, `device=torch.cuda.current_device()`)
    -> "Torch not compiled with CUDA enabled". The mode rewrites CUDA device requests to CPU and
-   makes `Tensor.cuda()` return the tensor. It also reports CPU float tensors' `type()` as
+   makes `Tensor.cuda()` and `Tensor.pin_memory()` return the tensor. It also reports CPU float tensors' `type()` as
    `torch.cuda.*Tensor`, because clip_grads.py / optimizer.py assert on that string.
 2. `torch.cuda` functions that have no CPU meaning (`current_device`, `synchronize`, `set_device`,
    streams, events, memory statistics): replaced with CPU-safe stand-ins so callers such as the
@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 _APPLIED = False
 _MODE: TorchFunctionMode | None = None
+# What `megatron_ext.distributed.device()` names: the CPU, or in the GPU rehearsal the GPU a real
+# run would name (tensors still land on the CPU; tests/train/gpu_rehearsal.py tracks where they "are").
+_DEVICE = torch.device("cpu")
 
 _CUDA_TYPE_NAMES = {
     torch.float32: "torch.cuda.FloatTensor",
@@ -68,7 +71,7 @@ class _CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = _CUDA_TYPE_NAMES.get(args[0].dtype)
@@ -230,16 +233,25 @@ def cpu_mode_active() -> bool:
     return _APPLIED
 
 
-def apply() -> bool:
+def named_device() -> torch.device:
+    """The device a process computes on, as its code names it (`distributed.device()`)."""
+    return _DEVICE
+
+
+def apply(rehearsal: bool = False) -> bool:
     """Make megatron-core usable without CUDA. Returns True when the patches are active.
 
-    Idempotent; does nothing (and returns False) when CUDA is available.
+    `rehearsal=True` (the GPU rehearsal): the process names `cuda:0` as its device, as on a GPU,
+    and the requests for it land on the CPU like every other CUDA request. Idempotent; does
+    nothing (and returns False) when CUDA is available.
     """
-    global _APPLIED, _MODE
+    global _APPLIED, _MODE, _DEVICE
     if _APPLIED:
         return True
     if torch.cuda.is_available():
         return False
+    if rehearsal:
+        _DEVICE = torch.device("cuda", 0)
     # One intra-op thread per process: two threads on a 2-core machine gave erratic 40x slower steps.
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)

@@ -53,14 +53,16 @@ def collapse_image_tokens(input_ids: torch.Tensor, image_token_index: int) -> to
 
 
 def megatron_logits(model, images: torch.Tensor, input_ids: torch.Tensor, img_seq_len: int, vocab_size: int) -> torch.Tensor:
-    """Logits [B, S, vocab_size] (float32, on every rank) for HF-style `input_ids` [B, S] whose image
-    tokens are already expanded. Collective over the model-parallel group; the model must be built
-    with `parallel_output=False`, and is left in eval mode."""
+    """Logits [B, S, vocab_size] (float32, on the host of every rank) for HF-style `input_ids` [B, S]
+    whose image tokens are already expanded. Collective over the model-parallel group (NCCL on a GPU:
+    every tensor in it lives where the model does); the model must be built with
+    `parallel_output=False`, and is left in eval mode."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     image_token_index = model.image_token_index
+    device = next(model.parameters()).device
     ids = collapse_image_tokens(input_ids, image_token_index)
     num_images = int((ids[0] == image_token_index).sum())
     seq_length = combined_length(ids.shape[1], num_images, img_seq_len)
@@ -72,7 +74,8 @@ def megatron_logits(model, images: torch.Tensor, input_ids: torch.Tensor, img_se
     sent_length = max_length if pipelined else seq_length
 
     def forward_step(data_iterator, module):
-        output, _ = module(images=images, input_ids=next(data_iterator), position_ids=None, attention_mask=None)
+        output, _ = module(images=images.to(device), input_ids=next(data_iterator).to(device), position_ids=None,
+                           attention_mask=None)
         return output, None
 
     model.eval()
@@ -83,11 +86,11 @@ def megatron_logits(model, images: torch.Tensor, input_ids: torch.Tensor, img_se
     if parallel_state.is_pipeline_last_stage():
         logits = outputs[0][:, :seq_length, :vocab_size].float().contiguous()
     else:
-        logits = torch.empty(ids.shape[0], seq_length, vocab_size)
+        logits = torch.empty(ids.shape[0], seq_length, vocab_size, device=device)
     if pipelined:
         dist.broadcast(logits, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
-    return logits
+    return logits.cpu()
 
 
 @dataclass(frozen=True)

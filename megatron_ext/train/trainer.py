@@ -133,7 +133,8 @@ class Trainer:
 
     def _iteration(self) -> tuple[StepResult | None, torch.Tensor, str]:
         micro_batches = self.train_data.next_micro_batches(self.plan.num_microbatches)
-        stats = batch_stats(micro_batches, self.inputs)
+        # Reduced over the data-parallel group, NCCL on GPU: it serves device tensors only.
+        stats = batch_stats(micro_batches, self.inputs).to(device())
         torch.distributed.all_reduce(stats, group=self.dp_group)
         # Which samples the global batch held, in data-parallel rank order: equal fingerprints mean
         # two runs (or a run and its resumption) saw the same data.

@@ -1,0 +1,274 @@
+"""The GPU rehearsal: real trainer iterations on the CPU in which every tensor is known to live on
+the host or on the GPU a real run would use, and mixing the two fails as it does on a GPU.
+
+    torchrun --nproc-per-node 1 tests/train/gpu_rehearsal.py SCRIPT ARGS...
+
+runs SCRIPT (the trainer's scripts/train/pretrain_llava.py, a test worker) as `__main__` under the
+rehearsal. With REHEARSAL_REPORT=PATH set it writes there, at exit, how often each core attention
+layer ran and how often an attention kernel did.
+
+Why not PyTorch's meta device: megatron-core's LLaVA preprocessing reads tensor values (split
+sizes, the longest combined row), which meta tensors do not have. Here every tensor is a real CPU
+tensor with real values, and `DeviceLedger` keeps where a GPU run would hold it:
+- device: created for or moved to `cuda` (what `distributed.device()` names in the rehearsal, and
+  every CUDA request of megatron-core), or computed from such a tensor. Its `.device` reads
+  `cuda:0`, so code that allocates "beside" it does so on the device too.
+- host: created without a device or on `cpu`, moved with `.cpu()`/`.to("cpu")`, handed out by the
+  data loader, or computed from host tensors only.
+An op given both (except a 0-dim host tensor, which CUDA takes as a scalar) raises CUDA's error,
+`.numpy()` of a device tensor raises, and so does a collective given a host tensor over a group
+that is NCCL on a GPU (every group but megatron-core's gloo ones). Tensors of unknown origin
+(autograd's gradients, numpy's) are neither. Autograd's backward is not watched (it runs where
+the forward's tensors are).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+HOST, DEVICE = "host", "device"
+_PLACE = "_rehearsal_place"
+GPU = torch.device("cuda", 0)
+# Calls that may take tensors from both sides: moves, copies, indexing with host indices, reads.
+_CROSSING = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.copy_, torch.Tensor.pin_memory,
+             torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.item, torch.Tensor.tolist,
+             torch.Tensor.__repr__, torch.Tensor.__format__}
+
+
+class DeviceMixError(RuntimeError):
+    pass
+
+
+def place(t: torch.Tensor) -> str | None:
+    return getattr(t, _PLACE, None)
+
+
+def mark(t: torch.Tensor, where: str | None) -> torch.Tensor:
+    if where is not None:
+        setattr(t, _PLACE, where)
+    elif hasattr(t, _PLACE):
+        delattr(t, _PLACE)
+    return t
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+def _named_place(device) -> str | None:
+    """host/device for a device argument as the code wrote it."""
+    if isinstance(device, torch.device):
+        device = device.type
+    if isinstance(device, int) and not isinstance(device, bool):
+        return DEVICE  # a CUDA ordinal, as torch.cuda.current_device() returns
+    if isinstance(device, str):
+        return DEVICE if device.startswith("cuda") else HOST if device == "cpu" else None
+    return None
+
+
+def _move_target(self: torch.Tensor, args, kwargs) -> str | None:
+    """Where `Tensor.to(...)` sends `self`."""
+    for arg in (*args, kwargs.get("device"), kwargs.get("other")):
+        if isinstance(arg, torch.Tensor):
+            return place(arg)
+        if isinstance(arg, (torch.device, str, int)) and not isinstance(arg, bool):
+            return _named_place(arg)
+    return place(self)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype}"
+
+
+class DeviceLedger(TorchFunctionMode):
+    """Tracks host/device for every tensor made through torch's Python API (see the module doc)."""
+
+    on_call = None  # called with every function the ledger sees (REHEARSAL_REPORT's counts)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.on_call is not None:
+            self.on_call(func)
+        if getattr(func, "__self__", None) is torch.Tensor.device:  # the `.device` property
+            return GPU if place(args[0]) == DEVICE else func(*args)
+        inputs = list(_tensors(args)) + list(_tensors(kwargs))
+        if func is torch.Tensor.numpy and place(args[0]) == DEVICE:
+            raise DeviceMixError("can't convert cuda:0 device type tensor to numpy (rehearsal): .cpu() it first")
+        if func not in _CROSSING:
+            self._check(func, inputs)
+        result = func(*args, **kwargs)
+        if func in (torch.Tensor.item, torch.Tensor.tolist) or not isinstance(result, (torch.Tensor, list, tuple)):
+            return result
+        if func is torch.Tensor.to:
+            where = _move_target(args[0], args[1:], kwargs)
+        elif func is torch.Tensor.cuda:
+            where = DEVICE
+        elif func is torch.Tensor.cpu:
+            where = HOST
+        elif func in (torch.Tensor.copy_, torch.Tensor.__setitem__):
+            where = place(args[0])
+        elif "device" in kwargs:
+            where = _named_place(kwargs["device"])
+        elif not inputs:
+            where = HOST  # a factory without a device: the host
+        else:
+            places = {place(t) for t in inputs}
+            where = DEVICE if DEVICE in places else HOST if HOST in places else None
+        moved = args and result is args[0] and place(result) not in (None, where)
+        if moved and not isinstance(result, torch.nn.Parameter):
+            # The CPU "moves" a tensor by returning it: the object left behind keeps its place.
+            result = result.view_as(result)
+        for out in _tensors(result):
+            mark(out, where)
+        return result
+
+    @staticmethod
+    def _check(func, inputs) -> None:
+        devices = [t for t in inputs if place(t) == DEVICE]
+        hosts = [t for t in inputs if place(t) == HOST and t.dim() > 0]
+        if devices and hosts:
+            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+            raise DeviceMixError(
+                f"Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! "
+                f"(rehearsal: {name} got host tensor {_describe(hosts[0])} and device tensor {_describe(devices[0])})")
+
+
+# --- collectives ------------------------------------------------------------------------------
+_HOST_GROUPS: set = set()  # megatron-core's gloo groups: host tensors are right there
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                "broadcast", "reduce", "all_to_all_single", "send", "recv", "isend", "irecv")
+_OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+_in_object_collective = [False]
+
+
+def _device_collective(name, original):
+    @functools.wraps(original)
+    def collective(*args, **kwargs):
+        group = kwargs.get("group")
+        if not _in_object_collective[0] and group not in _HOST_GROUPS:
+            host = [t for t in _tensors((args, kwargs)) if place(t) == HOST]
+            if host:
+                raise DeviceMixError(f"No backend type associated with device type cpu (rehearsal: "
+                                     f"torch.distributed.{name} of host tensor {_describe(host[0])} over an NCCL group)")
+        return original(*args, **kwargs)
+
+    return collective
+
+
+def _object_collective(original):
+    # They place their own buffers (on the GPU under NCCL); under gloo here they use the host.
+    @functools.wraps(original)
+    def collective(*args, **kwargs):
+        _in_object_collective[0] = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _in_object_collective[0] = False
+
+    return collective
+
+
+def _new_group(original):
+    @functools.wraps(original)
+    def new_group(*args, **kwargs):
+        group = original(*args, **kwargs)
+        if kwargs.get("backend") == "gloo":
+            _HOST_GROUPS.add(group)
+        return group
+
+    return new_group
+
+
+def _patch_distributed() -> None:
+    from torch.distributed import distributed_c10d as c10d
+
+    for module in (dist, c10d):
+        for name in _COLLECTIVES:
+            setattr(module, name, _device_collective(name, getattr(c10d, name)))
+        for name in _OBJECT_COLLECTIVES:
+            setattr(module, name, _object_collective(getattr(c10d, name)))
+        module.new_group = _new_group(c10d.new_group)
+
+
+def _host_batches(train_data_cls) -> None:
+    """What the data loader hands the trainer is in host memory, as on a GPU machine."""
+    original = train_data_cls.next_micro_batches
+
+    def next_micro_batches(self, count):
+        batches = original(self, count)
+        for batch in batches:
+            for t in _tensors(batch):
+                mark(t, HOST)
+        return batches
+
+    train_data_cls.next_micro_batches = next_micro_batches
+
+
+ATTENTION_KERNELS = ("scaled_dot_product_attention", "varlen_attn")
+
+
+class _Counts:
+    """Core attention forwards (SDPAttention) and attention kernel calls, for REHEARSAL_REPORT."""
+
+    def __init__(self):
+        self.layers = 0
+        self.kernels = 0
+
+    def watch(self, ledger: DeviceLedger) -> None:
+        from megatron_ext.model import attention
+
+        forward = attention.SDPAttention.forward
+
+        def counted_forward(module, *args, **kwargs):
+            self.layers += 1
+            return forward(module, *args, **kwargs)
+
+        attention.SDPAttention.forward = counted_forward
+        ledger.on_call = lambda func: setattr(self, "kernels", self.kernels + (
+            getattr(func, "__name__", "") in ATTENTION_KERNELS))
+
+    def write(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"attention_layers": self.layers, "attention_kernels": self.kernels}, f)
+
+
+def start() -> DeviceLedger:
+    """Rehearse in this process: megatron-core on the CPU naming cuda:0, the ledger watching."""
+    from megatron_ext import cpu_support
+    from megatron_ext.train.data import TrainData
+
+    cpu_support.apply(rehearsal=True)
+    _patch_distributed()
+    _host_batches(TrainData)
+    ledger = DeviceLedger()
+    if os.environ.get("REHEARSAL_REPORT"):
+        counts = _Counts()
+        counts.watch(ledger)
+        atexit.register(counts.write, os.environ["REHEARSAL_REPORT"])
+    ledger.__enter__()
+    return ledger
+
+
+if __name__ == "__main__":
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    start()
+    runpy.run_path(script, run_name="__main__")
