@@ -74,18 +74,19 @@ def combined_seq_len(input_ids: torch.Tensor, image_token_index: int, img_seq_le
 def combined_segment_ids(input_ids: torch.Tensor, segment_ids: torch.Tensor, image_token_index: int,
                          img_seq_len: int, seq_len: int) -> torch.Tensor:
     """[B, seq_len] segment id of every combined position (0 = padding), truncated or 0-padded
-    to `seq_len` as LLaVAModel truncates or pads its combined sequence."""
-    widths = token_widths(input_ids, image_token_index, img_seq_len)
-    out = torch.zeros(input_ids.shape[0], seq_len, dtype=torch.long)
-    for row in range(input_ids.shape[0]):
-        expanded = torch.repeat_interleave(segment_ids[row], widths[row])[:seq_len]
-        out[row, : expanded.numel()] = expanded
-    return out
+    to `seq_len` as LLaVAModel truncates or pads its combined sequence. Computed where the inputs
+    are (on the GPU for the model's masks), with no value read back to the host."""
+    ends = token_widths(input_ids, image_token_index, img_seq_len).cumsum(1)
+    positions = torch.arange(seq_len, device=input_ids.device).expand(input_ids.shape[0], seq_len).contiguous()
+    token = torch.searchsorted(ends, positions, right=True)  # the token holding each position
+    # Past a row's last token (index = its length): padding.
+    return torch.nn.functional.pad(segment_ids, (0, 1)).gather(1, token)
 
 
 def packed_attention_mask(input_ids: torch.Tensor, segment_ids: torch.Tensor, image_token_index: int,
                           img_seq_len: int, seq_len: int) -> torch.Tensor:
-    """Bool attention mask [B, 1, seq_len, seq_len], True where attention is NOT allowed.
+    """Bool attention mask [B, 1, seq_len, seq_len], True where attention is NOT allowed, on the
+    inputs' device (give it the model's copies: the mask is never built on the host for a GPU).
 
     `seq_len` is the combined length LLaVAModel computes: the longest row's tokens plus
     (img_seq_len - 1) per image, capped at, or with pipeline parallelism padded to, the model's
@@ -94,9 +95,9 @@ def packed_attention_mask(input_ids: torch.Tensor, segment_ids: torch.Tensor, im
     """
     segments = combined_segment_ids(input_ids, segment_ids, image_token_index, img_seq_len, seq_len)
     same = segments[:, :, None] == segments[:, None, :]
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=segments.device).tril()
     allowed = same & causal & (segments[:, :, None] > 0)
-    allowed |= torch.eye(seq_len, dtype=torch.bool)
+    allowed |= torch.eye(seq_len, dtype=torch.bool, device=segments.device)
     return (~allowed).unsqueeze(1)
 
 
@@ -104,13 +105,16 @@ def thd_boundaries(input_ids: torch.Tensor, segment_ids: torch.Tensor, image_tok
                    img_seq_len: int, seq_len: int) -> list[int]:
     """cu_seqlens of a one-row micro batch: the combined position where each sample starts, then
     `seq_len`. Padding after a sample (alignment or the row's end) belongs to that sample's
-    sub-sequence: nothing before it attends to it, and its own outputs carry no loss."""
+    sub-sequence: nothing before it attends to it, and its own outputs carry no loss. Read from
+    the host batch token by token (a few microseconds; no position-sized tensor)."""
     if input_ids.shape[0] != 1:
         raise ValueError("THD attention takes one sequence per micro batch (--micro-batch-size 1)")
-    segments = combined_segment_ids(input_ids, segment_ids, image_token_index, img_seq_len, seq_len)[0]
+    widths = token_widths(input_ids[0], image_token_index, img_seq_len)
+    token_starts = widths.cumsum(0) - widths
+    segments = segment_ids[0]
     previous = torch.cat([segments.new_zeros(1), segments[:-1]])
-    starts = ((segments > 0) & (segments != previous)).nonzero().flatten().tolist()
-    return sorted({0, *starts, seq_len})
+    starts = token_starts[(segments > 0) & (segments != previous)].tolist()
+    return sorted({0, *(start for start in starts if start < seq_len), seq_len})
 
 
 def sample_lengths(input_ids: torch.Tensor, segment_ids: torch.Tensor, image_token_index: int,

@@ -10,10 +10,14 @@ Three input forms, as megatron-core's attention layer hands them over:
 - unpacked `[s, b, heads, dim]`, causal or bidirectional by `attn_mask_type`;
 - with a dense `attention_mask` (megatron's convention: True = masked out), e.g. packed rows of a
   micro batch larger than one;
-- packed THD `[t, heads, dim]` with `PackedSeqParams`: each sub-sequence is attended separately
-  (causally), one kernel call each, so no mask is materialised and the flash kernel stays usable.
-In a sliding-window layer (megatron-core's `window_size` / `window_attn_skip_freq`) a band mask
-limits every query to its window, in all three forms.
+- packed THD `[t, heads, dim]` with `PackedSeqParams` (cu_seqlens on the compute device): each
+  sub-sequence attends to itself only, causally.
+Every form is one kernel call per layer. Packed on a GPU in half precision it is
+`torch.nn.attention.varlen.varlen_attn` (flash attention over the cu_seqlens, no mask); elsewhere
+(fp32, CPU, attention dropout) one SDPA call with the samples' block-diagonal mask, built on the
+device from cu_seqlens. In a sliding-window layer (megatron-core's `window_size` /
+`window_attn_skip_freq`) each query sees its window: flash's own window on a GPU in half precision,
+else a band mask, and plain causal attention where the window covers the whole sequence.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn
 
 
 def _causal(mask_type) -> bool:
@@ -77,29 +82,60 @@ class SDPAttention(torch.nn.Module):
         """THD: [t, h, d] holding several sequences back to back; the boundaries the rotary
         embedding used (the padded ones when given) delimit them here too."""
         cu_seqlens = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        bounds = cu_seqlens.tolist()
-        outs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-            outs.append(self._attend(q, k, v, None, causal, dropout)[0].transpose(0, 1))
-        return torch.cat(outs).reshape(query.shape[0], -1)
+        if dropout == 0.0 and _flash_varlen(query):
+            return self._varlen(query, key, value, cu_seqlens, params.max_seqlen_q, causal, self.window)
+        positions = torch.arange(query.shape[0], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+        sample = torch.searchsorted(cu_seqlens[1:], positions, right=True)
+        mask = sample[:, None] != sample[None, :]
+        if causal:
+            mask |= torch.ones_like(mask).triu(1)
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+        out = self._attend(q, k, v, mask, False, dropout)
+        return out[0].transpose(0, 1).reshape(query.shape[0], -1)
+
+    def _varlen(self, query, key, value, cu_seqlens, max_seqlen: int, causal: bool, window):
+        """[t, h, d] sequences delimited by `cu_seqlens` (int32, on the device), one flash call."""
+        before, after = window if window is not None else (-1, -1)
+        out = varlen_attn(query, key, value, cu_seqlens.int(), cu_seqlens.int(), max_seqlen, max_seqlen,
+                          scale=self.softmax_scale, window_size=(before, 0 if causal else after),
+                          enable_gqa=self.heads != self.groups)
+        return out.reshape(query.shape[0], -1)
 
     def _attend(self, q, k, v, attention_mask, causal: bool, dropout: float):
-        """[b, h, sq, d] attention; a given mask replaces the causal rule (it already holds it)."""
+        """[b, h, sq, d] attention; a given mask (megatron's convention) replaces the causal rule
+        (it already holds it)."""
+        sq, sk = q.shape[-2], k.shape[-2]
+        window = self._window_within(sq, sk, causal)
+        if window is not None and attention_mask is None and sq == sk and dropout == 0.0 and _flash_varlen(q):
+            # Rows of one length as THD sequences: flash applies the window itself.
+            b, h, s, d = q.shape
+            cu_seqlens = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+            thd = [t.permute(0, 2, 1, 3).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
+            out = self._varlen(*thd, cu_seqlens, s, causal, window)
+            return out.reshape(b, s, h, d).permute(0, 2, 1, 3)
         mask = None
-        if self.window is not None:
-            mask, causal = self._band(q.shape[-2], k.shape[-2], q.device), False
+        if window is not None:
+            mask, causal = self._band(sq, sk, q.device), False
             if attention_mask is not None:
                 mask = mask & ~attention_mask
         elif attention_mask is not None:
             mask, causal = ~attention_mask, False
-        elif causal and q.shape[-2] != k.shape[-2]:
+        elif causal and sq != sk:
             # Fewer queries than keys: they are the last positions (SDPA's own is_causal aligns top-left).
-            sq, sk = q.shape[-2], k.shape[-2]
             mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
             causal = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
                                               scale=self.softmax_scale, enable_gqa=self.heads != self.groups)
+
+    def _window_within(self, sq: int, sk: int, causal: bool):
+        """This layer's window where it hides some key from some query, else None (the window
+        covers the whole sequence: plain causal or bidirectional attention computes the same)."""
+        if self.window is None:
+            return None
+        before, after = self.window
+        # The first query (key sk - sq) must reach key 0; with no causal rule the last key too.
+        reaches_all = before >= sk - 1 and (causal or after >= sk - 1)
+        return None if reaches_all else self.window
 
     def _band(self, sq: int, sk: int, device) -> torch.Tensor:
         """Keys each query may see in a sliding-window layer (True = attend); the queries are the
@@ -116,6 +152,12 @@ class SDPAttention(torch.nn.Module):
 
         # Heads differ across TP ranks, so their dropout draws from the model-parallel RNG stream.
         return tensor_parallel.get_cuda_rng_tracker().fork()
+
+
+def _flash_varlen(t: torch.Tensor) -> bool:
+    """varlen_attn's flash kernel serves CUDA tensors in half precision (no CPU kernel, no fp32).
+    `meta` stands in for CUDA in the CPU tests, which check its shapes and call counts."""
+    return (t.is_cuda or t.is_meta) and t.dtype in (torch.float16, torch.bfloat16)
 
 
 def _tensor_parallel_size() -> int:

@@ -4,11 +4,15 @@ Packed samples must not attend to each other, and each attention backend is told
 - te, sdpa: a one-row micro batch goes as THD (`PackedSeqParams`, cu_seqlens in the combined
   sequence, where an image token is `img_seq_len` positions). Transformer Engine needs it for
   packing and context parallelism, megatron-core's RoPE restarts positions at every sample, and
-  the sdpa backend attends each sub-sequence with a causal kernel call. Unpacked one-row batches
-  take the same path (one sub-sequence), so there is one way per backend.
-- local (any micro batch size), sdpa with several packed rows: a dense block-diagonal mask.
+  the sdpa backend attends every sub-sequence in one kernel call. Unpacked one-row batches take
+  the same path (one sub-sequence), so there is one way per backend.
+- local (any micro batch size), sdpa with several packed rows: a dense block-diagonal mask,
+  computed on the device from the segment ids.
 - unpacked rows: the layers' causal mask; padding sits at the end of a row, where nothing real
   attends to it.
+
+On a GPU the batch crosses from pinned host memory without blocking; the host only reads the
+token-level batch (lengths, boundaries): nothing the size of the combined sequence is built there.
 """
 
 from __future__ import annotations
@@ -47,12 +51,12 @@ class ModelInputs:
     def __call__(self, batch: dict) -> dict:
         input_ids, segment_ids = batch["input_ids"], batch["segment_ids"]
         kwargs = {
-            "images": batch["images"].to(self.device, self.dtype),
-            "input_ids": input_ids.to(self.device),
+            "images": self._to_device(batch["images"], self.dtype),
+            "input_ids": self._to_device(input_ids),
             "position_ids": None,
             "attention_mask": None,
-            "labels": batch["labels"].to(self.device),
-            "loss_mask": batch["loss_mask"].to(self.device),
+            "labels": self._to_device(batch["labels"]),
+            "loss_mask": self._to_device(batch["loss_mask"]),
         }
         packed = int(segment_ids.max()) > 1
         length = self.combined_length(input_ids)
@@ -62,20 +66,24 @@ class ModelInputs:
             if self.backend == "te":
                 raise UserError("packed micro batches of several rows cannot use Transformer Engine attention: "
                                 "use --micro-batch-size 1 (one packed sequence per micro batch)")
-            kwargs["attention_mask"] = packed_attention_mask(input_ids, segment_ids, self.image_token_index,
-                                                             self.img_seq_len, length).to(self.device)
+            kwargs["attention_mask"] = packed_attention_mask(kwargs["input_ids"], self._to_device(segment_ids),
+                                                             self.image_token_index, self.img_seq_len, length)
         return kwargs
+
+    def _to_device(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A host tensor on the compute device; to a GPU through pinned memory, without waiting
+        (energon's loader pins its batches already on a GPU machine)."""
+        if self.device.type == "cuda" and not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, dtype, non_blocking=True)
 
     def packed_seq_params(self, input_ids: torch.Tensor, segment_ids: torch.Tensor, length: int):
         from megatron.core.packed_seq_params import PackedSeqParams
 
         bounds = thd_boundaries(input_ids, segment_ids, self.image_token_index, self.img_seq_len, length)
-        # TE reads cu_seqlens on the GPU; the sdpa backend slices by them on the host, so they stay there.
-        cu_seqlens = torch.tensor(bounds, dtype=torch.int32,
-                                  device=self.device if self.backend == "te" else torch.device("cpu"))
+        cu_seqlens = self._to_device(torch.tensor(bounds, dtype=torch.int32))
         longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
         # Samples are padded to what context parallelism needs, so the padded boundaries are the same.
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                cu_seqlens_q_padded=cu_seqlens, cu_seqlens_kv_padded=cu_seqlens,
                                max_seqlen_q=longest, max_seqlen_kv=longest)
-
