@@ -17,8 +17,10 @@ TE_MISSING = ("Transformer Engine with CUDA, which is not importable here; insta
 
 
 def te_available() -> bool:
+    """Transformer Engine's PyTorch layers import (a broken install often imports its top level
+    only) and a GPU is there."""
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
     except Exception:
         return False
     import torch

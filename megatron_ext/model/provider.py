@@ -60,7 +60,10 @@ def _common(opts: ModelOptions, backend: str, tp: int, init_std: float) -> dict:
         attention_softmax_in_fp32=True,
         # Fused kernels exist only on GPU; on CPU they would only add torch.compile time.
         bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        # Only the local backend's softmax reads this. Its fused kernel is Apex's (imported unchecked:
+        # ModuleNotFoundError without Apex) and, for causal layers, ignores the packing mask, so
+        # samples of a pack would attend to each other. That backend is the reference: never fused.
+        masked_softmax_fusion=False,
         # TE's fused RoPE (THD too); without TE megatron-core has no fused kernel.
         apply_rope_fusion=backend == "te",
         gradient_accumulation_fusion=opts.gradient_accumulation_fusion,

@@ -19,7 +19,8 @@ class SequenceAlignment:
     """Lengths (in the image-expanded sequence) that the parallel layout needs.
 
     `total`: the language-model sequence of every micro batch is a multiple of this (sequence
-    parallelism splits it over TP ranks, context parallelism into 2 x CP chunks, FP8 GEMMs want 16).
+    parallelism splits it over TP ranks, context parallelism into 2 x CP chunks, FP8 GEMMs want 16
+    tokens on every rank).
     `per_sample`: every packed sample is a multiple of this (context parallelism splits each THD
     sub-sequence into 2 x CP chunks).
     """
@@ -31,7 +32,10 @@ class SequenceAlignment:
 def sequence_alignment(tp: int, cp: int, sequence_parallel: bool, fp8: bool) -> SequenceAlignment:
     # megatron-core's LLaVAModel asserts exactly these factors for SP, CP and both together.
     factor = (tp if sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
-    total = math.lcm(factor, FP8_MULTIPLE) if fp8 else factor
+    # FP8 casts each rank's share of the sequence (SP splits it over TP, CP over CP ranks): the
+    # share, not only the whole, must be a multiple of 16.
+    ranks_sharing = (tp if sequence_parallel else 1) * cp
+    total = math.lcm(factor, FP8_MULTIPLE * ranks_sharing) if fp8 else factor
     return SequenceAlignment(total=total, per_sample=2 * cp if cp > 1 else 1)
 
 

@@ -123,12 +123,16 @@ def test_alignment_pads_samples_and_batches_with_padding_outside_every_sample():
     (1, 2, False, False, (4, 4)),
     (2, 2, True, False, (8, 4)),
     (1, 1, False, True, (16, 1)),
-    (8, 1, True, True, (16, 1)),
-    (32, 1, True, True, (32, 1)),
-    (2, 4, True, True, (16, 8)),
+    (4, 1, False, True, (16, 1)),
+    (8, 1, True, True, (128, 1)),  # 16 tokens on each of the 8 sequence-parallel ranks
+    (32, 1, True, True, (512, 1)),
+    (1, 4, False, True, (64, 8)),
+    (2, 4, True, True, (128, 8)),
 ])
 def test_sequence_alignment_is_what_sp_cp_and_fp8_need(tp, cp, sp, fp8, expected):
     from megatron_ext.model.sequence_alignment import sequence_alignment
 
     alignment = sequence_alignment(tp, cp, sp, fp8)
     assert (alignment.total, alignment.per_sample) == expected
+    if fp8:  # every rank's share of a micro batch is a multiple of 16 tokens
+        assert alignment.total // ((tp if sp else 1) * cp) % 16 == 0
