@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -28,3 +29,15 @@ def test_prints_throughput_as_a_final_json_line(args):
     assert result["packing"] is not bool(args)
     # Packs hold several samples: fewer micro batches than the 16 samples of a step.
     assert (result["micro_batches_per_step"] < 16) is not bool(args)
+
+
+@pytest.mark.timeout(120)
+def test_gpu_check_says_in_one_line_that_it_needs_a_gpu():
+    from tests.helpers import REPO_ROOT, child_env, run
+
+    proc = run(["bash", str(REPO_ROOT / "scripts" / "gpu_check.sh")], timeout=100, check=False,
+               env=child_env(PYTHON=sys.executable))
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [
+        "gpu_check: torch sees no CUDA GPU here; run it on a GPU node "
+        "(or: singularity exec --nv IMAGE bash scripts/gpu_check.sh)"]

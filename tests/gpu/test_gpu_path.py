@@ -1,6 +1,12 @@
-"""The GPU path on a real GPU: packed == unpacked under Transformer Engine (THD) and torch SDPA, TE
-equals SDPA, bf16 and FP8 training steps run. Skipped, with the reason, where CUDA or Transformer
-Engine is missing (every CPU test of the same code runs everywhere)."""
+"""The GPU path: packed == unpacked under torch SDPA (one kernel call per layer) and Transformer
+Engine (THD), TE equals SDPA, bf16 and FP8 training steps run, and packed flash attention
+(varlen_attn) equals plain attention.
+
+Every test runs on a GPU (`cuda`) and, where its code allows, on this CPU too: the model and
+trainer under the GPU rehearsal (tests/train/gpu_rehearsal.py: host and device tensors kept apart
+as on a GPU), the flash kernel on `meta` (shapes, call counts, placement; it has no CPU kernel).
+So a key typo or a host/device mix fails in CI. Skipped with the reason where CUDA or Transformer
+Engine is missing. On a GPU machine: `bash scripts/gpu_check.sh`."""
 
 from __future__ import annotations
 
@@ -12,47 +18,153 @@ import torch
 
 from megatron_ext.model.backends import te_available
 from tests.helpers import child_env, run_torchrun
+from tests.model.test_attention import _attention, _reference
 from tests.model.test_backends import WORKER, _max_diff
-from tests.train.conftest import metrics, train, trainer_args
+from tests.train.conftest import metrics, trainer_args
+from tests.train.test_gpu_rehearsal import REHEARSAL
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-needs_te = pytest.mark.skipif(not te_available(), reason="needs Transformer Engine (pip install 'megatron-ext[gpu]')")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_te = pytest.mark.skipif(not te_available(), reason="needs Transformer Engine with CUDA "
+                              "(pip install 'megatron-ext[gpu]'); it cannot be built without CUDA")
+RUNS = [pytest.param("rehearsal", id="rehearsal"), pytest.param("cuda", marks=needs_cuda, id="cuda")]
+pytestmark = pytest.mark.gpu
 
 
-def _losses(tmp_path: Path, checkpoint: Path, backends: str) -> dict:
+def _torchrun(where: str, script: str, *args, timeout: float = 400):
+    """One process running `script` on the GPU, or on this CPU under the GPU rehearsal."""
+    if where == "cuda":
+        return run_torchrun(1, script, *args, timeout=timeout, env=child_env(gpu=True))
+    return run_torchrun(1, REHEARSAL, script, *args, timeout=timeout, env=child_env())
+
+
+def _losses(tmp_path: Path, where: str, checkpoint: Path, backends: str) -> dict:
     out = tmp_path / f"{backends}.json"
-    run_torchrun(1, WORKER, checkpoint, out, backends, timeout=400, env=child_env(gpu=True))
+    _torchrun(where, WORKER, checkpoint, out, backends)
     return json.loads(out.read_text())
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("where", RUNS)
 @pytest.mark.parametrize("backend", ["sdpa", pytest.param("te", marks=needs_te)])
-def test_packed_equals_unpacked(tmp_path, megatron_clip, backend):
-    losses = _losses(tmp_path, megatron_clip, backend)
+def test_packed_equals_unpacked(tmp_path, megatron_clip, where, backend):
+    losses = _losses(tmp_path, where, megatron_clip, backend)
     unpacked = losses[f"{backend}/unpacked"]
-    assert max(losses[f"{backend}/pack sizes"]) >= 3
-    # fp32 weights; GPU kernels (TF32 convolutions, flash attention) round differently from CPU ones.
+    assert max(len(pack) for pack in losses[f"{backend}/packs"]) >= 3
+    # fp32 weights; GPU kernels (TF32 convolutions) round differently from CPU ones.
     for layout in ("packed", "aligned packed", "unpacked-rows"):
         assert _max_diff(losses[f"{backend}/{layout}"], unpacked) <= 2e-3, layout
     assert _max_diff(losses[f"{backend}/packed, samples not kept apart"], unpacked) > 1e-2
 
 
+@needs_cuda
 @needs_te
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
 def test_te_equals_sdpa(tmp_path, megatron_clip):
-    losses = _losses(tmp_path, megatron_clip, "sdpa,te")
+    losses = _losses(tmp_path, "cuda", megatron_clip, "sdpa,te")
     for layout in ("unpacked", "packed", "aligned packed"):
         assert _max_diff(losses[f"te/{layout}"], losses[f"sdpa/{layout}"]) <= 2e-3, layout
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("where", RUNS)
 @pytest.mark.parametrize("options", [
     dict(attention_backend="sdpa"),
     pytest.param(dict(attention_backend="te"), marks=needs_te),
     pytest.param(dict(attention_backend="te", fp8=True), marks=needs_te),
 ], ids=["sdpa-bf16", "te-bf16", "te-fp8"])
-def test_packed_bf16_training_steps(tmp_path, megatron_clip, train_data, options):
+def test_packed_bf16_training_steps(tmp_path, megatron_clip, train_data, where, options):
     save = tmp_path / "run"
-    train(1, *trainer_args(megatron_clip, train_data, save, micro_batch_size=1, global_batch_size=2, train_iters=3,
-                           packing_seq_length=128, **options), env=child_env(gpu=True), timeout=400)
+    _torchrun(where, "scripts/train/pretrain_llava.py",
+              *trainer_args(megatron_clip, train_data, save, micro_batch_size=1, global_batch_size=2, train_iters=3,
+                            packing_seq_length=128, dtype="bfloat16", **options))
     records = metrics(save)
     assert sorted(records) == [1, 2, 3]
     assert all(r["update"] and r["loss"] == r["loss"] and r["memory_gb"] > 0 for r in records.values())
+
+
+def _counting(monkeypatch) -> dict:
+    """Calls of each attention kernel the sdpa backend may use."""
+    import torch.nn.functional as F
+
+    from megatron_ext.model import attention
+
+    calls = {"varlen_attn": 0, "sdpa": 0}
+
+    def counted(name, kernel):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(attention, "varlen_attn", counted("varlen_attn", attention.varlen_attn))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted("sdpa", F.scaled_dot_product_attention))
+    return calls
+
+
+def _packed_params(bounds: list[int], device: str):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           cu_seqlens_q_padded=cu_seqlens, cu_seqlens_kv_padded=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("groups", [2, 4], ids=["gqa", "mha"])
+@pytest.mark.parametrize("window", [None, (3, 0)], ids=["full", "window"])
+def test_packed_half_precision_attention_is_one_flash_call(monkeypatch, device, groups, window):
+    """Samples of 5, 9 and 2 positions in one THD row, bf16: one varlen_attn call, no mask, equal
+    to plain attention of each sample alone (fp32 math on the same bf16 inputs)."""
+    calls = _counting(monkeypatch)
+    options = dict(window_size=window) if window else {}
+    attention = _attention("causal", heads=4, groups=groups, **options)
+    bounds = [0, 5, 14, 16]
+    gen = torch.Generator().manual_seed(groups)
+    host = [torch.randn(16, n, 8, generator=gen).bfloat16() for n in (4, groups, groups)]
+    q, k, v = (t.to(device).requires_grad_() for t in host)
+    out = attention(q, k, v, None, packed_seq_params=_packed_params(bounds, device))
+    out.float().square().sum().backward()
+    assert calls == {"varlen_attn": 1, "sdpa": 0}
+    assert out.shape == (16, 32) and out.device.type == device
+    assert all(t.grad.device.type == device and t.grad.shape == t.shape for t in (q, k, v))
+    if device == "meta":
+        return
+    sample = torch.repeat_interleave(torch.arange(3), torch.tensor(bounds).diff())
+    position = torch.arange(16)
+    allowed = (sample[:, None] == sample[None, :]) & (position[None, :] <= position[:, None])
+    if window:
+        allowed &= position[None, :] >= position[:, None] - window[0]
+    ref = [t.float().requires_grad_() for t in host]
+    expected = _reference(*(t.transpose(0, 1)[None] for t in ref), allowed[None, None])[0].transpose(0, 1)
+    expected.square().sum().backward()
+    # bf16 inputs, fp32 accumulation in both: what differs is the kernels' rounding of bf16 outputs.
+    assert (out.float().cpu() - expected.reshape(16, 32)).abs().max() <= 2e-2
+    for mine, theirs in zip((q, k, v), ref):
+        assert (mine.grad.float().cpu() - theirs.grad).abs().max() <= 5e-2
+
+
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=needs_cuda)])
+def test_a_sliding_window_row_is_one_flash_call_and_a_covering_window_plain_causal(monkeypatch, device):
+    calls = _counting(monkeypatch)
+    attention = _attention("causal", window_size=(3, 0))
+    q, k, v = (torch.randn(8, 2, n, 8, dtype=torch.bfloat16, device=device) for n in (4, 2, 2))
+    assert attention(q, k, v, None).shape == (8, 2, 32)
+    assert calls == {"varlen_attn": 1, "sdpa": 0}
+    wide = _attention("causal", window_size=(7, 0))
+    wide(q, k, v, None)
+    assert calls == {"varlen_attn": 1, "sdpa": 1}  # the window reaches every key: no band at all
+
+
+def test_fp32_packed_attention_on_a_gpu_is_one_masked_sdpa_call(monkeypatch):
+    """flash has no fp32 kernel: fp32 (and CPU) rows take one SDPA call with the block mask."""
+    calls = _counting(monkeypatch)
+    attention = _attention("causal")
+    q, k, v = (torch.randn(16, n, 8, device="meta") for n in (4, 2, 2))
+    assert attention(q, k, v, None, packed_seq_params=_packed_params([0, 5, 14, 16], "meta")).shape == (16, 32)
+    assert calls == {"varlen_attn": 0, "sdpa": 1}

@@ -60,8 +60,9 @@ def per_sample_losses(model, inputs, batch, separate: bool = True) -> dict:
         kwargs["attention_mask"] = None
     with torch.no_grad():
         loss, loss_mask = model(**kwargs)
-    segments = combined_segment_ids(batch.input_ids, batch.segment_ids, inputs.image_token_index, inputs.img_seq_len,
-                                    loss.shape[1])
+    # Beside the model's outputs: on a GPU they are device tensors.
+    segments = combined_segment_ids(kwargs["input_ids"], batch.segment_ids.to(loss.device), inputs.image_token_index,
+                                    inputs.img_seq_len, loss.shape[1])
     out = {}
     for row, keys in enumerate(batch.__key__):
         for number, key in enumerate(keys.split(","), start=1):
