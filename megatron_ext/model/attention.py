@@ -133,7 +133,7 @@ class SDPAttention(torch.nn.Module):
         if self.window is None:
             return None
         before, after = self.window
-        # The first query (key sk - sq) must reach key 0; with no causal rule the last key too.
+        # The last query must reach key 0; with no causal rule the first query the last key too.
         reaches_all = before >= sk - 1 and (causal or after >= sk - 1)
         return None if reaches_all else self.window
 

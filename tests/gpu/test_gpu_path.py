@@ -24,16 +24,18 @@ from tests.train.conftest import metrics, trainer_args
 from tests.train.test_gpu_rehearsal import REHEARSAL
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 needs_te = pytest.mark.skipif(not te_available(), reason="needs Transformer Engine with CUDA "
                               "(pip install 'megatron-ext[gpu]'); it cannot be built without CUDA")
 RUNS = [pytest.param("rehearsal", id="rehearsal"), pytest.param("cuda", marks=needs_cuda, id="cuda")]
+WORKER_RUNS = RUNS + [pytest.param("cuda-tp2", marks=needs_two_gpus, id="cuda-tp2")]
 pytestmark = pytest.mark.gpu
 
 
 def _torchrun(where: str, script: str, *args, timeout: float = 400):
-    """One process running `script` on the GPU, or on this CPU under the GPU rehearsal."""
-    if where == "cuda":
-        return run_torchrun(1, script, *args, timeout=timeout, env=child_env(gpu=True))
+    """`script` on one GPU (cuda), two as TP2 (cuda-tp2), or one process on this CPU under the GPU rehearsal."""
+    if where.startswith("cuda"):
+        return run_torchrun(2 if where == "cuda-tp2" else 1, script, *args, timeout=timeout, env=child_env(gpu=True))
     return run_torchrun(1, REHEARSAL, script, *args, timeout=timeout, env=child_env())
 
 
@@ -45,16 +47,21 @@ def _losses(tmp_path: Path, where: str, checkpoint: Path, backends: str) -> dict
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("where", RUNS)
+@pytest.mark.parametrize("where", WORKER_RUNS)
 @pytest.mark.parametrize("backend", ["sdpa", pytest.param("te", marks=needs_te)])
 def test_packed_equals_unpacked(tmp_path, megatron_clip, where, backend):
-    losses = _losses(tmp_path, where, megatron_clip, backend)
+    losses = _losses(tmp_path, where, megatron_clip, f"{backend},local")
+    assert losses["tp"] == (2 if where == "cuda-tp2" else 1)
     unpacked = losses[f"{backend}/unpacked"]
     assert max(len(pack) for pack in losses[f"{backend}/packs"]) >= 3
     # fp32 weights; GPU kernels (TF32 convolutions) round differently from CPU ones.
     for layout in ("packed", "aligned packed", "unpacked-rows"):
         assert _max_diff(losses[f"{backend}/{layout}"], unpacked) <= 2e-3, layout
     assert _max_diff(losses[f"{backend}/packed, samples not kept apart"], unpacked) > 1e-2
+    # fp32, GQA, images: the backend's packed path against megatron's reference kernel, same layout
+    # (on a GPU the sdpa row is one masked SDPA call: flash has no fp32 kernel; bf16 flash below).
+    for layout in ("packed", "aligned packed"):
+        assert _max_diff(losses[f"{backend}/{layout}"], losses[f"local/{layout}"]) <= 1e-4, layout
 
 
 @needs_cuda
