@@ -211,7 +211,7 @@ def component_costs(model_dir: Path, src: Path, repeats: int = 5) -> dict[str, f
 
 def packing_efficiency(model_dir: Path, data: Path, samples: int) -> dict[str, tuple[float, float]]:
     """(fill of rows x longest row, fill of rows x sequence length) over at least `samples` samples."""
-    from megatron_ext.data.packing import combined_seq_len, token_widths
+    from megatron_ext.model.packed_sequences import combined_seq_len, token_widths
 
     out = {}
     cases = [("no packing, micro batch 8", None, 8)]

@@ -95,7 +95,7 @@ def make_plan(preset: Preset, options: dict, iters: int):
     """A RunPlan as the trainer makes one, without checkpoint, tokenizer or dataset."""
     import torch
 
-    from megatron_ext.model.arch import LlavaArch
+    from megatron_ext import families
     from megatron_ext.model.backends import te_available
     from megatron_ext.train.execution import resolve_execution
     from megatron_ext.train.options import TrainConfig
@@ -104,7 +104,8 @@ def make_plan(preset: Preset, options: dict, iters: int):
     hf_config = llava_config(preset)
     config = TrainConfig(stage=2, seq_length=preset.seq_length, train_iters=iters, **options).resolved()
     execution = resolve_execution(config, world_size=1, te=te_available())
-    return RunPlan(config=config, arch=LlavaArch.from_hf_config(hf_config), hf_config=hf_config, start=None,
+    arch = families.read_llava(hf_config)
+    return RunPlan(config=config, arch=arch, families=families.of(arch), hf_config=hf_config, start=None,
                    resume=None, tokenizer_dir=REPO, world_size=1, data_parallel_size=1, num_microbatches=1,
                    train_iters=iters, seq_length=preset.seq_length,
                    dtype="bfloat16" if torch.cuda.is_available() else "float32", execution=execution, skip_ranges=())

@@ -86,8 +86,8 @@ def median_us(func, repeat: int) -> float:
 @click.command()
 @click.option("--repeat", default=200, show_default=True)
 def main(repeat: int):
-    from megatron_ext.data.packing import packed_attention_mask
     from megatron_ext.model.inputs import ModelInputs
+    from megatron_ext.model.packed_sequences import packed_attention_mask
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)

@@ -83,9 +83,9 @@ class Snapshot:
 
     @property
     def arch(self):
-        from megatron_ext.model.arch import LlavaArch
+        from megatron_ext.families import read_llava
 
-        return LlavaArch.from_hf_config(self.hf_config)
+        return read_llava(self.hf_config)
 
     @property
     def tokenizer_dir(self) -> Path:

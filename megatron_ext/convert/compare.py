@@ -120,14 +120,15 @@ def hf_logits(hf_dir: Path, batch) -> torch.Tensor:
     """HF LlavaForConditionalGeneration logits in float32."""
     from transformers import LlavaForConditionalGeneration
 
-    from megatron_ext.hf import loading
+    from megatron_ext import hf_loading
 
-    model = loading.load_pretrained(LlavaForConditionalGeneration, str(hf_dir), "--hf-dir", dtype=torch.float32).eval()
+    model = hf_loading.load_pretrained(LlavaForConditionalGeneration, str(hf_dir), "--hf-dir", dtype=torch.float32).eval()
     with torch.no_grad():
         return model(**batch).logits.float()
 
 
 def _megatron_logits_rank(snapshot_dir: Path, tp: int, pp: int, images: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    from megatron_ext import families
     from megatron_ext.checkpoint.layout import find_snapshot
     from megatron_ext.distributed import init_parallel, shutdown
     from megatron_ext.lora.checkpoint import load_for_inference
@@ -137,7 +138,7 @@ def _megatron_logits_rank(snapshot_dir: Path, tp: int, pp: int, images: torch.Te
     try:
         snapshot = find_snapshot(snapshot_dir, "--megatron-dir")
         arch = snapshot.arch
-        model = build_model(arch, ModelOptions(seq_length=input_ids.shape[1], dtype="float32", init_weights=False,
+        model = build_model(arch, families.of(arch), ModelOptions(seq_length=input_ids.shape[1], dtype="float32", init_weights=False,
                                                parallel_output=False))
         load_for_inference(model, snapshot)
         return megatron_logits(model, images, input_ids, arch.img_seq_len, arch.text.vocab_size)
@@ -149,14 +150,14 @@ def compare(hf_dir: str | Path, megatron_dir: str | Path, tp: int | None = None,
             images: list | None = None, prompt: str = DEFAULT_PROMPT) -> LogitStats:
     """HF vs Megatron (loaded at `tp` x `pp`, default: the layout it was saved with) in float32 on CPU,
     on a prompt about `images` (default: one noise image)."""
+    from megatron_ext import hf_loading
     from megatron_ext.checkpoint.layout import find_snapshot
     from megatron_ext.convert.cpu_ranks import run_on_cpu_ranks
-    from megatron_ext.hf import loading
 
     snapshot = find_snapshot(megatron_dir, "--megatron-dir")
     tp, pp = tp or snapshot.tp, pp or snapshot.pp
     snapshot.arch.check_parallel(tp, pp)
-    processor = loading.load_processor(str(hf_dir), "--hf-dir")
+    processor = hf_loading.load_processor(str(hf_dir), "--hf-dir")
     batch = process_inputs(processor, images or [synthetic_image()], prompt)
     reference = hf_logits(Path(hf_dir), batch)
     logits = run_on_cpu_ranks(_megatron_logits_rank, tp * pp, snapshot.path, tp, pp, batch["pixel_values"],

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron_ext.convert.table import Mapping
+from megatron_ext.model.mapping_rules import Mapping
 
 _SHOWN = 20
 

@@ -3,7 +3,7 @@ few at a time, with torch.distributed.checkpoint alone (no megatron-core, no mod
 
 megatron-core's load reads everything requested at once (and concatenates the gate/up halves of
 a gated MLP again), and wants the whole model requested. Here each Megatron tensor is asked for
-as what it is in the checkpoint, a chunk of a global tensor (see mapping.chunk_of_tensor: a layer
+as what it is in the checkpoint, a chunk of a global tensor (see checkpoint.keys.chunk_of_tensor: a layer
 tensor is one layer of a key stacked over layers), and read into memory of its own.
 """
 
@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron_ext.convert.mapping import chunk_of_tensor, tensors_of_key
+from megatron_ext.checkpoint.keys import chunk_of_tensor, tensors_of_key
 from megatron_ext.errors import UserError
 
 Stored = dict[str, tuple[tuple[int, ...], torch.dtype]]

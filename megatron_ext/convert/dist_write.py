@@ -7,7 +7,7 @@ writes the same files (megatron-core's translation of the sharded state dict to
 torch.distributed.checkpoint, then torch's own file writer, one file per rank), but the state
 dict it is given only describes the layout: as the writer reaches each chunk it asks
 `compute(key, offsets, sizes)` for the values (a chunk of the checkpoint's global tensor `key`,
-see mapping.tensor_of_chunk), writes them and drops them.
+see checkpoint.keys.tensor_of_chunk), writes them and drops them.
 """
 
 from __future__ import annotations

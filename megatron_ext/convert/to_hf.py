@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext import families
 from megatron_ext.checkpoint import layout
 from megatron_ext.convert import coverage
 from megatron_ext.convert.hf_checkpoint import (
@@ -165,16 +166,16 @@ def _write_configs(snapshot: layout.Snapshot, tokenizer_dir: Path, out: Path) ->
 def _write_chat_template(snapshot: layout.Snapshot, out: Path) -> None:
     """The processor's (and tokenizer's) chat template: the one the snapshot was trained with, else
     the tokenizer's own, in the form that renders HF's structured messages as training did."""
+    from megatron_ext import hf_loading
     from megatron_ext.data.chat_template import CHAT_TEMPLATE_FILE, processor_template, resolve_chat_template
-    from megatron_ext.hf import loading
 
     trained = snapshot.trainer_options
-    tokenizer = loading.load_tokenizer(str(out), "--tokenizer-dir")
+    tokenizer = hf_loading.load_tokenizer(str(out), "--tokenizer-dir")
     if not trained and not tokenizer.chat_template:
         return
     try:
         _, template = resolve_chat_template(trained.get("chat_template"), trained.get("lang", "en"), tokenizer,
-                                            text_model_type=snapshot.arch.text.model_type)
+                                            family_default=families.of(snapshot.arch).text.chat_template)
     except UserError as exc:
         log.warning("the exported processor keeps the tokenizer's chat template: the trained one is not found (%s)", exc)
         return

@@ -19,10 +19,12 @@ from pathlib import Path
 import torch
 
 from megatron_ext.checkpoint import layout
+from megatron_ext.checkpoint.keys import canonical_megatron_name, tensor_of_chunk
 from megatron_ext.convert import coverage
 from megatron_ext.convert.hf_checkpoint import HfWeights, check_tokenizer_dir, copy_tokenizer_files, read_config
-from megatron_ext.convert.mapping import canonical_megatron_name, hf_only_names, llava_mapping, tensor_of_chunk
+from megatron_ext.convert.mapping import hf_only_names, llava_mapping
 from megatron_ext.errors import UserError
+from megatron_ext.families import read_llava
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 from megatron_ext.model.arch import LlavaArch
 
@@ -41,7 +43,7 @@ class Plan:
 
     @property
     def arch(self) -> LlavaArch:
-        return LlavaArch.from_hf_config(self.hf_config)
+        return read_llava(self.hf_config)
 
 
 def plan_conversion(hf_dir: str | Path, tp: int, pp: int) -> Plan:
@@ -50,7 +52,7 @@ def plan_conversion(hf_dir: str | Path, tp: int, pp: int) -> Plan:
     if not hf_dir.is_dir():
         raise UserError(f"--hf-dir {hf_dir} is not a directory")
     hf_config = read_config(hf_dir, "--hf-dir")
-    arch = LlavaArch.from_hf_config(hf_config)
+    arch = read_llava(hf_config)
     arch.check_parallel(tp, pp)
     weights = HfWeights(hf_dir)
     check_tokenizer_dir(hf_dir, "--hf-dir")
@@ -145,13 +147,14 @@ def convert_in_world(plan: Plan, root: Path) -> list[str]:
     the coverage problems instead when there are any (the same list on every rank)."""
     import torch.distributed as dist
 
+    from megatron_ext import families
     from megatron_ext.checkpoint.model_io import save_model_weights
     from megatron_ext.convert.dist_write import ComputedSaveStrategy
     from megatron_ext.model.provider import ModelOptions, build_model
 
     arch = plan.arch
     weights = HfWeights(plan.hf_dir)
-    model = build_model(arch, ModelOptions(init_weights=False, dtype=plan.dtype))
+    model = build_model(arch, families.of(arch), ModelOptions(init_weights=False, dtype=plan.dtype))
     report = check_model(model, arch, weights)
     problems = coverage.hf_to_megatron_problems(llava_mapping(arch), _gather(report), weights.names,
                                                 hf_only_names(arch, weights.names))

@@ -91,22 +91,15 @@ def template_names() -> list[str]:
     return sorted(p.stem for p in TEMPLATE_DIR.glob("*.jinja"))
 
 
-def _family_default(text_model_type: str | None) -> str | None:
-    if text_model_type is None:
-        return None
-    from megatron_ext.families import text_family
-
-    return text_family(text_model_type).chat_template
-
-
 def resolve_chat_template(name: str | None, lang: str, tokenizer, flag: str = "--chat-template", *,
-                          text_model_type: str | None = None) -> tuple[str, str]:
-    """(description, Jinja source) of the template `name` selects; `text_model_type` (the LLaVA's text
-    config's) picks its family's default."""
+                          family_default: str | None = None) -> tuple[str, str]:
+    """(description, Jinja source) of the template `name` selects; `family_default`: the bundled
+    template the LLaVA's text family names (`families.of(arch).text.chat_template`), used when the
+    tokenizer has none."""
     if name is None:
         if tokenizer.chat_template:
             return "tokenizer", tokenizer.chat_template
-        name = _family_default(text_model_type)
+        name = family_default
     if name is None:
         if lang not in LANG_DEFAULTS:
             raise UserError(f"--lang {lang!r} has no default chat template (known: {', '.join(LANG_DEFAULTS)})")

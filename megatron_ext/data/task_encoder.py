@@ -29,12 +29,12 @@ import numpy as np
 from megatron.energon import Sample, TaskEncoder, stateless
 from PIL import Image
 
+from megatron_ext import hf_loading
 from megatron_ext.data.batching import BatchLayout, EncodedSample, LlavaBatch
 from megatron_ext.data.chat_template import ChatTokenizer, resolve_chat_template
 from megatron_ext.data.images import ImagePreprocessor
 from megatron_ext.data.shard_format import ImageModeKeepingDecoder, conversation_of
 from megatron_ext.errors import UserError
-from megatron_ext.hf import loading
 from megatron_ext.model.sequence_alignment import SequenceAlignment
 
 log = logging.getLogger(__name__)
@@ -78,16 +78,16 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
         pad_token_id: int | None = None,
         chat_template: str | None = None,
         lang: str = "en",
-        text_model_type: str | None = None,
+        family_template: str | None = None,
         image_aspect: str = "crop",
         packing_seq_length: int | None = None,
         alignment: SequenceAlignment = SequenceAlignment(),
     ):
-        tokenizer = loading.load_tokenizer(str(tokenizer_dir), "--tokenizer-load-dir")
-        self.images = ImagePreprocessor(loading.load_image_processor(str(tokenizer_dir), "--tokenizer-load-dir"),
+        tokenizer = hf_loading.load_tokenizer(str(tokenizer_dir), "--tokenizer-load-dir")
+        self.images = ImagePreprocessor(hf_loading.load_image_processor(str(tokenizer_dir), "--tokenizer-load-dir"),
                                         image_aspect)
         self.template_name, template = resolve_chat_template(chat_template, lang, tokenizer,
-                                                                    text_model_type=text_model_type)
+                                                                    family_default=family_template)
         self.chat = ChatTokenizer(tokenizer, template, image_token_index)
         self.pad_token_id = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
         if self.pad_token_id is None:
@@ -109,9 +109,12 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
 
     @classmethod
     def for_model(cls, tokenizer_dir: str, arch, **kwargs) -> "LlavaTaskEncoder":
-        """Encoder for a model described by a `LlavaArch` (image token and count from it)."""
+        """Encoder for a model described by a `LlavaArch` (image token and count from it, chat
+        template default from its text family)."""
+        from megatron_ext import families
+
         return cls(tokenizer_dir, img_seq_len=arch.img_seq_len, image_token_index=arch.image_token_index,
-                   text_model_type=arch.text.model_type, **kwargs)
+                   family_template=families.of(arch).text.chat_template, **kwargs)
 
     @stateless
     def preencode_sample(self, sample: Sample) -> EncodedSample:

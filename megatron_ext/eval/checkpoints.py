@@ -82,12 +82,13 @@ def world_size() -> int:
 
 def load_megatron_model(snapshot: layout.Snapshot, tp: int, pp: int, seq_length: int, dtype: str):
     """This rank's LLaVAModel with the snapshot's weights, computing in `dtype` (collective)."""
+    from megatron_ext import families
     from megatron_ext.distributed import init_parallel
     from megatron_ext.lora.checkpoint import load_for_inference
     from megatron_ext.model.provider import ModelOptions, build_model
 
     init_parallel(tp, pp)
-    model = build_model(snapshot.arch, ModelOptions(seq_length=seq_length, dtype=dtype, init_weights=False,
+    model = build_model(snapshot.arch, families.of(snapshot.arch), ModelOptions(seq_length=seq_length, dtype=dtype, init_weights=False,
                                                     parallel_output=True))
     load_for_inference(model, snapshot)
     return model.eval()
@@ -126,9 +127,9 @@ def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template:
     one a trained snapshot was trained with, else the tokenizer's own (else its text family's or the English default).
     The image aspect mode likewise: given, else as trained, else crop.
     `dtype`: the compute dtype (`backends.compute_dtype`), whatever the checkpoint stores."""
+    from megatron_ext import families, hf_loading
     from megatron_ext.data.chat_template import resolve_chat_template
-    from megatron_ext.hf import loading
-    from megatron_ext.model.arch import LlavaArch
+    from megatron_ext.families import read_llava
 
     if (megatron_dir is None) == (hf_dir is None):
         raise UserError(f"give exactly one of {MEGATRON_FLAG} and {HF_FLAG}")
@@ -142,11 +143,11 @@ def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template:
         processor_dir = snapshot.tokenizer_dir
     else:
         hf_config, processor_dir = _open_hf(path), path
-    arch = LlavaArch.from_hf_config(hf_config)
-    processor = loading.load_processor(str(processor_dir), flag)
+    arch = read_llava(hf_config)
+    processor = hf_loading.load_processor(str(processor_dir), flag)
     trained = _trained_options(snapshot)
     name, template = resolve_chat_template(chat_template or trained.get("chat_template"), trained.get("lang", "en"),
-                                           processor.tokenizer, text_model_type=arch.text.model_type)
+                                           processor.tokenizer, family_default=families.of(arch).text.chat_template)
     image_aspect = image_aspect or trained.get("image_aspect", "crop")
     return ModelSource(kind=kind, path=snapshot.root if snapshot else path, processor=processor, template_name=name,
                        encoder=PromptEncoder(processor, template, image_aspect),

@@ -61,14 +61,14 @@ class TrainerPrompts:
     """How the trainer's evaluations prompt its model: its processor, chat template and aspect mode."""
 
     def __init__(self, plan):
+        from megatron_ext import families, hf_loading
         from megatron_ext.data.chat_template import resolve_chat_template
         from megatron_ext.eval.prompts import stop_token_ids
-        from megatron_ext.hf import loading
 
         cfg = plan.config
-        self.processor = loading.load_processor(str(plan.tokenizer_dir), "--tokenizer-load-dir")
+        self.processor = hf_loading.load_processor(str(plan.tokenizer_dir), "--tokenizer-load-dir")
         _, template = resolve_chat_template(cfg.chat_template, cfg.lang, self.processor.tokenizer,
-                                            text_model_type=plan.arch.text.model_type)
+                                            family_default=families.of(plan.arch).text.chat_template)
         self.encoder = PromptEncoder(self.processor, template, cfg.image_aspect)
         self.stop_ids = stop_token_ids(self.processor.tokenizer)
         self.arch = plan.arch

@@ -1,20 +1,29 @@
 """Model families: everything the toolkit knows about one text model or vision tower, in one module.
 
 Each module of this package that defines `FAMILY` is a family: a `LlamaLikeFamily` (text) or a
-`ViTFamily` (vision tower), found by the HF config's model_type. A module may also name related
-model_types it refuses, with the reason (`REFUSED`), so the error says more than "unsupported". The rest of the toolkit looks
-families up here and never names one. docs/families.md says how to add one.
+`ViTFamily` (vision tower), found by the HF config's model_type. It reads its HF config into the
+model's numbers (`model.arch`), names its HF <-> Megatron tensors (`rows`) and says what its model
+computes through hooks (`model/family_hooks.py`). A module may also name related model_types it
+refuses, with the reason (`REFUSED`), so the error says more than "unsupported".
+
+The rest of the toolkit reads an HF LLaVA config with `read_llava`, resolves the families of the
+model once with `of(arch)` and passes them on; it never names a family or compares a model_type.
+ARCHITECTURE.md and docs/families.md say how to add one.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 from megatron_ext.errors import UserError
+from megatron_ext.families import llava
 from megatron_ext.families.llama_like import LlamaLikeFamily
 from megatron_ext.families.vit import ViTFamily
+from megatron_ext.model.arch import LlavaArch
 
 # The text family of the tiny models the demo and most tests build.
 TINY_TEXT_DEFAULT = "llama"
@@ -57,15 +66,40 @@ def vision_family(model_type: str | None) -> ViTFamily:
     return _find("vision", vision_families(), model_type)
 
 
-def tower_config(config, flag: str):
-    """The vision-tower config of a tower checkpoint or of a two-tower one (e.g. a CLIP one), checked."""
+@dataclass(frozen=True)
+class Tower:
+    config: Any  # the vision tower's own config
+    family: ViTFamily
+    whole: bool  # the checkpoint holds more than the tower (a two-tower CLIP, a whole InternVL)
+
+
+def vision_tower(config, flag: str) -> Tower:
+    """The vision tower of a tower checkpoint's config or of a larger one's (e.g. a CLIP one), checked."""
     by_full = {f.full_model_type: f for f in vision_families().values()}
     model_type = getattr(config, "model_type", None)
-    if model_type in by_full:
+    whole = model_type in by_full
+    if whole:
         config = config.vision_config
         model_type = config.model_type
     if model_type not in vision_families():
         supported = ", ".join(sorted([*vision_families(), *by_full]))
         raise UserError(f"{flag}: vision model_type {model_type!r} is not supported{_refused(model_type)} "
                         f"(supported: {supported})")
-    return config
+    return Tower(config=config, family=vision_families()[model_type], whole=whole)
+
+
+@dataclass(frozen=True)
+class Families:
+    """The families of one model: what `model.provider.build_model` and the converters ask of them."""
+
+    text: LlamaLikeFamily
+    vision: ViTFamily
+
+
+def of(arch: LlavaArch) -> Families:
+    return Families(text=text_family(arch.text.model_type), vision=vision_family(arch.vision.model_type))
+
+
+def read_llava(cfg: Any) -> LlavaArch:
+    """The LlavaArch of an HF LLaVA config (a transformers config or a config.json dict), checked."""
+    return llava.read_llava(cfg, text_family, vision_family)

@@ -11,14 +11,15 @@ its vision config and `model.vision_tower.*` tensors are taken.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_ext.convert.rules import REPLICATED, Reshaped
-from megatron_ext.convert.table import VIT, Mapping, row
 from megatron_ext.errors import UserError
+from megatron_ext.families.hf_config import get
 from megatron_ext.families.vit import ViTFamily, layer_rows
-from megatron_ext.model.arch import VisionArch, get
+from megatron_ext.model.arch import VisionArch
+from megatron_ext.model.mapping_rules import REPLICATED, VIT, Mapping, Reshaped, row
 
 _LAYER = "vision_tower.encoder.layer.*."
 _EMBED = "vision_tower.embeddings."
@@ -46,6 +47,14 @@ class InternViTFamily(ViTFamily):
             if refused:
                 raise UserError(f"InternViT towers with {what} are not supported (supported: InternViT-300M's layout)")
         return super().read(cfg, feature_layer)
+
+    def vision_spec(self, v: VisionArch, spec, backend: str):
+        """The layer scale (`lambda_1`, `lambda_2`) on the attention's and MLP's outputs."""
+        from megatron_ext.model.output_step import LayerScale, add_output_steps
+
+        spec = copy.deepcopy(spec)
+        add_output_steps(spec, "layer_scale", LayerScale)
+        return spec
 
     def rows(self, v: VisionArch) -> tuple[list[Mapping], list[Mapping]]:
         layer = layer_rows(v, _LAYER, norm1="layernorm_before", attention="attention.", out_proj="projection_layer",
@@ -79,6 +88,6 @@ FAMILY = InternViTFamily(
     model_type="internvl_vision", full_model_type="internvl", subtype="internvit300M",
     class_token=True, pre_norm=False, patch_bias=True, feature_layer=-1, select_strategy="default",
     model_class="InternVLVisionModel", config_class="InternVLVisionConfig", tiny_hidden_act="gelu",
-    tiny_processor=_processor, layer_scale=True, hf_layers="vision_tower.encoder.layer.", hf_unused=("layernorm",),
+    tiny_processor=_processor, hf_layers="vision_tower.encoder.layer.", hf_unused=("layernorm",),
     tower_prefix="vision_tower.",
 )

@@ -1,6 +1,8 @@
 """What Llama-shaped text families share: RMSNorm, SwiGLU, RoPE, grouped-query attention and
 the HF names `LlamaForCausalLM` uses. A family module creates one `LlamaLikeFamily` with the few
-things that set it apart (q/k/v bias, per-head q/k norms, a sliding-window default).
+things that set it apart (q/k/v bias, per-head q/k norms, a sliding-window default); one whose
+models compute more subclasses it and overrides the hooks (`model/family_hooks.py`), as
+`gemma3.py` does.
 """
 
 from __future__ import annotations
@@ -8,12 +10,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_ext.convert.rules import GATED_MLP, QKV, REPLICATED, ROW, VocabParallel
-from megatron_ext.convert.table import HF_LM, LM, Mapping, row
 from megatron_ext.errors import UserError
-from megatron_ext.model.arch import TextArch, get, padded_vocab_size, rope
+from megatron_ext.families.hf_config import get
+from megatron_ext.model.arch import TextArch, padded_vocab_size
+from megatron_ext.model.mapping_rules import GATED_MLP, HF_LM, LM, QKV, REPLICATED, ROW, Mapping, VocabParallel, row
 
 _ATTN = HF_LM + "self_attn."
+# megatron-core's RotaryEmbedding implements llama3 scaling with these constants only.
+_LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rope(cfg: Any) -> tuple[float, float | None]:
+    """(theta, llama3 scaling factor or None) from transformers 5 `rope_parameters` or older keys."""
+    params = get(cfg, "rope_parameters") or {}
+    legacy = get(cfg, "rope_scaling") or {}
+    theta = float(params.get("rope_theta", get(cfg, "rope_theta", 10000.0)))
+    rope_type = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise UserError(f"RoPE scaling type {rope_type!r} is not supported (supported: default, llama3)")
+    source = params if params.get("rope_type") == "llama3" else legacy
+    for key, expected in _LLAMA3_ROPE_CONSTANTS.items():
+        if float(source.get(key, expected)) != expected:
+            raise UserError(f"llama3 RoPE scaling with {key}={source[key]} is not supported (megatron-core uses {expected})")
+    return theta, float(source["factor"])
 
 
 @dataclass(frozen=True)
@@ -81,7 +102,7 @@ class LlamaLikeFamily:
 
     def language_config(self, t: TextArch) -> dict:
         """megatron-core TransformerConfig fields of the language model (the layer spec follows
-        `normalization`, `qk_layernorm` and `layernorm_zero_centered_gamma`)."""
+        `normalization` and `qk_layernorm`)."""
         from megatron_ext.model.activations import ACTIVATIONS
 
         # megatron-core's window: (keys before, keys after) a query; HF's counts the query itself.
@@ -90,15 +111,24 @@ class LlamaLikeFamily:
         return dict(
             normalization="RMSNorm",
             layernorm_epsilon=t.norm_eps,
-            layernorm_zero_centered_gamma=t.norm_plus_one,
             gated_linear_unit=True,
-            activation_func=ACTIVATIONS[t.gated_activation],
+            activation_func=ACTIVATIONS["silu"],
             add_bias_linear=False,
             add_qkv_bias=t.qkv_bias,
             qk_layernorm=t.qk_layernorm,
-            softmax_scale=t.softmax_scale,
             **window,
         )
+
+    def language_spec(self, t: TextArch, spec, config, backend: str, vp_stage: int | None):
+        """megatron-core's GPT layer as it is: Llama-shaped models need nothing else."""
+        return spec
+
+    def after_build(self, t: TextArch, model) -> None:
+        """Nothing: megatron-core's LLaVAModel computes a Llama-shaped model as built."""
+
+    def layout_problems(self, t: TextArch, cp: int) -> list[str]:
+        """Reasons this family's model cannot run with context parallelism `cp` (none here)."""
+        return []
 
     def rows(self, t: TextArch) -> tuple[list[Mapping], list[Mapping]]:
         """(tensors held once, tensors of every layer `*`) of the language model."""

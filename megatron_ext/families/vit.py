@@ -1,17 +1,20 @@
 """What CLIP-shaped vision towers share: pre-norm LayerNorm layers with biases, a patch
 convolution and learned position embeddings (megatron-core's CLIPViTModel), and the HF names
-`CLIPVisionModel` / `SiglipVisionModel` use. A tower module creates one `ViTFamily`.
+`CLIPVisionModel` / `SiglipVisionModel` use. A tower module creates one `ViTFamily`; one whose
+towers compute more subclasses it and overrides the hooks (`model/family_hooks.py`), as
+`internvit.py` does.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from megatron_ext.convert.rules import COLUMN, QKV, REPLICATED, ROW, Reshaped
-from megatron_ext.convert.table import HF_VIT, VIT, Mapping, row
 from megatron_ext.errors import UserError
-from megatron_ext.model.arch import VisionArch, get
+from megatron_ext.families.hf_config import get
+from megatron_ext.model.arch import VisionArch
+from megatron_ext.model.mapping_rules import COLUMN, HF_VIT, QKV, REPLICATED, ROW, VIT, Mapping, Reshaped, row
 
 
 def layer_rows(v: VisionArch, layer: str, norm1: str, attention: str, out_proj: str, norm2: str) -> list[Mapping]:
@@ -61,7 +64,6 @@ class ViTFamily:
     config_class: str  # transformers config class the tiny test tower is built from
     tiny_hidden_act: str
     tiny_processor: Callable[[int], Any]  # image size -> the tower's HF image processor
-    layer_scale: bool = False  # a learned scale on each layer's attention and MLP outputs
     hf_layers: str = "vision_tower.encoder.layers."  # HF name prefix of layer i's tensors (then "i.")
     hf_unused: tuple[str, ...] = ("post_layernorm", "head")  # tower modules LLaVA never runs
     # Where whole checkpoints of `full_model_type` keep the tower, when transformers does not load
@@ -89,7 +91,6 @@ class ViTFamily:
             activation=hf_activation(get(cfg, "hidden_act")),
             class_token=self.class_token,
             init_std=float(get(cfg, "initializer_range", 0.02)),
-            layer_scale=self.layer_scale,
         )
 
     def vision_config(self, v: VisionArch) -> dict:
@@ -109,6 +110,21 @@ class ViTFamily:
             add_bias_linear=True,
             add_qkv_bias=True,
         )
+
+    def unused_names(self, v: VisionArch, hf_names: list[str]) -> list[str]:
+        """The tower's HF tensors LLaVA never uses: layers after the feature layer, `hf_unused` modules."""
+        layer_index = re.compile(re.escape(self.hf_layers) + r"(\d+)\.")
+        unused_modules = tuple(f"vision_tower.{module}." for module in self.hf_unused)
+        unused = []
+        for name in hf_names:
+            layer = layer_index.match(name)
+            if (layer and int(layer.group(1)) >= v.num_layers) or name.startswith(unused_modules):
+                unused.append(name)
+        return unused
+
+    def vision_spec(self, v: VisionArch, spec, backend: str):
+        """megatron-core's ViT layer as it is: CLIP-shaped towers need nothing else."""
+        return spec
 
     def rows(self, v: VisionArch) -> tuple[list[Mapping], list[Mapping]]:
         """(tensors held once, tensors of every layer `*`) of the tower."""

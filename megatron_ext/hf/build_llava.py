@@ -16,11 +16,11 @@ import logging
 import re
 from pathlib import Path
 
+from megatron_ext import hf_loading
 from megatron_ext.data.chat_template import processor_template
 from megatron_ext.errors import UserError
-from megatron_ext.families import tower_config, vision_family
+from megatron_ext.families import vision_tower
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
-from megatron_ext.hf import loading
 from megatron_ext.model.arch import VOCAB_MULTIPLE
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def _load_tower(tower, source: str, whole: bool, dtype):
 
     # Towers transformers cannot load from a whole checkpoint by itself are found under their prefix.
     mapping = {"key_mapping": {"^" + re.escape(tower.tower_prefix): ""}} if whole and tower.tower_prefix else {}
-    model, info = loading.load_pretrained(getattr(transformers, tower.model_class), source, "--vision-model",
+    model, info = hf_loading.load_pretrained(getattr(transformers, tower.model_class), source, "--vision-model",
                                           dtype=dtype, output_loading_info=True, **mapping)
     missing = sorted(info["missing_keys"])
     if missing:
@@ -88,12 +88,12 @@ def build_llava(
 
     save_dir = check_output_dir(save_dir, force, "--save-dir")
 
-    text_config = loading.load_config(text_model, "--text-model")
-    tokenizer = loading.load_tokenizer(text_model, "--text-model")
-    loaded_config = loading.load_config(vision_model, "--vision-model")
-    vision_config = tower_config(loaded_config, "--vision-model")
-    image_processor = loading.load_image_processor(vision_model, "--vision-model")
-    tower = vision_family(vision_config.model_type)
+    text_config = hf_loading.load_config(text_model, "--text-model")
+    tokenizer = hf_loading.load_tokenizer(text_model, "--text-model")
+    loaded_config = hf_loading.load_config(vision_model, "--vision-model")
+    found = vision_tower(loaded_config, "--vision-model")
+    vision_config, tower = found.config, found.family
+    image_processor = hf_loading.load_image_processor(vision_model, "--vision-model")
     torch_dtype = _resolve_dtype(dtype, text_config)
 
     image_token_id, pad_token_id = add_special_tokens(tokenizer)
@@ -101,8 +101,8 @@ def build_llava(
     num_patches = tower_arch.num_patches
     image_seq_length = num_patches + (tower.extra_tokens if tower.select_strategy == "full" else 0)
 
-    text = loading.load_pretrained(AutoModelForCausalLM, text_model, "--text-model", dtype=torch_dtype)
-    vision = _load_tower(tower, vision_model, loaded_config.model_type == tower.full_model_type, torch_dtype)
+    text = hf_loading.load_pretrained(AutoModelForCausalLM, text_model, "--text-model", dtype=torch_dtype)
+    vision = _load_tower(tower, vision_model, found.whole, torch_dtype)
 
     config = LlavaConfig(
         text_config=text.config.to_dict(),

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ext.data.packing import combined_seq_len, packed_attention_mask, thd_boundaries
 from megatron_ext.errors import UserError
+from megatron_ext.model.packed_sequences import combined_seq_len, packed_attention_mask, thd_boundaries
 
 
 @dataclass(frozen=True)

@@ -56,3 +56,10 @@ def with_output_step(linear_cls: type, name: str, step_cls: type) -> type:
 
     WithOutputStep.__name__ = WithOutputStep.__qualname__ = f"{linear_cls.__name__}With{step_cls.__name__}"
     return WithOutputStep
+
+
+def add_output_steps(spec, name: str, step_cls: type) -> None:
+    """Put a `step_cls` on a layer spec's attention and MLP outputs, in place."""
+    attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    attention.linear_proj = with_output_step(attention.linear_proj, name, step_cls)
+    mlp.linear_fc2 = with_output_step(mlp.linear_fc2, name, step_cls)

@@ -1,6 +1,7 @@
-"""Build megatron-core's `LLaVAModel` for this rank from a `LlavaArch`.
+"""Build megatron-core's `LLaVAModel` for this rank from a `LlavaArch` and its families' hooks.
 
-The three TransformerConfigs (language model, ViT, projector) are derived here and nowhere else.
+The three TransformerConfigs (language model, ViT, projector) are derived here and nowhere else;
+what a family computes beyond megatron-core's layers comes from its hooks (`family_hooks.py`).
 Pipeline parallelism follows Megatron-LM's multimodal layout: the ViT and projector live on the
 first stage, the language model's layers are split across stages.
 """
@@ -12,11 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ext.distributed import device
-from megatron_ext.families import text_family, vision_family
 from megatron_ext.model.activations import ACTIVATIONS
 from megatron_ext.model.arch import LlavaArch
 from megatron_ext.model.backends import resolve_backend, te_available
-from megatron_ext.model.specs import LanguageExtras, llava_specs
+from megatron_ext.model.family_hooks import ModelFamilies
+from megatron_ext.model.specs import llava_specs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -91,7 +92,7 @@ def _recompute(opts: ModelOptions) -> dict:
     return {}
 
 
-def transformer_configs(arch: LlavaArch, opts: ModelOptions, backend: str, tp: int, pp: int):
+def transformer_configs(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions, backend: str, tp: int, pp: int):
     """(language, vision, projector) TransformerConfigs for a `tp` x `pp` layout."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -110,13 +111,13 @@ def transformer_configs(arch: LlavaArch, opts: ModelOptions, backend: str, tp: i
         num_attention_heads=t.num_attention_heads,
         num_query_groups=t.num_query_groups,
         kv_channels=t.kv_channels,
-        **_activation(text_family(t.model_type).language_config(t)),
+        **_activation(families.text.language_config(t)),
     )
     vision = TransformerConfig(
         **_common(opts, backend, tp, v.init_std),
         # The ViT lives whole on the first pipeline stage; a PP size here would drop layers.
         pipeline_model_parallel_size=1,
-        **_activation(vision_family(v.model_type).vision_config(v)),
+        **_activation(families.vision.vision_config(v)),
     )
     vision.vision_model_type = v.subtype
     projector = TransformerConfig(
@@ -132,8 +133,10 @@ def transformer_configs(arch: LlavaArch, opts: ModelOptions, backend: str, tp: i
     return language, vision, projector
 
 
-def build_model(arch: LlavaArch, opts: ModelOptions = ModelOptions(), vp_stage: int | None = None):
-    """This rank's LLaVAModel under the current megatron parallel state."""
+def build_model(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions = ModelOptions(),
+                vp_stage: int | None = None):
+    """This rank's LLaVAModel under the current megatron parallel state; `families`:
+    `megatron_ext.families.of(arch)`."""
     from megatron.core import parallel_state
     from megatron.core.enums import ModelType
     from megatron.core.models.multimodal.llava_model import LLaVAModel
@@ -142,19 +145,18 @@ def build_model(arch: LlavaArch, opts: ModelOptions = ModelOptions(), vp_stage: 
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     arch.check_parallel(tp, pp)
     backend = opts.resolved_backend()
-    language_cfg, vision_cfg, projector_cfg = transformer_configs(arch, opts, backend, tp, pp)
-    specs = llava_specs(backend, language_cfg, vision_layer_scale=arch.vision.layer_scale,
-                        language_extras=_language_extras(arch.text, language_cfg, vp_stage))
+    language_cfg, vision_cfg, projector_cfg = transformer_configs(arch, families, opts, backend, tp, pp)
+    specs = llava_specs(backend, language_cfg)
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     t = arch.text
     model = LLaVAModel(
         language_transformer_config=language_cfg,
-        language_transformer_layer_spec=specs.language,
+        language_transformer_layer_spec=families.text.language_spec(t, specs.language, language_cfg, backend, vp_stage),
         language_vocab_size=t.padded_vocab_size,
         language_max_sequence_length=opts.seq_length,
         vision_transformer_config=vision_cfg,
-        vision_transformer_layer_spec=specs.vision,
+        vision_transformer_layer_spec=families.vision.vision_spec(arch.vision, specs.vision, backend),
         drop_vision_class_token=arch.drop_class_token,
         vision_projection_config=projector_cfg,
         vision_projection_layer_spec=specs.projector,
@@ -175,8 +177,7 @@ def build_model(arch: LlavaArch, opts: ModelOptions = ModelOptions(), vp_stage: 
         image_token_index=arch.image_token_index,
         vp_stage=vp_stage,
     )
-    if t.embedding_scale is not None and model.language_model.pre_process:
-        _scale_text_embeddings(model.language_model.embedding, t.embedding_scale)
+    families.text.after_build(t, model)
     if model.vision_model is not None:
         # HF LLaVA reads features from hidden_states, which no tower's post_layernorm touches;
         # megatron's CLIPViTModel applies one for some subtypes (siglip). Without it both agree.
@@ -189,29 +190,6 @@ def build_model(arch: LlavaArch, opts: ModelOptions = ModelOptions(), vp_stage: 
     if not opts.init_weights:
         _mark_tensor_parallel_weights(model)
     return model
-
-
-def _language_extras(t, language_cfg, vp_stage: int | None) -> LanguageExtras:
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-
-    from megatron_ext.model.layer_rope import Rope
-
-    ropes = None
-    if t.layer_ropes:
-        ropes = (Rope(t.sliding_rope_theta or t.rope_theta), Rope(t.rope_theta, t.rope_linear_factor))
-    return LanguageExtras(post_norms=t.post_norms, layer_ropes=ropes,
-                          layers_here=get_num_layers_to_build(language_cfg, vp_stage=vp_stage))
-
-
-def _scale_text_embeddings(embedding, scale: float) -> None:
-    """Multiply the text token embeddings by `scale` in their own dtype, as Gemma does. LLaVAModel
-    embeds only the text tokens with it; image features join afterwards, unscaled, as in HF."""
-
-    def scaled(module, inputs, output):
-        # float32 first, then the embeddings' dtype: transformers rounds the scale that way.
-        return output * torch.tensor(scale).to(dtype=output.dtype, device=output.device)
-
-    embedding.register_forward_hook(scaled)
 
 
 def _mark_tensor_parallel_weights(model) -> None:

@@ -89,7 +89,7 @@ def build_training_model(plan: RunPlan) -> TrainingModel:
 
     cfg = plan.config
     fresh_random = plan.start is None and plan.resume is None
-    model = build_model(plan.arch, model_options(plan, init_weights=fresh_random))
+    model = build_model(plan.arch, plan.families, model_options(plan, init_weights=fresh_random))
     freeze_for_stage(model, plan)
     config = model.config
     # Token-weighted loss across micro batches and data-parallel ranks; must precede the DDP wrapper.

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ext import families
 from megatron_ext.checkpoint import layout
 from megatron_ext.errors import UserError
 from megatron_ext.lora.settings import lora_settings
@@ -27,6 +28,7 @@ DEFAULT_MAX_SEQ_LENGTH = 2048
 class RunPlan:
     config: TrainConfig  # with stage defaults resolved
     arch: LlavaArch
+    families: families.Families  # of `arch`, resolved once: the model and its tables come from them
     hf_config: dict  # the LLaVA config the model is built from (stored in every checkpoint)
     start: layout.Snapshot | None  # weights of a fresh run (--megatron-load-dir)
     resume: layout.Snapshot | None  # latest snapshot of --save-dir: continue that run
@@ -87,15 +89,14 @@ def _hf_config(config: TrainConfig, start: layout.Snapshot | None, resume: layou
     raise UserError("--megatron-load-dir is required (or --init with --tokenizer-load-dir pointing at an HF LLaVA directory)")
 
 
-def _apply_class_token_choice(hf_config: dict, no_add_class_token: bool) -> dict:
-    """--no-add-class-token: the vision class token is not passed to the language model."""
-    from megatron_ext.families import vision_family
-
-    if not no_add_class_token or hf_config.get("vision_feature_select_strategy") == "default":
-        return hf_config
-    if not vision_family(hf_config["vision_config"].get("model_type")).class_token:
-        return hf_config  # a tower without a class token has none to drop
-    return {**hf_config, "vision_feature_select_strategy": "default"}
+def _model(hf_config: dict, no_add_class_token: bool) -> tuple[dict, LlavaArch]:
+    """(the LLaVA config the model is built from, its arch). --no-add-class-token: the vision class
+    token is not passed to the language model (a tower without one has none to drop)."""
+    arch = families.read_llava(hf_config)
+    if no_add_class_token and arch.vision.class_token and not arch.drop_class_token:
+        hf_config = {**hf_config, "vision_feature_select_strategy": "default"}
+        arch = families.read_llava(hf_config)
+    return hf_config, arch
 
 
 def _train_iters(config: TrainConfig, samples_per_step: int) -> int:
@@ -173,12 +174,11 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
         raise UserError("--lora-rank needs --megatron-load-dir: the base checkpoint the adapters are trained on")
     if resume is not None:
         _check_same_lora(config, resume)
-    hf_config = _apply_class_token_choice(_hf_config(config, start, resume), config.no_add_class_token)
-    arch = LlavaArch.from_hf_config(hf_config)
-    arch.check_parallel(config.tp, config.pp)
-    if config.cp > 1 and arch.text.layer_ropes:
-        raise UserError(f"--cp {config.cp}: {arch.text.model_type} layers compute their own RoPE, which is not split "
-                        "over context-parallel ranks; use --cp 1")
+    hf_config, arch = _model(_hf_config(config, start, resume), config.no_add_class_token)
+    family = families.of(arch)
+    problems = arch.parallel_problems(config.tp, config.pp) + family.text.layout_problems(arch.text, config.cp)
+    if problems:
+        raise UserError("; ".join(problems))
     for flag, given, expected in (("--image-token-id", config.image_token_id, arch.image_token_index),
                                   ("--pad-token-id", config.pad_token_id, arch.pad_token_id)):
         if given is not None and given != expected:
@@ -204,6 +204,7 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
     return RunPlan(
         config=config,
         arch=arch,
+        families=family,
         hf_config=hf_config,
         start=start,
         resume=resume,

@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 
 from megatron_ext import lifetime
-from megatron_ext.data.packing import sample_lengths
 from megatron_ext.distributed import device
 from megatron_ext.errors import UserError, report
 from megatron_ext.eval.evaluation import AnswerEvaluation
 from megatron_ext.fsutil import write_jsonl
 from megatron_ext.model.forward_step import eval_loss, make_forward_step
 from megatron_ext.model.inputs import ModelInputs
+from megatron_ext.model.packed_sequences import sample_lengths
 from megatron_ext.train import checkpointing
 from megatron_ext.train.data import samples_digest
 from megatron_ext.train.flops import iteration_flops

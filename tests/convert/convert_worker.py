@@ -49,10 +49,11 @@ def convert_all(out, fixtures):
 def save_logits(out, fixtures):
     import torch.distributed as dist
 
+    from megatron_ext import families
     from megatron_ext.checkpoint.layout import find_snapshot
     from megatron_ext.checkpoint.model_io import load_model_weights
     from megatron_ext.convert.compare import megatron_logits, process_inputs, synthetic_image
-    from megatron_ext.hf.loading import load_processor
+    from megatron_ext.hf_loading import load_processor
     from megatron_ext.model.provider import ModelOptions, build_model
 
     (out / "logits").mkdir(exist_ok=True)
@@ -67,7 +68,7 @@ def save_logits(out, fixtures):
         for name, batch in batches.items():
             snapshot = find_snapshot(out / "megatron" / name / "tp2pp1")
             arch = snapshot.arch
-            model = build_model(arch, ModelOptions(seq_length=256, init_weights=False, parallel_output=False))
+            model = build_model(arch, families.of(arch), ModelOptions(seq_length=256, init_weights=False, parallel_output=False))
             load_model_weights(model, snapshot.path)
             logits = megatron_logits(model, batch["pixel_values"], batch["input_ids"], arch.img_seq_len, arch.text.vocab_size)
             if dist.get_rank() == 0:
@@ -79,13 +80,14 @@ def save_trained(out, name):
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+    from megatron_ext import families
     from megatron_ext.checkpoint import layout
     from megatron_ext.checkpoint.model_io import load_model_weights, save_model_weights
     from megatron_ext.model.provider import ModelOptions, build_model
 
     set_layout(2, 1)
     converted = layout.find_snapshot(out / "megatron" / name / "tp1pp1")
-    model = build_model(converted.arch, ModelOptions(init_weights=False, dtype=converted.dtype))
+    model = build_model(converted.arch, families.of(converted.arch), ModelOptions(init_weights=False, dtype=converted.dtype))
     load_model_weights(model, converted.path)
     with torch.no_grad():
         model.language_model.decoder.final_layernorm.weight.add_(1.0)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_ext.checkpoint.keys import chunk_of_tensor, tensor_of_chunk
 from megatron_ext.convert.hf_checkpoint import INDEX_FILE, WEIGHTS_FILE, ShardWriter, TensorSpec
-from megatron_ext.convert.mapping import chunk_of_tensor, tensor_of_chunk
 
 
 def _tensors():

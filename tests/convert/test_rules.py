@@ -9,8 +9,8 @@ import torch
 
 from megatron_ext.convert import coverage
 from megatron_ext.convert.mapping import hf_only_names, llava_mapping
-from megatron_ext.convert.rules import GATED_MLP, QKV, VocabParallel
-from megatron_ext.model.arch import LlavaArch
+from megatron_ext.families import read_llava
+from megatron_ext.model.mapping_rules import GATED_MLP, QKV, VocabParallel
 
 
 def _rows(n, tag, width=2):
@@ -58,7 +58,7 @@ def test_vocab_rows_are_padded_with_zeros_and_the_padding_is_dropped_on_the_way_
 
 @pytest.fixture(scope="module")
 def clip_arch(llava_clip):
-    return LlavaArch.from_hf_config(json.loads((llava_clip / "config.json").read_text()))
+    return read_llava(json.loads((llava_clip / "config.json").read_text()))
 
 
 def _hf_names(path):
@@ -117,14 +117,14 @@ def test_expected_hf_names_are_what_transformers_saves(request, fixture):
 
 @pytest.mark.parametrize("dim", [0, 1])
 def test_rules_concatenate_like_torch_cat(dim):
-    from megatron_ext.convert.rules import _concat
+    from megatron_ext.model.mapping_rules import _concat
 
     parts = [torch.randn(2, 3), torch.randn(4, 3)] if dim == 0 else [torch.randn(3, 2), torch.randn(3, 1)]
     assert torch.equal(_concat(parts, dim), torch.cat(parts, dim))
 
 
 def test_rules_refuse_to_concatenate_what_torch_cat_refuses():
-    from megatron_ext.convert.rules import _concat
+    from megatron_ext.model.mapping_rules import _concat
 
     # copy_ would broadcast the (2, 1) part over a (2, 3) slot and let a misfit pass the shape check
     with pytest.raises(ValueError, match="cannot concatenate"):

@@ -16,7 +16,7 @@ def test_shape_checks_on_meta_tensors_do_not_import_torch_dynamo():
     would import TorchDynamo (0.8 s a worker)."""
     code = """
 import sys, torch
-from megatron_ext.convert.rules import GATED_MLP, QKV, VocabParallel
+from megatron_ext.model.mapping_rules import GATED_MLP, QKV, VocabParallel
 meta = lambda *shape: torch.empty(shape, device="meta")
 GATED_MLP.shard(GATED_MLP.hf_to_megatron([meta(8, 4), meta(8, 4)]), 1, 2)
 QKV(num_heads=4, num_query_groups=2, head_dim=2).hf_to_megatron([meta(8, 4), meta(4, 4), meta(4, 4)])

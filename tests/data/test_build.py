@@ -69,9 +69,9 @@ def test_every_good_record_of_a_mix665k_shaped_input_is_kept(messy_input, tmp_pa
     from megatron.energon import WorkerConfig, get_loader, get_val_dataset
 
     from megatron_ext.data.task_encoder import LlavaTaskEncoder
-    from megatron_ext.model.arch import LlavaArch
+    from megatron_ext.families import read_llava
 
-    arch = LlavaArch.from_hf_config(json.loads((llava_clip / "config.json").read_text()))
+    arch = read_llava(json.loads((llava_clip / "config.json").read_text()))
     encoder = LlavaTaskEncoder.for_model(str(llava_clip), arch, seq_length=256)
     dataset = get_val_dataset(str(out), split_part="train", worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
                               batch_size=4, task_encoder=encoder)

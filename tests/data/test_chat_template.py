@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from megatron_ext import families
 from megatron_ext.data.chat_template import ChatTokenizer, needs_special_tokens, resolve_chat_template, template_names
 from megatron_ext.data.conversation import BadConversation, llava_messages, place_images, qa_messages
 from megatron_ext.errors import UserError
@@ -65,15 +66,15 @@ def test_named_templates_train_exactly_the_replies(tokenizer, name):
 
 def test_default_template_follows_tokenizer_then_family_then_language(tokenizer):
     assert resolve_chat_template(None, "en", tokenizer)[0] == "tokenizer"
-    assert resolve_chat_template(None, "en", tokenizer, text_model_type="qwen2")[0] == "tokenizer"
+    assert resolve_chat_template(None, "en", tokenizer, family_default="chatml")[0] == "tokenizer"
     without = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
     without.chat_template = None
     assert resolve_chat_template(None, "en", without)[0] == "llava-v1"
     assert resolve_chat_template(None, "ja", without)[0] == "llm-jp"
     # Every Qwen tokenizer holds ChatML's tokens; a Llama-type one need not hold Llama-3's.
-    assert resolve_chat_template(None, "ja", without, text_model_type="qwen3")[0] == "chatml"
-    assert resolve_chat_template(None, "en", without, text_model_type="llama")[0] == "llava-v1"
-    assert resolve_chat_template("plain", "en", without, text_model_type="qwen2")[0] == "plain"
+    assert resolve_chat_template(None, "ja", without, family_default=families.text_family("qwen3").chat_template)[0] == "chatml"
+    assert resolve_chat_template(None, "en", without, family_default=families.text_family("llama").chat_template)[0] == "llava-v1"
+    assert resolve_chat_template("plain", "en", without, family_default="chatml")[0] == "plain"
     assert "### 応答:" in resolve_chat_template(None, "ja", without)[1]
     with pytest.raises(UserError, match="has no chat template"):
         resolve_chat_template("tokenizer", "en", without)
@@ -87,13 +88,13 @@ def test_qwen_checkpoint_whose_tokenizer_has_no_template_trains_with_chatml(llav
     import shutil
 
     from megatron_ext.data.task_encoder import LlavaTaskEncoder
-    from megatron_ext.model.arch import LlavaArch
+    from megatron_ext.families import read_llava
 
     stripped = shutil.copytree(llava_qwen2_siglip, tmp_path / "model", ignore=shutil.ignore_patterns("chat_template.*"))
     config = json.loads((stripped / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (stripped / "tokenizer_config.json").write_text(json.dumps(config))
-    arch = LlavaArch.from_hf_config(json.loads((stripped / "config.json").read_text()))
+    arch = read_llava(json.loads((stripped / "config.json").read_text()))
     encoder = LlavaTaskEncoder.for_model(str(stripped), arch, seq_length=512)
     assert encoder.template_name == "chatml"
     text, _ = encoder.chat.render(CONVERSATION)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.data.packing import combined_segment_ids, combined_seq_len, knapsack_bins, packed_attention_mask
+from megatron_ext.data.packing import knapsack_bins
+from megatron_ext.model.packed_sequences import combined_segment_ids, combined_seq_len, packed_attention_mask
 
 WORKER = Path(__file__).with_name("packing_equivalence_worker.py")
 
@@ -101,7 +102,7 @@ def test_thd_boundaries_are_the_blocks_of_the_mask_and_aligned(alignment):
 
 
 def test_alignment_pads_samples_and_batches_with_padding_outside_every_sample():
-    from megatron_ext.data.packing import sample_lengths
+    from megatron_ext.model.packed_sequences import sample_lengths
     from megatron_ext.model.sequence_alignment import SequenceAlignment
 
     layout = _layout(SequenceAlignment(total=16, per_sample=4))

@@ -16,7 +16,7 @@ from megatron_ext.data.build import run_energon_prepare
 from megatron_ext.data.loader import restore_loader_state, save_loader_state, train_loader, val_loader
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
 from megatron_ext.errors import UserError
-from megatron_ext.model.arch import LlavaArch
+from megatron_ext.families import read_llava
 from tests.data.conftest import jpeg, records_by_key
 from tests.helpers import run
 
@@ -24,7 +24,7 @@ END = "<|end|>"
 
 
 def _arch(hf_dir):
-    return LlavaArch.from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    return read_llava(json.loads((hf_dir / "config.json").read_text()))
 
 
 def _encoder(hf_dir, **kwargs):

@@ -10,23 +10,23 @@ import json
 
 import pytest
 
+from megatron_ext import families
 from megatron_ext.errors import UserError
-from megatron_ext.model.arch import LlavaArch, TextArch
 from tests.families.checks import assert_greedy_at_tp2_equals_transformers, assert_stage2_trains_all_but_the_tower
 
 
 def test_config_gives_the_gemma_pieces(llava_gemma3_siglip):
     from megatron_ext.convert.mapping import llava_mapping
-    from megatron_ext.families import text_family
+    from megatron_ext.model.activations import gelu_tanh
 
-    arch = LlavaArch.from_hf_config(json.loads((llava_gemma3_siglip / "config.json").read_text()))
+    arch = families.read_llava(json.loads((llava_gemma3_siglip / "config.json").read_text()))
     t = arch.text
-    assert (t.norm_plus_one, t.post_norms, t.qk_layernorm, t.gated_activation) == (True, True, True, "gelu_tanh")
-    assert (t.embedding_scale, t.softmax_scale, t.kv_channels) == (8.0, 24 ** -0.5, 32)
+    assert (t.qk_layernorm, t.kv_channels, t.query_pre_attn_scalar) == (True, 32, 24)
     assert (t.sliding_window, t.sliding_layers, t.sliding_rope_theta, t.rope_theta) == (5, (True, False), 1e4, 1e6)
-    config = text_family("gemma3_text").language_config(t)
+    config = families.of(arch).text.language_config(t)
     assert (config["window_size"], config["window_attn_skip_freq"], config["layernorm_zero_centered_gamma"]) == \
         ((4, 0), [1, 0], True)
+    assert (config["activation_func"], config["softmax_scale"]) == (gelu_tanh, 24 ** -0.5)
     table = llava_mapping(arch)
     layer = "language_model.decoder.layers.1."
     assert table[layer + "self_attention.linear_proj.post_norm.weight"].hf == (
@@ -43,8 +43,8 @@ def test_linear_rope_scaling_of_the_full_layers_is_read():
               "layer_types": ["sliding_attention", "full_attention"],
               "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
-    t = TextArch.from_hf(config)
-    assert (t.rope_theta, t.rope_linear_factor, t.sliding_rope_theta, t.layer_ropes) == (1e6, 8.0, 1e4, True)
+    t = families.text_family("gemma3_text").read(config)
+    assert (t.rope_theta, t.rope_linear_factor, t.sliding_rope_theta) == (1e6, 8.0, 1e4)
 
 
 @pytest.mark.parametrize("field,value,what", [
@@ -55,7 +55,7 @@ def test_linear_rope_scaling_of_the_full_layers_is_read():
 ])
 def test_what_gemma3_text_does_not_compute_is_refused(field, value, what):
     with pytest.raises(UserError, match=rf"^gemma3_text models with {what} are not supported$"):
-        TextArch.from_hf({"model_type": "gemma3_text", field: value})
+        families.text_family("gemma3_text").read({"model_type": "gemma3_text", field: value})
 
 
 def test_other_rope_types_are_refused():
@@ -63,7 +63,7 @@ def test_other_rope_types_are_refused():
         "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}}
     with pytest.raises(UserError, match=r"^gemma3_text RoPE 'yarn' on full_attention layers is not supported "
                                         r"\(supported: default; linear on full_attention layers\)$"):
-        TextArch.from_hf(config)
+        families.text_family("gemma3_text").read(config)
 
 
 def test_context_parallelism_is_refused_before_launch(llava_gemma3_siglip, tmp_path):
@@ -91,8 +91,8 @@ def test_greedy_tokens_at_tp2_equal_transformers_and_stage2_trains_the_language_
     from peft import PeftModel
     from transformers import LlavaForConditionalGeneration
 
+    from megatron_ext import hf_loading
     from megatron_ext.convert.compare import compare, hf_logits, process_inputs, synthetic_image
-    from megatron_ext.hf import loading
     from tests.helpers import run_script
     from tests.train.conftest import train, trainer_args
 
@@ -103,7 +103,7 @@ def test_greedy_tokens_at_tp2_equal_transformers_and_stage2_trains_the_language_
     run_script("convert/convert_megatron_to_hf.py", "--megatron-dir", lora, "--hf-dir", merged, "--lora-merge",
                "--lora-adapter-dir", adapter)
     assert compare(merged, lora).max_abs <= 1e-4
-    batch = process_inputs(loading.load_processor(str(merged), "--hf-dir"), [synthetic_image()])
+    batch = process_inputs(hf_loading.load_processor(str(merged), "--hf-dir"), [synthetic_image()])
     base = LlavaForConditionalGeneration.from_pretrained(llava_gemma3_siglip, dtype=torch.float32)
     with torch.no_grad():
         base_logits = base(**batch).logits

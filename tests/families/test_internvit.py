@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
+from megatron_ext import families
 from megatron_ext.errors import UserError
-from megatron_ext.model.arch import LlavaArch, VisionArch
 from tests.families.checks import assert_greedy_at_tp2_equals_transformers, assert_stage2_trains_all_but_the_tower
 
 
@@ -20,9 +20,9 @@ def test_config_gives_layer_scale_the_last_layer_and_no_class_token(llava_intern
     from megatron_ext.convert.mapping import llava_mapping
 
     config = json.loads((llava_internvit / "config.json").read_text())
-    arch = LlavaArch.from_hf_config(config)
+    arch = families.read_llava(config)
     v = arch.vision
-    assert (v.subtype, v.layer_scale, v.class_token, v.num_layers) == ("internvit300M", True, True, 3)
+    assert (v.subtype, v.class_token, v.num_layers) == ("internvit300M", True, 3)
     assert arch.img_seq_len == v.num_patches == 16 == config["image_seq_length"]
     table = llava_mapping(arch)
     assert table["vision_model.decoder.layers.2.mlp.linear_fc2.layer_scale.weight"].hf == (
@@ -41,7 +41,7 @@ def test_what_internvit_300m_lacks_is_refused(field, value, what):
     config = InternVLVisionConfig(**{"attention_bias": True, field: value})
     with pytest.raises(UserError, match=rf"^InternViT towers with {what} are not supported "
                                         r"\(supported: InternViT-300M's layout\)$"):
-        VisionArch.from_hf(config, -1)
+        families.vision_family("internvl_vision").read(config, -1)
 
 
 def test_a_non_square_tower_is_refused():
@@ -50,7 +50,7 @@ def test_a_non_square_tower_is_refused():
     config = InternVLVisionConfig(attention_bias=True, image_size=[448, 224])
     with pytest.raises(UserError, match=r"^vision image_size \[448, 224\] is not square; megatron-core's ViT takes "
                                         r"square images and patches$"):
-        VisionArch.from_hf(config, -1)
+        families.vision_family("internvl_vision").read(config, -1)
 
 
 def _whole_internvl(tiny_hf, path):

@@ -8,15 +8,15 @@ import json
 
 import pytest
 
+from megatron_ext import families
 from megatron_ext.errors import UserError
-from megatron_ext.model.arch import LlavaArch, TextArch
 from tests.families.checks import assert_greedy_at_tp2_equals_transformers, assert_stage2_trains_all_but_the_tower
 
 
 def test_config_gives_per_head_qk_norms_and_its_own_head_dim(llava_qwen3_siglip):
     from megatron_ext.convert.mapping import llava_mapping
 
-    arch = LlavaArch.from_hf_config(json.loads((llava_qwen3_siglip / "config.json").read_text()))
+    arch = families.read_llava(json.loads((llava_qwen3_siglip / "config.json").read_text()))
     t = arch.text
     assert (t.hidden_size, t.num_attention_heads, t.kv_channels) == (64, 4, 32)
     assert t.qk_layernorm and not t.qkv_bias
@@ -29,7 +29,7 @@ def test_config_gives_per_head_qk_norms_and_its_own_head_dim(llava_qwen3_siglip)
 def test_attention_bias_is_refused():
     config = {"model_type": "qwen3", "attention_bias": True}
     with pytest.raises(UserError, match=r"^qwen3 models with attention_bias=true \(bias on o_proj too\) are not supported$"):
-        TextArch.from_hf(config)
+        families.text_family(config["model_type"]).read(config)
 
 
 @pytest.mark.multiprocess

@@ -16,9 +16,9 @@ def test_a_fixed_resolution_siglip2_checkpoint_is_the_siglip_tower():
 
     # As google/siglip2-base-patch16-224 ships: a two-tower `siglip` config.
     config = SiglipConfig(vision_config={"patch_size": 16, "image_size": 224})
-    tower = families.tower_config(config, "--vision-model")
-    assert tower.model_type == "siglip_vision_model"
-    family = families.vision_family(tower.model_type)
+    tower = families.vision_tower(config, "--vision-model")
+    assert (tower.config.model_type, tower.whole) == ("siglip_vision_model", True)
+    family = tower.family
     assert (family.class_token, family.feature_layer, family.select_strategy) == (False, -1, "full")
 
 
@@ -31,7 +31,7 @@ def test_a_naflex_siglip2_tower_is_refused_with_the_reason(config_class):
                                         r"SigLIP 2 NaFlex towers .* fixed-resolution SigLIP 2 checkpoints are "
                                         r"siglip(_vision_model)? and supported \(supported: clip, clip_vision_model, "
                                         r"internvl, internvl_vision, siglip, siglip_vision_model\)$"):
-        families.tower_config(config, "--vision-model")
+        families.vision_tower(config, "--vision-model")
 
 
 def test_llava_is_built_from_a_two_tower_siglip2_style_checkpoint(tiny_hf, tmp_path):

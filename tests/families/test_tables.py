@@ -36,10 +36,6 @@ def test_text_rows_use_every_tensor_of_the_hf_model_once(model_type, tied):
 
 @pytest.mark.parametrize("kind", sorted(f.full_model_type for f in families.vision_families().values()))
 def test_vision_rows_and_the_unused_tensors_cover_the_hf_tower(kind):
-    from types import SimpleNamespace
-
-    from megatron_ext.convert.mapping import hf_only_names
-
     family = next(f for f in families.vision_families().values() if f.full_model_type == kind)
     spec = TinyVisionSpec()
     fields = dict(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
@@ -48,5 +44,5 @@ def test_vision_rows_and_the_unused_tensors_cover_the_hf_tower(kind):
     vision = family.read(tower.config, family.feature_layer)
     once, layer = family.rows(vision)
     names = [f"vision_tower.{n}" for n in tower.state_dict()]
-    unused = hf_only_names(SimpleNamespace(vision=vision), names)  # only the tower's part of a LlavaArch is read
+    unused = family.unused_names(vision, names)
     assert sorted(_used(once, layer, vision.num_layers) + unused) == sorted(names)

@@ -52,7 +52,7 @@ def batches(encoder, layout: str) -> list:
 
 
 def per_sample_losses(model, inputs, batch, separate: bool = True) -> dict:
-    from megatron_ext.data.packing import combined_segment_ids
+    from megatron_ext.model.packed_sequences import combined_segment_ids
 
     kwargs = inputs(batch.as_dict())
     if not separate:
@@ -76,6 +76,7 @@ def main():
     backends = sys.argv[3].split(",") if len(sys.argv) > 3 else ["local", "sdpa"]
     from megatron.core import parallel_state
 
+    from megatron_ext import families
     from megatron_ext.checkpoint import layout
     from megatron_ext.checkpoint.model_io import load_model_weights
     from megatron_ext.data.task_encoder import LlavaTaskEncoder
@@ -95,7 +96,7 @@ def main():
     }
     results = {}
     for backend in backends:
-        model = build_model(arch, ModelOptions(seq_length=SEQ, attention_backend=backend, init_weights=False)).eval()
+        model = build_model(arch, families.of(arch), ModelOptions(seq_length=SEQ, attention_backend=backend, init_weights=False)).eval()
         load_model_weights(model, snapshot.path)
         inputs = ModelInputs.for_model(arch, model, device())
         for prefix, encoder in encoders.items():

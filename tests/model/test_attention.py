@@ -71,7 +71,7 @@ def test_bidirectional_vision_attention():
 
 
 def test_dense_mask_in_megatrons_convention_replaces_the_causal_rule():
-    from megatron_ext.data.packing import packed_attention_mask
+    from megatron_ext.model.packed_sequences import packed_attention_mask
 
     q, k, v = _qkv(6, 2)
     # Row 0: samples of 4 and 2 positions; row 1: one sample of 3, then padding.

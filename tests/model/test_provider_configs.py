@@ -16,19 +16,19 @@ FIXTURES = ["llava_clip", "llava_qwen2_siglip", "llava_internvit", "llava_gemma3
 def test_gpu_configs_are_accepted_and_fuse_only_swiglu(request, fixture, monkeypatch):
     import torch.nn.functional as F
 
-    from megatron_ext.model.arch import LlavaArch
+    from megatron_ext import families
     from megatron_ext.model.provider import ModelOptions, transformer_configs
 
-    arch = LlavaArch.from_hf_config(json.loads((request.getfixturevalue(fixture) / "config.json").read_text()))
+    arch = families.read_llava(json.loads((request.getfixturevalue(fixture) / "config.json").read_text()))
     # What provider.build_model sees on a GPU machine (the configs are only built here).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    configs = transformer_configs(arch, ModelOptions(dtype="bfloat16"), "sdpa", tp=2, pp=1)
+    configs = transformer_configs(arch, families.of(arch), ModelOptions(dtype="bfloat16"), "sdpa", tp=2, pp=1)
     for config in configs:
         assert config.bias_dropout_fusion and not config.masked_softmax_fusion
         swiglu = config.activation_func is F.silu and config.gated_linear_unit
         assert config.bias_activation_fusion == swiglu
     language, vision, projector = configs
-    assert language.bias_activation_fusion == (arch.text.gated_activation == "silu")
+    assert language.bias_activation_fusion == (fixture != "llava_gemma3_siglip")  # Gemma's GeGLU is not fused
     assert not vision.bias_activation_fusion and not projector.bias_activation_fusion
 
 
@@ -40,13 +40,13 @@ def test_local_attention_keeps_packed_samples_apart_with_the_gpu_config(llava_cl
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_ext.data.packing import packed_attention_mask
-    from megatron_ext.model.arch import LlavaArch
+    from megatron_ext import families
+    from megatron_ext.model.packed_sequences import packed_attention_mask
     from megatron_ext.model.provider import ModelOptions, transformer_configs
 
-    arch = LlavaArch.from_hf_config(json.loads((llava_clip / "config.json").read_text()))
+    arch = families.read_llava(json.loads((llava_clip / "config.json").read_text()))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    language, _, _ = transformer_configs(arch, ModelOptions(dtype="bfloat16"), "local", tp=1, pp=1)
+    language, _, _ = transformer_configs(arch, families.of(arch), ModelOptions(dtype="bfloat16"), "local", tp=1, pp=1)
     monkeypatch.undo()
     tp = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))
     attention = DotProductAttention(language, 1, AttnMaskType.causal, "self", pg_collection=tp)

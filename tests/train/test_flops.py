@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from megatron_ext.model.arch import LlavaArch
+from megatron_ext.families import read_llava
 from megatron_ext.train.flops import iteration_flops
 
-ARCH = LlavaArch.from_hf_config({
+ARCH = read_llava({
     "model_type": "llava", "image_token_index": 999, "vision_feature_layer": -2,
     "vision_feature_select_strategy": "default",
     "text_config": {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -126,15 +126,15 @@ def test_exports_equal_the_megatron_model_with_adapters(tmp_path, llava_clip, me
     from peft import PeftModel
     from transformers import LlavaForConditionalGeneration
 
+    from megatron_ext import hf_loading
     from megatron_ext.convert.compare import compare, hf_logits, process_inputs, synthetic_image
-    from megatron_ext.hf import loading
 
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
     run_script("convert/convert_megatron_to_hf.py", "--megatron-dir", lora_run, "--hf-dir", merged, "--lora-merge",
                "--lora-adapter-dir", adapter)
     assert compare(merged, lora_run).max_abs <= 1e-4
 
-    processor = loading.load_processor(str(merged), "--hf-dir")
+    processor = hf_loading.load_processor(str(merged), "--hf-dir")
     batch = process_inputs(processor, [synthetic_image()])
     base = LlavaForConditionalGeneration.from_pretrained(llava_clip, dtype=torch.float32)
     with torch.no_grad():

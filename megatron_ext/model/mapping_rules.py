@@ -1,12 +1,19 @@
-"""Split rules: how one Megatron tensor relates to its Hugging Face tensor(s) and to its TP shards.
+"""The vocabulary of the HF <-> Megatron parameter table: a row (`Mapping`) names a Megatron tensor,
+its Hugging Face tensor(s) and the split rule that relates them.
 
-Every rule has three symmetric pieces:
+Megatron names are megatron-core's dist-checkpoint names (Transformer Engine style, e.g.
+`linear_qkv.layer_norm_weight`), the same for local and TE layer specs; `*` stands for the global
+layer index. HF names are those `transformers` writes for the LLaVA classes. Each family
+(`megatron_ext.families`) writes the rows of its own tensors with these; the converters are loops
+over the rows.
+
+Every split rule has three symmetric pieces:
   hf_to_megatron(hf tensors) -> the full Megatron tensor (the layout a TP=1 model holds)
   megatron_to_hf(full)       -> the HF tensors, exactly as they were
   shard(full, rank, size)    -> what tensor-parallel rank `rank` of `size` holds
 
-torch is imported where a rule computes: the model families declare their tables with these rules,
-and the launcher reads the families without importing torch (its --dry-run stays light).
+torch is imported where a rule computes: the launcher reads the families' tables without importing
+torch (its --dry-run stays light).
 """
 
 from __future__ import annotations
@@ -168,3 +175,28 @@ REPLICATED = Replicated()
 COLUMN = Column()
 ROW = Row()
 GATED_MLP = GatedMLP()
+
+# Name prefixes of one layer's tensors (`*`: its global index).
+LM = "language_model.decoder.layers.*."
+HF_LM = "language_model.model.layers.*."
+VIT = "vision_model.decoder.layers.*."
+HF_VIT = "vision_tower.encoder.layers.*."
+
+
+@dataclass(frozen=True)
+class Mapping:
+    megatron: str
+    hf: tuple[str, ...]
+    rule: Rule
+    # A second Megatron copy of an HF tensor another row already maps (the output layer of a model
+    # with tied embeddings, which exists only on the last pipeline stage): filled on the way in,
+    # never written back, and not counted when checking that each HF tensor is used once.
+    tied: bool = False
+
+    def at_layer(self, index: int) -> "Mapping":
+        put = lambda name: name.replace("*", str(index))  # noqa: E731
+        return Mapping(put(self.megatron), tuple(put(h) for h in self.hf), self.rule, self.tied)
+
+
+def row(megatron: str, hf: str | tuple[str, ...], rule: Rule, tied: bool = False) -> Mapping:
+    return Mapping(megatron, (hf,) if isinstance(hf, str) else hf, rule, tied)
