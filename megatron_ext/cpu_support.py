@@ -31,16 +31,23 @@ Patches, each with the failure it fixes:
 6. Activation recomputation: megatron's `CheckpointFunction` re-runs the forward inside autograd's
    backward, where the mode of patch 1 is not active -> "Torch not compiled with CUDA enabled"
    (e.g. the causal mask of DotProductAttention). Its backward runs under the mode.
+
+Patches 3-6 use private megatron-core 0.16 names (`_MEGATRON_NAMES`); `apply()` checks them all
+before patching anything and refuses in one line, naming the installed version, when one is missing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import inspect
 import logging
 import os
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron_ext.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +123,73 @@ class _NullStream:
 
     def elapsed_time(self, other):
         return 0.0
+
+
+# Every megatron-core name patches 3-6 read or replace, by module. They are private and can change
+# in any release, so `check_megatron_core` checks all of them before any patch is applied (a run
+# never goes on half-patched). "A.b" is attribute b of A; "f(x)" is parameter x of f. Instance
+# attributes the patched code uses (the tracker's `states_`/`seeds_`, the optimizer's
+# `init_state_fn`/`model_param_group_index_map`) exist only once an object is built: not checked.
+_MEGATRON_NAMES = {
+    "megatron.core.tensor_parallel.random": (
+        # patch 3 (RNG)
+        "_get_cuda_rng_state",
+        "_set_cuda_rng_state",
+        "_CUDA_RNG_STATE_TRACKER",
+        "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
+        "_MODEL_PARALLEL_RNG_TRACKER_NAME",
+        "CudaRNGStatesTracker",
+        # patch 6 (recomputation)
+        "CheckpointFunction.backward",
+    ),
+    # patch 4 (norms)
+    "megatron.core.models.vision.clip_vit_model": (
+        "NORM_IMPL",
+        "CLIPViTModel.__init__(ln_pre_impl)",
+        "CLIPViTModel.__init__(ln_post_impl)",
+    ),
+    "megatron.core.transformer.torch_norm": ("WrappedTorchNorm",),
+    # patch 5 (distributed optimizer)
+    "megatron.core.optimizer.distrib_optimizer": (
+        "HAVE_APEX_OR_TE",
+        "DistributedOptimizer.sharded_state_dict",
+        "DistributedOptimizer._set_main_param_and_optimizer_states",
+    ),
+}
+
+
+def _missing_megatron_names() -> list[str]:
+    missing = []
+    for module_name, names in _MEGATRON_NAMES.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            missing.append(module_name)
+            continue
+        for name in names:
+            path, _, parameter = name.partition("(")
+            obj = module
+            for part in path.split("."):
+                if not hasattr(obj, part):
+                    missing.append(f"{module_name}.{name}")
+                    break
+                obj = getattr(obj, part)
+            else:
+                if parameter and parameter.rstrip(")") not in inspect.signature(obj).parameters:
+                    missing.append(f"{module_name}.{name}")
+    return missing
+
+
+def check_megatron_core() -> None:
+    """Refuse (UserError) unless every name in `_MEGATRON_NAMES` exists in the installed megatron-core."""
+    missing = _missing_megatron_names()
+    if missing:
+        import megatron.core
+
+        # A release that lacks these names may lack `__version__` too: still say what to install.
+        version = getattr(megatron.core, "__version__", "of unknown version")
+        raise UserError(f"megatron-core {version} lacks {', '.join(missing)}, which megatron_ext's CPU support "
+                        f"patches: install megatron-core>=0.16,<0.17, the version it is written for")
 
 
 def _patch_torch_cuda() -> None:
@@ -243,13 +317,15 @@ def apply(rehearsal: bool = False) -> bool:
 
     `rehearsal=True` (the GPU rehearsal): the process names `cuda:0` as its device, as on a GPU,
     and the requests for it land on the CPU like every other CUDA request. Idempotent; does
-    nothing (and returns False) when CUDA is available.
+    nothing (and returns False) when CUDA is available. Raises UserError, with nothing patched, when
+    the installed megatron-core lacks a name the patches need (`check_megatron_core`).
     """
     global _APPLIED, _MODE, _DEVICE
     if _APPLIED:
         return True
     if torch.cuda.is_available():
         return False
+    check_megatron_core()
     if rehearsal:
         _DEVICE = torch.device("cuda", 0)
     # One intra-op thread per process: two threads on a 2-core machine gave erratic 40x slower steps.

@@ -19,3 +19,72 @@ def test_cuda_requests_become_cpu_tensors():
     assert torch.empty(1, device=torch.cuda.current_device()).device.type == "cpu"
     assert torch.ones(1).type() == "torch.cuda.FloatTensor"
     torch.cuda.synchronize()
+
+
+def test_installed_megatron_core_has_every_name_the_patches_use():
+    from megatron_ext import cpu_support
+
+    assert cpu_support._missing_megatron_names() == []
+    cpu_support.check_megatron_core()
+
+
+@pytest.mark.parametrize("module_name, attribute, expected", [
+    ("megatron.core.tensor_parallel.random", "_CUDA_RNG_STATE_TRACKER",
+     "megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._set_main_param_and_optimizer_states",
+     "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states"),
+])
+def test_a_missing_private_name_refuses_before_anything_is_patched(monkeypatch, module_name, attribute, expected):
+    import importlib
+
+    import megatron.core
+    import torch
+
+    from megatron_ext import cpu_support
+    from megatron_ext.errors import UserError
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: apply() patches nothing and checks nothing")
+    owner = importlib.import_module(module_name)
+    *path, name = attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    monkeypatch.delattr(owner, name)
+    # Another test of this process may have applied the patches already: make apply() start over,
+    # with stand-ins that show whether it replaced anything.
+    monkeypatch.setattr(cpu_support, "_APPLIED", False)
+    current_device = object()
+    monkeypatch.setattr(torch.cuda, "current_device", current_device)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.tensor_parallel import random as mp_random
+
+    get_rng_state, sharded_state_dict = mp_random._get_cuda_rng_state, DistributedOptimizer.sharded_state_dict
+    mode_stack_depth = torch._C._len_torch_function_stack()
+
+    with pytest.raises(UserError) as refused:
+        cpu_support.apply(rehearsal=True)
+
+    message = str(refused.value)
+    assert "\n" not in message
+    assert expected in message
+    assert f"megatron-core {megatron.core.__version__} " in message
+    assert "megatron-core>=0.16,<0.17" in message
+    assert cpu_support._APPLIED is False
+    assert cpu_support.named_device() == torch.device("cpu")
+    assert torch.cuda.current_device is current_device
+    assert mp_random._get_cuda_rng_state is get_rng_state
+    assert DistributedOptimizer.sharded_state_dict is sharded_state_dict
+    assert torch._C._len_torch_function_stack() == mode_stack_depth
+
+
+def test_a_missing_constructor_parameter_is_named(monkeypatch):
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+
+    from megatron_ext import cpu_support
+
+    def without_ln_post_impl(self, transformer_config, transformer_layer_spec, ln_pre_impl=None):
+        pass
+
+    monkeypatch.setattr(CLIPViTModel, "__init__", without_ln_post_impl)
+    assert cpu_support._missing_megatron_names() == [
+        "megatron.core.models.vision.clip_vit_model.CLIPViTModel.__init__(ln_post_impl)"]
