@@ -117,16 +117,16 @@ def test_expected_hf_names_are_what_transformers_saves(request, fixture):
 
 @pytest.mark.parametrize("dim", [0, 1])
 def test_rules_concatenate_like_torch_cat(dim):
-    from megatron_ext.model.mapping_rules import _concat
+    from megatron_ext.model.mapping_rules import concat
 
     parts = [torch.randn(2, 3), torch.randn(4, 3)] if dim == 0 else [torch.randn(3, 2), torch.randn(3, 1)]
-    assert torch.equal(_concat(parts, dim), torch.cat(parts, dim))
+    assert torch.equal(concat(parts, dim), torch.cat(parts, dim))
 
 
 def test_rules_refuse_to_concatenate_what_torch_cat_refuses():
-    from megatron_ext.model.mapping_rules import _concat
+    from megatron_ext.model.mapping_rules import concat
 
     # copy_ would broadcast the (2, 1) part over a (2, 3) slot and let a misfit pass the shape check
     with pytest.raises(ValueError, match="cannot concatenate"):
-        _concat([torch.zeros(2, 3), torch.zeros(2, 1)])
+        concat([torch.zeros(2, 3), torch.zeros(2, 1)])
 
