@@ -1,33 +1,95 @@
-"""The library's packages import downward only: the trainer may use evaluation, evaluation never the
-trainer, and the building blocks (model, data, HF I/O, checkpoints, converters) neither."""
+"""The library is a stack of layers (ARCHITECTURE.md): a part imports only parts of its own layer or
+below, imports inside functions included, and no two parts import each other in a circle."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_ext"
-UPPER = {"train", "eval", "launch", "commands"}
-MAY_NOT_IMPORT = {
-    "eval": {"train", "launch", "commands"},
-    **{lower: UPPER for lower in ("model", "data", "hf", "checkpoint", "convert")},
-}
+# Lowest first. A part is a sub-package or a module at the package's top level.
+LAYERS = [
+    ("foundation", {"errors", "environ", "fsutil", "logs", "progress", "lifetime", "lean_import", "cpu_support",
+                    "distributed", "container", "hf_loading"}),
+    ("model", {"model"}),
+    ("families", {"families"}),
+    ("checkpoint", {"checkpoint"}),
+    ("data", {"data"}),
+    ("hf", {"hf"}),
+    ("lora", {"lora"}),
+    ("convert", {"convert"}),
+    ("eval", {"eval"}),
+    ("train", {"train"}),
+    ("launch", {"launch"}),
+    ("entry points", {"commands", "demo"}),
+]
+LEVEL = {part: level for level, (_, parts) in enumerate(LAYERS) for part in parts}
 
 
-def _imported_packages(path: Path) -> set[str]:
+def _part(path: Path) -> str:
+    relative = path.relative_to(PACKAGE)
+    return relative.parts[0] if len(relative.parts) > 1 else relative.stem
+
+
+def _imports(path: Path, text: str | None = None) -> set[str]:
+    """The parts of megatron_ext a file (its `text`, default: read) imports, wherever the import is."""
+    package = ["megatron_ext", *path.relative_to(PACKAGE).parent.parts]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-        found |= {name.split(".")[1] for name in names if name.startswith("megatron_ext.")}
+    for node in ast.walk(ast.parse(path.read_text() if text is None else text)):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(filter(None, [base, node.module]))
+            modules = [module] + [f"{module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for module in modules:
+            names = module.split(".")
+            if names[0] == "megatron_ext" and len(names) > 1 and names[1] in LEVEL:
+                found.add(names[1])
     return found
 
 
-@pytest.mark.parametrize("package", sorted(MAY_NOT_IMPORT))
-def test_a_package_does_not_import_the_ones_above_it(package):
-    offending = {f"{path.relative_to(PACKAGE)} imports megatron_ext.{name}"
-                 for path in (PACKAGE / package).rglob("*.py")
-                 for name in _imported_packages(path) & MAY_NOT_IMPORT[package]}
-    assert not offending, sorted(offending)
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {part: set() for part in LEVEL}
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent != PACKAGE or path.stem != "__init__":
+            graph[_part(path)] |= _imports(path) - {_part(path)}
+    return graph
+
+
+def test_every_part_of_the_library_has_a_layer():
+    parts = {_part(path) for path in PACKAGE.rglob("*.py")} - {"__init__"}  # the package's own, empty
+    assert parts == set(LEVEL), f"parts without a layer, or layers naming no part: {sorted(parts ^ set(LEVEL))}"
+
+
+def test_no_part_imports_a_higher_layer():
+    upward = sorted(f"{part} ({LAYERS[LEVEL[part]][0]}) imports {other} ({LAYERS[LEVEL[other]][0]})"
+                    for part, imported in _graph().items() for other in imported if LEVEL[other] > LEVEL[part])
+    assert not upward, upward
+
+
+def test_no_import_cycle_between_parts():
+    graph, cycles = _graph(), []
+
+    def visit(part: str, trail: list[str]) -> None:
+        for other in sorted(graph[part]):
+            if other in trail:
+                cycles.append(" -> ".join(trail[trail.index(other):] + [other]))
+            elif other not in done:
+                visit(other, trail + [other])
+        done.add(part)
+
+    done: set[str] = set()
+    for part in sorted(graph):
+        if part not in done:
+            visit(part, [part])
+    assert not cycles, cycles
+
+
+def test_the_graph_sees_every_kind_of_import():
+    """Module-level, in-function, `from megatron_ext import x` and relative imports all count."""
+    text = ("from megatron_ext import train\n"
+            "def f():\n    import megatron_ext.eval.metrics\n    from ..launch import runner\n    from . import mapping\n")
+    assert _imports(PACKAGE / "convert" / "probe.py", text) == {"train", "eval", "launch", "convert"}

@@ -110,7 +110,7 @@ def megatron_to_hf(tp, pp, megatron_dir, hf_dir, tokenizer_dir, max_shard_size, 
     if not hf_dir and not lora_adapter_dir:
         raise UserError("give --hf-dir (an HF model) or, for an adapter checkpoint, --lora-adapter-dir (a PEFT adapter)")
     if lora_adapter_dir:
-        from megatron_ext.lora.export import write_peft_adapter
+        from megatron_ext.convert.lora_export import write_peft_adapter
 
         click.echo(f"PEFT adapter written to {write_peft_adapter(megatron_dir, lora_adapter_dir, force)}")
     if hf_dir:

@@ -34,10 +34,10 @@ from megatron_ext.convert.hf_checkpoint import (
     copy_tokenizer_files,
     hf_model_names,
 )
+from megatron_ext.convert.lora_export import TrainedTensors, read_trained
 from megatron_ext.convert.mapping import llava_mapping
 from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
-from megatron_ext.lora.export import TrainedTensors, read_trained
 from megatron_ext.model.arch import LlavaArch
 from megatron_ext.progress import progress
 
