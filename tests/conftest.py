@@ -127,6 +127,15 @@ def llava_mistral_clip(tmp_path_factory, tiny_hf) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llava_phi3_clip(tmp_path_factory, tiny_hf) -> Path:
+    """LLaVA: Phi-3 (fused qkv_proj and gate_up_proj, GQA, a 6-key sliding window on every layer) + CLIP."""
+    from megatron_ext.hf.tiny_models import TinyTextSpec, make_text_model
+
+    text = make_text_model(tmp_path_factory.mktemp("tiny_phi3") / "text", TinyTextSpec(arch="phi3"))
+    return _build(tmp_path_factory, "llava_phi3_clip", text, tiny_hf["vision-clip"])
+
+
+@pytest.fixture(scope="session")
 def llava_internvit(tmp_path_factory, tiny_hf) -> Path:
     """LLaVA: GQA Llama + InternViT (layer scale, class token dropped, last layer)."""
     return _build(tmp_path_factory, "llava_internvit", tiny_hf["text"], tiny_hf["vision-internvl"])

@@ -15,7 +15,8 @@ import torch
 from tests.helpers import hf_tensors, run_python, run_torchrun
 
 FIXTURES = {"clip": "llava_clip", "qwen": "llava_qwen2_siglip", "padded": "llava_padded", "qwen3": "llava_qwen3_siglip",
-            "internvit": "llava_internvit", "gemma3": "llava_gemma3_siglip", "mistral": "llava_mistral_clip"}
+            "internvit": "llava_internvit", "gemma3": "llava_gemma3_siglip", "mistral": "llava_mistral_clip",
+            "phi3": "llava_phi3_clip"}
 # Plus "bf16": llava_clip saved in bfloat16, as most published checkpoints are.
 MODELS = [*FIXTURES, "bf16"]
 LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"]

@@ -48,13 +48,39 @@ def test_the_grep_would_see_a_family_name():
 
 
 def test_every_supported_family_is_registered():
-    assert sorted(families.text_families()) == ["gemma3_text", "llama", "mistral", "qwen2", "qwen3"]
+    assert sorted(families.text_families()) == ["gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3"]
     assert sorted(families.vision_families()) == ["clip_vision_model", "internvl_vision", "siglip_vision_model"]
 
 
 def test_unknown_model_types_name_the_supported_ones():
-    with pytest.raises(UserError, match=r"^text model_type 'gpt2' is not supported \(supported: gemma3_text, llama, mistral, qwen2, qwen3\)$"):
+    with pytest.raises(UserError, match=r"^text model_type 'gpt2' is not supported \(supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3\)$"):
         families.text_family("gpt2")
     with pytest.raises(UserError, match=r"^vision model_type 'vit' is not supported "
                                         r"\(supported: clip_vision_model, internvl_vision, siglip_vision_model\)$"):
         families.vision_family("vit")
+
+
+def test_a_module_dropped_into_the_package_is_a_family_the_whole_toolkit_uses(llava_clip, tmp_path, monkeypatch):
+    """ARCHITECTURE.md's recipe: a Llama-shaped family is one module defining FAMILY, and nothing else
+    changes. One written into the package's search path is found, reads a LLaVA whose text config
+    names it and gives the converters' table."""
+    import json
+    import sys
+
+    from megatron_ext.convert.mapping import llava_mapping
+
+    (tmp_path / "plugged.py").write_text("from megatron_ext.families.llama_like import LlamaLikeFamily\n"
+                                         "FAMILY = LlamaLikeFamily(model_type='plugged_llama', config_class='LlamaConfig')\n")
+    monkeypatch.setattr(families, "__path__", [*families.__path__, str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "megatron_ext.families.plugged", raising=False)
+    families._modules.cache_clear()
+    try:
+        config = json.loads((llava_clip / "config.json").read_text())
+        config["text_config"]["model_type"] = "plugged_llama"
+        arch = families.read_llava(config)
+        assert families.of(arch).text is families.text_family("plugged_llama")
+        table = llava_mapping(arch)
+        assert table["language_model.decoder.layers.1.mlp.linear_fc1.weight"].hf == (
+            "language_model.model.layers.1.mlp.gate_proj.weight", "language_model.model.layers.1.mlp.up_proj.weight")
+    finally:
+        families._modules.cache_clear()
