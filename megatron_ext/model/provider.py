@@ -15,10 +15,10 @@ from megatron_ext.distributed import device
 from megatron_ext.families import text_family, vision_family
 from megatron_ext.model.activations import ACTIVATIONS
 from megatron_ext.model.arch import LlavaArch
-from megatron_ext.model.backends import resolve_backend, te_available
+from megatron_ext.model.backends import STORED_DTYPES, resolve_backend, te_available
 from megatron_ext.model.specs import LanguageExtras, llava_specs
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in STORED_DTYPES}
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class ModelOptions:
     """Runtime choices that are not part of the weights."""
 
     seq_length: int = 1024  # language-model sequence length (text + image embeddings)
-    dtype: str = "float32"  # params / compute dtype: float32, bfloat16, float16
+    dtype: str = "float32"  # params / compute dtype: one of DTYPES
     attention_backend: str = "auto"  # te | sdpa | local; auto: te when usable, else sdpa (backends.py)
     init_weights: bool = True  # False when a checkpoint will overwrite every weight anyway
     parallel_output: bool = True  # False gathers full-vocab logits (inference, comparisons)

@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megatron_ext.data.image_aspects import IMAGE_ASPECTS
+from megatron_ext.model.backends import COMPUTE_DTYPES
+
 
 def opt(default, help: str, **extra):
     """A config field with its --help text (and click extras such as `choices`)."""
@@ -109,12 +112,12 @@ class TrainConfig:
     image_aspect: str = opt("crop", "Images of another shape than the vision tower's: crop (the processor's resize "
                                     "+ center crop), pad (LLaVA-1.5: pad to a square with the mean colour, then "
                                     "resize) or resize (squash). Stored with the checkpoint; generation and "
-                                    "evaluation use it.", choices=["crop", "pad", "resize"])
+                                    "evaluation use it.", choices=IMAGE_ASPECTS)
     image_token_id: int | None = opt(None, "Image token id (default: from the tokenizer).")
     pad_token_id: int | None = opt(None, "Padding token id (default: from the tokenizer).")
     no_add_class_token: bool = opt(False, "Do not pass the vision class token to the language model.")
     # --- precision -------------------------------------------------------------------------
-    dtype: str = opt("auto", "Compute dtype (auto: bfloat16 on GPU, float32 on CPU).", choices=["auto", "bfloat16", "float32"])
+    dtype: str = opt("auto", "Compute dtype (auto: bfloat16 on GPU, float32 on CPU).", choices=["auto", *COMPUTE_DTYPES])
     fp8: bool = opt(False, "FP8 (Transformer Engine hybrid recipe).")
     # --- logging and evaluation ------------------------------------------------------------
     name: str | None = opt(None, "Run name (logs, W&B).")
