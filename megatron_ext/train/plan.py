@@ -139,7 +139,7 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
     for flag, value in (("--micro-batch-size", config.micro_batch_size), ("--global-batch-size", config.global_batch_size)):
         if value < 1:
             raise UserError(f"{flag} {value} must be >= 1")
-    execution = resolve_execution(config, world_size, te)
+    execution = resolve_execution(config, world_size, te, on_gpu)
     dp = execution.data_parallel_size
     per_step = config.micro_batch_size * dp
     if config.global_batch_size % per_step:
@@ -200,7 +200,7 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
         raise UserError(f"--packing-seq-length {config.packing_seq_length} exceeds --seq-length {seq_length}")
 
     dtype = compute_dtype(config.dtype, on_gpu)
-    config = dataclasses.replace(config, seq_length=seq_length, attention_backend=execution.attention_backend)
+    config = dataclasses.replace(config, seq_length=seq_length, attention_backend=execution.model.attention_backend)
     return RunPlan(
         config=config,
         arch=arch,
