@@ -95,6 +95,7 @@ def make_plan(preset: Preset, options: dict, iters: int):
     """A RunPlan as the trainer makes one, without checkpoint, tokenizer or dataset."""
     import torch
 
+    from megatron_ext.data.prepared import SplitCount
     from megatron_ext.model.arch import LlavaArch
     from megatron_ext.model.backends import te_available
     from megatron_ext.train.execution import resolve_execution
@@ -106,9 +107,8 @@ def make_plan(preset: Preset, options: dict, iters: int):
     on_gpu = torch.cuda.is_available()
     execution = resolve_execution(config, world_size=1, te=te_available(), on_gpu=on_gpu)
     return RunPlan(config=config, arch=LlavaArch.from_hf_config(hf_config), hf_config=hf_config, start=None,
-                   resume=None, tokenizer_dir=REPO, world_size=1, data_parallel_size=1, num_microbatches=1,
-                   train_iters=iters, seq_length=preset.seq_length, dtype="bfloat16" if on_gpu else "float32",
-                   execution=execution, skip_ranges=())
+                   resume=None, tokenizer_dir=REPO, train_split=SplitCount(0), world_size=1,
+                   dtype="bfloat16" if on_gpu else "float32", execution=execution, skip_ranges=())
 
 
 def synthetic_micro_batches(plan, preset: Preset, packing: bool, rng: np.random.Generator) -> list[dict]:

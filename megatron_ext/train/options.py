@@ -75,7 +75,7 @@ class TrainConfig:
     # --- batches and schedule --------------------------------------------------------------
     micro_batch_size: int = opt(1, "Samples (packed sequences) per micro batch per data-parallel rank.")
     global_batch_size: int | None = opt(None, "Samples per optimizer step (stage default: 256 / 128).")
-    train_iters: int | None = opt(None, "Optimizer steps to train.")
+    train_iters: int | None = opt(None, "Optimizer steps to train (default: one epoch of the training split).")
     epochs: float | None = opt(None, "Train length in passes over the training split (instead of --train-iters).")
     lr: float | None = opt(None, "Peak learning rate (stage default: 1e-3 / 2e-5).")
     min_lr: float = opt(0.0, "Learning rate at the end of the decay.")
