@@ -52,7 +52,7 @@ def test_split_argv(argv, launcher, trainer):
     assert split_argv(argv) == (launcher, trainer)
 
 
-@pytest.mark.parametrize("fixture", ["llava_clip", "llava_qwen2_siglip"])
+@pytest.mark.parametrize("fixture", ["llava_clip", "llava_qwen2_siglip", "llava_internvit", "llava_gemma3_siglip"])
 def test_token_ids_match_what_build_llava_wrote(request, fixture):
     path = request.getfixturevalue(fixture)
     config = json.loads((path / "config.json").read_text())
