@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_ext.data.image_aspects import IMAGE_ASPECTS
-from megatron_ext.model.backends import COMPUTE_DTYPES
+from megatron_ext.model.backends import ATTENTION_BACKENDS, COMPUTE_DTYPES
 
 
 def opt(default, help: str, **extra):
@@ -63,7 +63,7 @@ class TrainConfig:
     attention_backend: str = opt("auto", "Layer and attention implementation: te (Transformer Engine), sdpa "
                                          "(torch scaled_dot_product_attention: flash kernels without TE), local "
                                          "(megatron's reference kernel); auto: te where it is importable with CUDA, "
-                                         "else sdpa.", choices=["auto", "te", "sdpa", "local"])
+                                         "else sdpa.", choices=["auto", *ATTENTION_BACKENDS])
     recompute_granularity: str = opt("auto", "Activation recomputation in the backward pass: selective (core "
                                              "attention), full (whole layers) or none; auto: selective with the local "
                                              "kernel (its S x S scores), none with sdpa and te (flash kernels keep "
