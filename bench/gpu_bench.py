@@ -96,6 +96,7 @@ def make_plan(preset: Preset, options: dict, iters: int):
     import torch
 
     from megatron_ext import families
+    from megatron_ext.data.prepared import SplitCount
     from megatron_ext.model.backends import te_available
     from megatron_ext.train.execution import resolve_execution
     from megatron_ext.train.options import TrainConfig
@@ -103,12 +104,12 @@ def make_plan(preset: Preset, options: dict, iters: int):
 
     hf_config = llava_config(preset)
     config = TrainConfig(stage=2, seq_length=preset.seq_length, train_iters=iters, **options).resolved()
-    execution = resolve_execution(config, world_size=1, te=te_available())
+    on_gpu = torch.cuda.is_available()
+    execution = resolve_execution(config, world_size=1, te=te_available(), on_gpu=on_gpu)
     arch = families.read_llava(hf_config)
     return RunPlan(config=config, arch=arch, families=families.of(arch), hf_config=hf_config, start=None,
-                   resume=None, tokenizer_dir=REPO, world_size=1, data_parallel_size=1, num_microbatches=1,
-                   train_iters=iters, seq_length=preset.seq_length,
-                   dtype="bfloat16" if torch.cuda.is_available() else "float32", execution=execution, skip_ranges=())
+                   resume=None, tokenizer_dir=REPO, train_split=SplitCount(0), world_size=1,
+                   dtype="bfloat16" if on_gpu else "float32", execution=execution, skip_ranges=())
 
 
 def synthetic_micro_batches(plan, preset: Preset, packing: bool, rng: np.random.Generator) -> list[dict]:
@@ -184,8 +185,8 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
     tflops = flops / seconds / 1e12
     shutdown()
     return {
-        "preset": preset_name, "attention_backend": plan.execution.attention_backend, "packing": packing,
-        "recompute": plan.execution.recompute_granularity or "none", "fp8": plan.execution.fp8,
+        "preset": preset_name, "attention_backend": plan.execution.model.attention_backend, "packing": packing,
+        "recompute": plan.execution.model.recompute_granularity or "none", "fp8": plan.execution.model.fp8 is not None,
         "dtype": plan.dtype, "seq_length": plan.seq_length, "iterations": iters,
         "micro_batches_per_step": round(sum(len(s) for s in steps[warmup:]) / iters, 2),
         "parameters": sum(p.numel() for p in trained.model.parameters()),

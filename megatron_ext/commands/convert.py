@@ -17,6 +17,7 @@ import click
 
 from megatron_ext.errors import run_command
 from megatron_ext.hf.build_llava import DEFAULT_VISION_MODEL
+from megatron_ext.model.backends import STORED_DTYPES
 from megatron_ext.progress import quiet_option
 
 _SIF_OPTION = click.option("--sif-path", type=click.Path(dir_okay=False), help="Run inside this Singularity/Apptainer image.")
@@ -40,7 +41,7 @@ def _in_container(sif_path: str, binds: list) -> None:
 @click.option("--vision-model", default=DEFAULT_VISION_MODEL, show_default=True,
               help="Vision encoder (CLIP or SigLIP): Hub tag or local directory.")
 @click.option("--vocab-size-padding", is_flag=True, help="Pad the embedding and LM head to a multiple of 128 rows.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
+@click.option("--dtype", type=click.Choice(["auto", *STORED_DTYPES]), default="auto", show_default=True,
               help="Weights dtype; auto keeps the text model's.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the projector's initial weights.")
 @click.option("--force", is_flag=True, help="Replace a non-empty --save-dir.")

@@ -28,8 +28,6 @@ from PIL import Image
 
 log = logging.getLogger(__name__)
 
-IMAGE_ASPECTS = ("crop", "pad", "resize")
-
 # PilBackend methods whose behaviour the direct path reproduces; a processor class that overrides
 # any of them does something else and runs as HF's own.
 _REPRODUCED_METHODS = ("preprocess", "_preprocess", "process_image", "convert_to_rgb", "resize", "center_crop",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
+from megatron_ext.data.image_aspects import IMAGE_ASPECTS
 from megatron_ext.eval.sampling import SamplingOptions
+from megatron_ext.model.backends import COMPUTE_DTYPES
 
 
 def checkpoint_options(func):
@@ -14,9 +16,9 @@ def checkpoint_options(func):
         click.option("--tp", type=int, help="Tensor-parallel size to run at (Megatron; default: as saved if the process count fits, else 1)."),
         click.option("--pp", type=int, help="Pipeline-parallel size to run at (Megatron; default: as saved if the process count fits, else 1)."),
         click.option("--chat-template", help="'tokenizer', a name from megatron_ext/data/chat_templates or a .jinja file (default: as trained, else the tokenizer's)."),
-        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+        click.option("--dtype", type=click.Choice(["auto", *COMPUTE_DTYPES]), default="auto", show_default=True,
                      help="Compute dtype, whatever the checkpoint stores (auto: bfloat16 on GPU, float32 on CPU)."),
-        click.option("--image-aspect", type=click.Choice(["crop", "pad", "resize"]),
+        click.option("--image-aspect", type=click.Choice(IMAGE_ASPECTS),
                      help="How images are fitted to the vision tower (default: as trained, else crop)."),
     ]):
         func = decorator(func)

@@ -26,14 +26,14 @@ class Launch:
     command: LaunchCommand
 
     def summary(self) -> list[str]:
-        t, c = self.topology, self.trainer.config
-        dp = t.world_size // (c.tp * c.pp * c.cp)
+        t, plan = self.topology, self.trainer.plan
+        c, dp = plan.config, plan.execution.data_parallel_size
         device = "GPU" if t.on_gpu else "CPU (gloo)"
         cp = f" x cp {c.cp}" if c.cp > 1 else ""
         lines = [f"{t.nnodes} node(s) x {t.nproc_per_node} {device} process(es): tp {c.tp} x pp {c.pp}{cp} x dp {dp}; "
                  f"global batch {c.global_batch_size} = micro batch {c.micro_batch_size} x dp {dp} x "
-                 f"{c.global_batch_size // (c.micro_batch_size * dp)} micro-batches; stage {c.stage}"]
-        lines += t.notes + self.trainer.notes + list(self.command.notes)
+                 f"{plan.num_microbatches} micro-batches; stage {c.stage}"]
+        lines += t.notes + list(plan.notes) + list(self.command.notes)
         if self.command.log_file:
             lines.append(f"output also written to {self.command.log_file}")
         return lines
@@ -72,9 +72,9 @@ def prepare(values: dict, passthrough_argv: list[str], env: Mapping[str, str]) -
     flag_values = {field: list(values[field]) if isinstance(values[field], tuple) else values[field] for field in TRAINER_FLAGS}
     setup = trainer_setup(flag_values, passthrough, topology.world_size,
                           _transformer_engine(topology, values["sif_path"]), topology.on_gpu)
-    _check_save_dir_free(setup.config, topology)
+    _check_save_dir_free(setup.plan.config, topology)
     output_name = values["slurm_output_name"]
-    command = build_command(topology, setup.config, setup.argv, setup.paths, values["sif_path"],
+    command = build_command(topology, setup.plan.config, setup.argv, setup.plan.paths(), values["sif_path"],
                             values["interface"], output_name, dry_run=values["dry_run"])
     return Launch(topology=topology, trainer=setup, command=command)
 

@@ -15,11 +15,12 @@ import torch
 from megatron_ext.distributed import device
 from megatron_ext.model.activations import ACTIVATIONS
 from megatron_ext.model.arch import LlavaArch
-from megatron_ext.model.backends import resolve_backend, te_available
+from megatron_ext.model.backends import STORED_DTYPES, resolve_backend, te_available
+from megatron_ext.model.execution import ModelExecution
 from megatron_ext.model.family_hooks import ModelFamilies
 from megatron_ext.model.specs import llava_specs
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in STORED_DTYPES}
 
 
 @dataclass(frozen=True)
@@ -27,20 +28,13 @@ class ModelOptions:
     """Runtime choices that are not part of the weights."""
 
     seq_length: int = 1024  # language-model sequence length (text + image embeddings)
-    dtype: str = "float32"  # params / compute dtype: float32, bfloat16, float16
-    attention_backend: str = "auto"  # te | sdpa | local; auto: te when usable, else sdpa (backends.py)
+    dtype: str = "float32"  # params / compute dtype: one of DTYPES
     init_weights: bool = True  # False when a checkpoint will overwrite every weight anyway
     parallel_output: bool = True  # False gathers full-vocab logits (inference, comparisons)
-    fp8: str | None = None  # Transformer Engine FP8 format ("hybrid", "e4m3"), TE only
-    sequence_parallel: bool = False
-    context_parallel: int = 1
-    recompute_granularity: str | None = None  # None | "selective" (core attention) | "full" (whole layers)
-    recompute_method: str = "uniform"  # full recomputation: "uniform" or "block"
-    recompute_num_layers: int = 1
-    gradient_accumulation_fusion: bool = False  # weight gradients accumulated in place (training on GPU)
+    execution: ModelExecution = ModelExecution()
 
     def resolved_backend(self) -> str:
-        return resolve_backend(self.attention_backend, te_available())
+        return resolve_backend(self.execution.attention_backend, te_available())
 
 
 def _common(opts: ModelOptions, backend: str, tp: int, init_std: float) -> dict:
@@ -67,7 +61,7 @@ def _common(opts: ModelOptions, backend: str, tp: int, init_std: float) -> dict:
         masked_softmax_fusion=False,
         # TE's fused RoPE (THD too); without TE megatron-core has no fused kernel.
         apply_rope_fusion=backend == "te",
-        gradient_accumulation_fusion=opts.gradient_accumulation_fusion,
+        gradient_accumulation_fusion=opts.execution.gradient_accumulation_fusion,
         # Pipeline p2p must not wait on CUDA streams that do not exist on CPU.
         batch_p2p_sync=on_gpu,
     )
@@ -83,11 +77,11 @@ def _activation(fields: dict) -> dict:
     return {**fields, "bias_activation_fusion": fused}
 
 
-def _recompute(opts: ModelOptions) -> dict:
-    if opts.recompute_granularity == "full":
-        return dict(recompute_granularity="full", recompute_method=opts.recompute_method,
-                    recompute_num_layers=opts.recompute_num_layers)
-    if opts.recompute_granularity == "selective":
+def _recompute(ex: ModelExecution) -> dict:
+    if ex.recompute_granularity == "full":
+        return dict(recompute_granularity="full", recompute_method=ex.recompute_method,
+                    recompute_num_layers=ex.recompute_num_layers)
+    if ex.recompute_granularity == "selective":
         return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
     return {}
 
@@ -96,14 +90,14 @@ def transformer_configs(arch: LlavaArch, families: ModelFamilies, opts: ModelOpt
     """(language, vision, projector) TransformerConfigs for a `tp` x `pp` layout."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    t, v = arch.text, arch.vision
-    fp8 = dict(fp8=opts.fp8, fp8_recipe="delayed") if opts.fp8 else {}
+    t, v, ex = arch.text, arch.vision, opts.execution
+    fp8 = dict(fp8=ex.fp8, fp8_recipe="delayed") if ex.fp8 else {}
     language = TransformerConfig(
         **_common(opts, backend, tp, t.init_std),
         **fp8,
-        **_recompute(opts),
-        sequence_parallel=opts.sequence_parallel,
-        context_parallel_size=opts.context_parallel,
+        **_recompute(ex),
+        sequence_parallel=ex.sequence_parallel,
+        context_parallel_size=ex.cp,
         pipeline_model_parallel_size=pp,
         num_layers=t.num_layers,
         hidden_size=t.hidden_size,

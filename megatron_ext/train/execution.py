@@ -2,44 +2,36 @@
 activation recomputation, communication overlap, and the sequence lengths these need.
 
 `resolve_execution` fills in every "auto" and checks the combination, raising one UserError that
-names the flag. The launcher calls it before anything starts and the trainer again when it plans
-its run (where Transformer Engine is really imported), so both refuse the same things in the same
+names the flag. `plan.make_plan` calls it, in the launcher before anything starts and in the trainer
+again (where Transformer Engine is really imported), so both refuse the same things in the same
 words. Imports no torch: run.py --dry-run stays fast.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import asdict, dataclass
 
 from megatron_ext.errors import UserError
 from megatron_ext.model.backends import TE_MISSING, resolve_backend
+from megatron_ext.model.execution import ModelExecution
 from megatron_ext.model.sequence_alignment import SequenceAlignment, round_up, sequence_alignment
 from megatron_ext.train.options import TrainConfig
 
 
 @dataclass(frozen=True)
 class Execution:
+    model: ModelExecution  # backend, SP/CP, FP8, recomputation: handed whole to the model
     data_parallel_size: int
-    attention_backend: str  # te | sdpa | local
-    sequence_parallel: bool
-    cp: int
-    fp8: bool
-    recompute_granularity: str | None  # None | selective | full
-    recompute_method: str
-    recompute_num_layers: int
     overlap_grad_reduce: bool
     overlap_param_gather: bool
     ddp_bucket_size: int | None
     alignment: SequenceAlignment
 
-    @property
-    def thd_packing(self) -> bool:
-        """Packed samples reach the attention as THD sub-sequences (te, sdpa); the local kernel
-        takes a block-diagonal mask instead."""
-        return self.attention_backend != "local"
-
     def summary(self) -> dict:
-        return asdict(self)
+        """One flat mapping, as checkpoints have always stored it."""
+        fields = asdict(self)
+        return {**fields.pop("model"), **fields}
 
 
 def _needs_te(what: str, requested: str, backend: str) -> None:
@@ -51,8 +43,15 @@ def _needs_te(what: str, requested: str, backend: str) -> None:
     raise UserError(f"{what} needs {TE_MISSING}")
 
 
-def resolve_execution(config: TrainConfig, world_size: int, te: bool) -> Execution:
-    """`config` with stage defaults resolved; `te`: Transformer Engine is usable where the trainer runs."""
+def _gradient_accumulation_fusion(backend: str, on_gpu: bool) -> bool:
+    """Weight gradients accumulated straight into the fp32 gradient buffer: TE layers do it
+    themselves, megatron-core's local layers need Apex's fused_weight_gradient_mlp_cuda."""
+    return on_gpu and (backend == "te" or importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None)
+
+
+def resolve_execution(config: TrainConfig, world_size: int, te: bool, on_gpu: bool) -> Execution:
+    """`config` with stage defaults resolved; `te`: Transformer Engine is usable where the trainer runs;
+    `on_gpu`: its ranks compute on GPUs."""
     requested = config.attention_backend
     backend = resolve_backend(requested, te)
     if config.fp8:
@@ -97,15 +96,19 @@ def resolve_execution(config: TrainConfig, world_size: int, te: bool) -> Executi
     if config.seq_length is not None and config.seq_length % alignment.total:
         raise UserError(f"--seq-length {config.seq_length} must be a multiple of {alignment.total} for "
                         f"{_alignment_reason(config, sequence_parallel)}; use {round_up(config.seq_length, alignment.total)}")
-    return Execution(
-        data_parallel_size=world_size // model_parallel,
+    model = ModelExecution(
         attention_backend=backend,
         sequence_parallel=sequence_parallel,
         cp=config.cp,
-        fp8=config.fp8,
+        fp8="hybrid" if config.fp8 else None,
         recompute_granularity=None if recompute == "none" else recompute,
         recompute_method=config.recompute_method,
         recompute_num_layers=config.recompute_num_layers,
+        gradient_accumulation_fusion=_gradient_accumulation_fusion(backend, on_gpu),
+    )
+    return Execution(
+        model=model,
+        data_parallel_size=world_size // model_parallel,
         overlap_grad_reduce=True if config.overlap_grad_reduce is None else config.overlap_grad_reduce,
         overlap_param_gather=config.dist_optim if config.overlap_param_gather is None else config.overlap_param_gather,
         ddp_bucket_size=config.ddp_bucket_size,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -55,32 +54,6 @@ def freeze_for_stage(model, plan: RunPlan) -> None:
                  freeze_vision_projection=False)
 
 
-def gradient_accumulation_fusion_available(backend: str) -> bool:
-    """Weight gradients accumulated straight into the fp32 gradient buffer: TE layers do it
-    themselves, megatron-core's local layers need Apex's fused_weight_gradient_mlp_cuda."""
-    if not torch.cuda.is_available():
-        return False
-    return backend == "te" or importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
-
-
-def model_options(plan: RunPlan, *, init_weights: bool) -> ModelOptions:
-    ex = plan.execution
-    return ModelOptions(
-        seq_length=plan.seq_length,
-        dtype=plan.dtype,
-        attention_backend=ex.attention_backend,
-        init_weights=init_weights,
-        parallel_output=True,
-        fp8="hybrid" if ex.fp8 else None,
-        sequence_parallel=ex.sequence_parallel,
-        context_parallel=ex.cp,
-        recompute_granularity=ex.recompute_granularity,
-        recompute_method=ex.recompute_method,
-        recompute_num_layers=ex.recompute_num_layers,
-        gradient_accumulation_fusion=gradient_accumulation_fusion_available(ex.attention_backend),
-    )
-
-
 def build_training_model(plan: RunPlan) -> TrainingModel:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -89,7 +62,9 @@ def build_training_model(plan: RunPlan) -> TrainingModel:
 
     cfg = plan.config
     fresh_random = plan.start is None and plan.resume is None
-    model = build_model(plan.arch, plan.families, model_options(plan, init_weights=fresh_random))
+    model = build_model(plan.arch, plan.families, ModelOptions(seq_length=plan.seq_length, dtype=plan.dtype,
+                                                               init_weights=fresh_random, parallel_output=True,
+                                                               execution=plan.execution.model))
     freeze_for_stage(model, plan)
     config = model.config
     # Token-weighted loss across micro batches and data-parallel ranks; must precede the DDP wrapper.

@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megatron_ext.data.image_aspects import IMAGE_ASPECTS
+from megatron_ext.model.backends import ATTENTION_BACKENDS, COMPUTE_DTYPES
+
 
 def opt(default, help: str, **extra):
     """A config field with its --help text (and click extras such as `choices`)."""
@@ -60,7 +63,7 @@ class TrainConfig:
     attention_backend: str = opt("auto", "Layer and attention implementation: te (Transformer Engine), sdpa "
                                          "(torch scaled_dot_product_attention: flash kernels without TE), local "
                                          "(megatron's reference kernel); auto: te where it is importable with CUDA, "
-                                         "else sdpa.", choices=["auto", "te", "sdpa", "local"])
+                                         "else sdpa.", choices=["auto", *ATTENTION_BACKENDS])
     recompute_granularity: str = opt("auto", "Activation recomputation in the backward pass: selective (core "
                                              "attention), full (whole layers) or none; auto: selective with the local "
                                              "kernel (its S x S scores), none with sdpa and te (flash kernels keep "
@@ -72,7 +75,7 @@ class TrainConfig:
     # --- batches and schedule --------------------------------------------------------------
     micro_batch_size: int = opt(1, "Samples (packed sequences) per micro batch per data-parallel rank.")
     global_batch_size: int | None = opt(None, "Samples per optimizer step (stage default: 256 / 128).")
-    train_iters: int | None = opt(None, "Optimizer steps to train.")
+    train_iters: int | None = opt(None, "Optimizer steps to train (default: one epoch of the training split).")
     epochs: float | None = opt(None, "Train length in passes over the training split (instead of --train-iters).")
     lr: float | None = opt(None, "Peak learning rate (stage default: 1e-3 / 2e-5).")
     min_lr: float = opt(0.0, "Learning rate at the end of the decay.")
@@ -109,12 +112,12 @@ class TrainConfig:
     image_aspect: str = opt("crop", "Images of another shape than the vision tower's: crop (the processor's resize "
                                     "+ center crop), pad (LLaVA-1.5: pad to a square with the mean colour, then "
                                     "resize) or resize (squash). Stored with the checkpoint; generation and "
-                                    "evaluation use it.", choices=["crop", "pad", "resize"])
+                                    "evaluation use it.", choices=IMAGE_ASPECTS)
     image_token_id: int | None = opt(None, "Image token id (default: from the tokenizer).")
     pad_token_id: int | None = opt(None, "Padding token id (default: from the tokenizer).")
     no_add_class_token: bool = opt(False, "Do not pass the vision class token to the language model.")
     # --- precision -------------------------------------------------------------------------
-    dtype: str = opt("auto", "Compute dtype (auto: bfloat16 on GPU, float32 on CPU).", choices=["auto", "bfloat16", "float32"])
+    dtype: str = opt("auto", "Compute dtype (auto: bfloat16 on GPU, float32 on CPU).", choices=["auto", *COMPUTE_DTYPES])
     fp8: bool = opt(False, "FP8 (Transformer Engine hybrid recipe).")
     # --- logging and evaluation ------------------------------------------------------------
     name: str | None = opt(None, "Run name (logs, W&B).")

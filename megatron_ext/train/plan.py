@@ -1,7 +1,10 @@
 """Everything the trainer decides before it touches a GPU: defaults, derived sizes, and validation.
 
 `make_plan` turns the command line into a `RunPlan` or raises one UserError naming the flag, so a
-bad launch fails in a second instead of after model construction.
+bad launch fails in a second instead of after model construction. It is the one home of the run's
+defaults and checks: the launcher (run.py) makes the same plan before anything starts and renders
+the trainer's command from it, so both accept and refuse the same things in the same words. Imports
+no torch: run.py --dry-run stays fast.
 """
 
 from __future__ import annotations
@@ -14,42 +17,81 @@ from pathlib import Path
 
 from megatron_ext import families
 from megatron_ext.checkpoint import layout
+from megatron_ext.data.prepared import SplitCount, split_counts
 from megatron_ext.errors import UserError
 from megatron_ext.lora.settings import lora_settings
 from megatron_ext.model.arch import LlavaArch
 from megatron_ext.model.backends import compute_dtype
 from megatron_ext.train.execution import Execution, resolve_execution
 from megatron_ext.train.options import TrainConfig
+from megatron_ext.train.tokens import TokenizerFiles
 
 DEFAULT_MAX_SEQ_LENGTH = 2048
 
 
 @dataclass(frozen=True)
 class RunPlan:
-    config: TrainConfig  # with stage defaults resolved
+    """Each value is kept once; what follows from others (lengths, micro batches) is computed from them."""
+
+    # The options: as given, with the stage's defaults, the tokenizer's token ids and (neither
+    # --train-iters nor --epochs given) one epoch's --train-iters filled in.
+    config: TrainConfig
     arch: LlavaArch
     families: families.Families  # of `arch`, resolved once: the model and its tables come from them
     hf_config: dict  # the LLaVA config the model is built from (stored in every checkpoint)
     start: layout.Snapshot | None  # weights of a fresh run (--megatron-load-dir)
     resume: layout.Snapshot | None  # latest snapshot of --save-dir: continue that run
     tokenizer_dir: Path
+    train_split: SplitCount  # --data-path's training samples and the datasets holding them
     world_size: int
-    data_parallel_size: int
-    num_microbatches: int
-    train_iters: int
-    seq_length: int
     dtype: str
     execution: Execution  # attention backend, SP/CP, recompute, overlap, sequence alignment
     skip_ranges: tuple[tuple[int, int], ...]
+    notes: tuple[str, ...] = ()  # the defaults filled in from the tokenizer and the dataset, explained
+
+    @property
+    def train_iters(self) -> int:
+        cfg = self.config
+        if cfg.train_iters is not None:
+            return cfg.train_iters
+        return _epoch_iters(cfg.epochs, self.train_split.samples, cfg.global_batch_size)
+
+    @property
+    def seq_length(self) -> int:
+        """--seq-length (checked against the alignment), else min(2048, the model's maximum) rounded down to it."""
+        if self.config.seq_length:
+            return self.config.seq_length
+        default = min(DEFAULT_MAX_SEQ_LENGTH, self.arch.text.max_position_embeddings)
+        return default - default % self.execution.alignment.total
+
+    @property
+    def num_microbatches(self) -> int:
+        cfg = self.config
+        return cfg.global_batch_size // (cfg.micro_batch_size * self.execution.data_parallel_size)
 
     def skipped(self, iteration: int) -> bool:
         return any(a <= iteration <= b for a, b in self.skip_ranges)
 
+    def resolved_config(self) -> TrainConfig:
+        """The options with what "auto" and the unset lengths resolved to (printed, stored in checkpoints)."""
+        return dataclasses.replace(self.config, train_iters=self.train_iters, seq_length=self.seq_length,
+                                   attention_backend=self.execution.model.attention_backend)
+
+    def paths(self) -> list[Path]:
+        """Files and directories the run reads or writes (bound into a container)."""
+        cfg = self.config
+        paths = [Path(p) for p in (cfg.tokenizer_load_dir, cfg.save_dir, cfg.eval_benchmark_include_path) if p]
+        paths += [Path(cfg.data_path), *(Path(path) for path, _, _ in self.train_split.members)]
+        snapshots = [snapshot for snapshot in (self.start, self.resume) if snapshot]
+        paths += [snapshot.root for snapshot in snapshots]
+        # An adapter checkpoint loads its base checkpoint too.
+        return paths + [Path(snapshot.lora_base["path"]) for snapshot in snapshots if snapshot.lora_base]
+
     def summary(self) -> dict:
         return {
-            "config": self.config.to_dict(),
+            "config": self.resolved_config().to_dict(),
             "world_size": self.world_size,
-            "data_parallel_size": self.data_parallel_size,
+            "data_parallel_size": self.execution.data_parallel_size,
             "num_microbatches": self.num_microbatches,
             "train_iters": self.train_iters,
             "seq_length": self.seq_length,
@@ -75,18 +117,34 @@ def parse_skip_ranges(values: list[str]) -> tuple[tuple[int, int], ...]:
     return tuple(ranges)
 
 
+def _snapshots(config: TrainConfig) -> tuple[layout.Snapshot | None, layout.Snapshot | None]:
+    """(checkpoint to start from, latest snapshot of --save-dir to resume), both checked."""
+    save_dir = Path(config.save_dir) if config.save_dir else None
+    if save_dir is not None and save_dir.exists() and not save_dir.is_dir():
+        raise UserError(f"--save-dir {save_dir} exists and is not a directory")
+    resume = layout.latest_complete_snapshot(save_dir) if save_dir else None
+    if config.init:
+        if not config.tokenizer_load_dir:
+            raise UserError("--init needs --tokenizer-load-dir: the HF LLaVA directory whose config.json defines the model")
+        return None, resume
+    if config.megatron_load_dir:
+        return layout.find_snapshot(config.megatron_load_dir, "--megatron-load-dir"), resume
+    if resume is None:
+        raise UserError("--megatron-load-dir is required (a converted or trained checkpoint), "
+                        "or --init with --tokenizer-load-dir")
+    return None, resume
+
+
 def _hf_config(config: TrainConfig, start: layout.Snapshot | None, resume: layout.Snapshot | None) -> dict:
     if resume is not None:
         return resume.hf_config
     if start is not None:
         return start.hf_config
-    if config.init and config.tokenizer_load_dir:
-        path = Path(config.tokenizer_load_dir) / "config.json"
-        if not path.is_file():
-            raise UserError(f"--init: {path} not found; --init takes the architecture from --megatron-load-dir or "
-                            "from the HF LLaVA directory given as --tokenizer-load-dir")
-        return json.loads(path.read_text())
-    raise UserError("--megatron-load-dir is required (or --init with --tokenizer-load-dir pointing at an HF LLaVA directory)")
+    path = Path(config.tokenizer_load_dir) / "config.json"  # only --init gets here (_snapshots)
+    if not path.is_file():
+        raise UserError(f"--init: {path} not found; --init takes the architecture from --megatron-load-dir or "
+                        "from the HF LLaVA directory given as --tokenizer-load-dir")
+    return json.loads(path.read_text())
 
 
 def _model(hf_config: dict, no_add_class_token: bool) -> tuple[dict, LlavaArch]:
@@ -99,17 +157,59 @@ def _model(hf_config: dict, no_add_class_token: bool) -> tuple[dict, LlavaArch]:
     return hf_config, arch
 
 
-def _train_iters(config: TrainConfig, samples_per_step: int) -> int:
-    if config.train_iters is not None:
-        if config.train_iters < 1:
-            raise UserError(f"--train-iters must be >= 1, got {config.train_iters}")
-        return config.train_iters
-    if config.epochs is None:
-        raise UserError("give the training length: --train-iters N or --epochs E")
-    from megatron_ext.data.prepared import require_split
+def _train_split(config: TrainConfig) -> SplitCount:
+    if not config.data_path:
+        raise UserError("--data-path is required: a prepared energon dataset directory or a metadataset YAML")
+    train = split_counts(config.data_path)["train"]
+    if train.samples == 0:
+        raise UserError(f"--data-path {config.data_path} has no training samples")
+    return train
 
-    train_samples = require_split(config.data_path, "train")
-    return max(1, math.ceil(config.epochs * train_samples / samples_per_step))
+
+def _epoch_iters(epochs: float, train_samples: int, global_batch_size: int) -> int:
+    return max(1, math.ceil(epochs * train_samples / global_batch_size))
+
+
+def _train_length(config: TrainConfig, train_samples: int) -> tuple[dict, list[str]]:
+    """--train-iters of one epoch when neither it nor --epochs is given, and the note saying so."""
+    if config.train_iters is not None or config.epochs is not None:
+        return {}, []
+    iters = _epoch_iters(1, train_samples, config.global_batch_size)
+    return {"train_iters": iters}, [f"{iters} iterations = one epoch of {train_samples} training samples at global "
+                                    f"batch {config.global_batch_size} (change with -- --train-iters N or -- --epochs E)"]
+
+
+def _tokenizer(config: TrainConfig, snapshot: layout.Snapshot | None) -> TokenizerFiles:
+    """--tokenizer-load-dir, else the checkpoint's copy (without --init there is a checkpoint: _snapshots)."""
+    if config.tokenizer_load_dir:
+        return TokenizerFiles(config.tokenizer_load_dir)
+    if not snapshot.tokenizer_dir.is_dir():
+        raise UserError(f"--tokenizer-load-dir is required: checkpoint {snapshot.root} has no {layout.TOKENIZER_DIR}/ copy")
+    return TokenizerFiles(snapshot.tokenizer_dir, f"--megatron-load-dir {snapshot.root}: tokenizer")
+
+
+def _token_ids(config: TrainConfig, arch: LlavaArch, tokenizer: TokenizerFiles,
+               snapshot: layout.Snapshot | None) -> tuple[dict, list[str]]:
+    """The image and pad token ids not given, read from the tokenizer; given or read, they must be the model's."""
+    built_by = f"checkpoint {snapshot.root}" if snapshot else f"{tokenizer.directory}/config.json"
+    filled = {}
+    for kind, built in (("image", arch.image_token_index), ("pad", arch.pad_token_id)):
+        given = getattr(config, f"{kind}_token_id")
+        if given is not None:
+            if given != built:
+                raise UserError(f"--{kind}-token-id {given} differs from the checkpoint's ({built}); "
+                                f"the model was built with {built}")
+            continue
+        token_id = tokenizer.image_token_id() if kind == "image" else tokenizer.pad_token_id()
+        if built is not None and token_id != built:
+            raise UserError(f"{tokenizer.flag} {tokenizer.directory}: {kind} token id {token_id} differs from the "
+                            f"{built} that {built_by} was built with; use the tokenizer it was converted from "
+                            f"(or pass --{kind}-token-id)")
+        filled[kind] = token_id
+    if not filled:
+        return {}, []
+    found = ", ".join(f"{kind} {token_id}" for kind, token_id in filled.items())
+    return {f"{kind}_token_id": token_id for kind, token_id in filled.items()}, [f"token ids from {tokenizer.directory}: {found}"]
 
 
 def _check_same_lora(config: TrainConfig, resume: layout.Snapshot) -> None:
@@ -125,14 +225,11 @@ def _check_same_lora(config: TrainConfig, resume: layout.Snapshot) -> None:
 
 
 def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | None = None) -> RunPlan:
-    """`te`: Transformer Engine is usable here (default: imported to find out)."""
+    """`te`: Transformer Engine is usable here (default: imported to find out); `on_gpu`: the ranks use GPUs."""
     config = config.resolved()
     if config.save and not config.save_dir:
         raise UserError("--save needs --save-dir")
-    if config.data_path is None:
-        raise UserError("--data-path is required (a prepared energon dataset or a metadataset YAML)")
-    if not Path(config.data_path).exists():
-        raise UserError(f"--data-path {config.data_path} does not exist")
+    train_split = _train_split(config)
     if te is None:
         from megatron_ext.model.backends import te_available
 
@@ -140,7 +237,7 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
     for flag, value in (("--micro-batch-size", config.micro_batch_size), ("--global-batch-size", config.global_batch_size)):
         if value < 1:
             raise UserError(f"{flag} {value} must be >= 1")
-    execution = resolve_execution(config, world_size, te)
+    execution = resolve_execution(config, world_size, te, on_gpu)
     dp = execution.data_parallel_size
     per_step = config.micro_batch_size * dp
     if config.global_batch_size % per_step:
@@ -160,16 +257,13 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
     skip_ranges = parse_skip_ranges(config.skip_train_iteration_range)
     lora = lora_settings(config)
 
-    resume = layout.latest_complete_snapshot(Path(config.save_dir)) if config.save_dir else None
+    start, resume = _snapshots(config)
     if resume is not None and config.load_optim is not False and resume.meta.get("has_optimizer"):
         saved = resume.trainer_options.get("dist_optim")
         if saved is not None and saved != config.dist_optim:
             raise UserError(f"--save-dir {config.save_dir}: its optimizer state was saved "
                             f"{'with' if saved else 'without'} --dist-optim; resume with the same setting "
                             "or give --no-load-optim (Adam's moments then start afresh)")
-    start = None
-    if config.megatron_load_dir and not config.init:
-        start = layout.find_snapshot(config.megatron_load_dir, "--megatron-load-dir")
     if lora is not None and start is None and resume is None:
         raise UserError("--lora-rank needs --megatron-load-dir: the base checkpoint the adapters are trained on")
     if resume is not None:
@@ -179,42 +273,29 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
     problems = arch.parallel_problems(config.tp, config.pp) + family.text.layout_problems(arch.text, config.cp)
     if problems:
         raise UserError("; ".join(problems))
-    for flag, given, expected in (("--image-token-id", config.image_token_id, arch.image_token_index),
-                                  ("--pad-token-id", config.pad_token_id, arch.pad_token_id)):
-        if given is not None and given != expected:
-            raise UserError(f"{flag} {given} differs from the checkpoint's ({expected}); the model was built with {expected}")
+    tokenizer = _tokenizer(config, resume or start)
+    token_ids, token_notes = _token_ids(config, arch, tokenizer, resume or start)
+    length, length_notes = _train_length(config, train_split.samples)
+    if config.train_iters is not None and config.train_iters < 1:
+        raise UserError(f"--train-iters must be >= 1, got {config.train_iters}")
 
-    tokenizer_dir = Path(config.tokenizer_load_dir) if config.tokenizer_load_dir else None
-    if tokenizer_dir is None:
-        source = resume or start
-        tokenizer_dir = source.tokenizer_dir if source else None
-    if tokenizer_dir is None or not tokenizer_dir.is_dir():
-        raise UserError(f"--tokenizer-load-dir {tokenizer_dir}: no tokenizer directory found; pass the HF LLaVA directory")
-
-    # An explicit --seq-length was checked against the alignment; the default is rounded down to it.
-    default_length = min(DEFAULT_MAX_SEQ_LENGTH, arch.text.max_position_embeddings)
-    seq_length = config.seq_length or default_length - default_length % execution.alignment.total
-    if seq_length <= arch.img_seq_len:
-        raise UserError(f"--seq-length {seq_length} leaves no room for text after {arch.img_seq_len} image embeddings")
-    if config.packing_seq_length and config.packing_seq_length > seq_length:
-        raise UserError(f"--packing-seq-length {config.packing_seq_length} exceeds --seq-length {seq_length}")
-
-    dtype = compute_dtype(config.dtype, on_gpu)
-    config = dataclasses.replace(config, seq_length=seq_length, attention_backend=execution.attention_backend)
-    return RunPlan(
-        config=config,
+    plan = RunPlan(
+        config=dataclasses.replace(config, **token_ids, **length),
         arch=arch,
         families=family,
         hf_config=hf_config,
         start=start,
         resume=resume,
-        tokenizer_dir=tokenizer_dir.resolve(),
+        tokenizer_dir=tokenizer.directory.resolve(),
+        train_split=train_split,
         world_size=world_size,
-        data_parallel_size=dp,
-        num_microbatches=config.global_batch_size // per_step,
-        train_iters=_train_iters(config, config.global_batch_size),
-        seq_length=seq_length,
-        dtype=dtype,
+        dtype=compute_dtype(config.dtype, on_gpu),
         execution=execution,
         skip_ranges=skip_ranges,
+        notes=(*token_notes, *length_notes),
     )
+    if plan.seq_length <= arch.img_seq_len:
+        raise UserError(f"--seq-length {plan.seq_length} leaves no room for text after {arch.img_seq_len} image embeddings")
+    if config.packing_seq_length and config.packing_seq_length > plan.seq_length:
+        raise UserError(f"--packing-seq-length {config.packing_seq_length} exceeds --seq-length {plan.seq_length}")
+    return plan

@@ -228,7 +228,7 @@ class Trainer:
         cfg = self.cfg
         log.info("training iterations %d..%d, global batch %d = %d micro batches x %d x DP %d",
                  self.iteration + 1, self.plan.train_iters, cfg.global_batch_size, self.plan.num_microbatches,
-                 cfg.micro_batch_size, self.plan.data_parallel_size)
+                 cfg.micro_batch_size, self.plan.execution.data_parallel_size)
         while self.iteration < self.plan.train_iters:
             self.iteration += 1
             start, lr = time.perf_counter(), self._lr()

@@ -69,8 +69,10 @@ def test_other_rope_types_are_refused():
 def test_context_parallelism_is_refused_before_launch(llava_gemma3_siglip, tmp_path):
     from megatron_ext.train.options import TrainConfig
     from megatron_ext.train.plan import make_plan
+    from tests.launch.conftest import write_prepared_dataset
 
-    config = TrainConfig(init=True, tokenizer_load_dir=str(llava_gemma3_siglip), data_path=str(tmp_path),
+    data = write_prepared_dataset(tmp_path, {"a.tar": 4}, {"train": ["a.tar"]})
+    config = TrainConfig(init=True, tokenizer_load_dir=str(llava_gemma3_siglip), data_path=str(data),
                          stage=2, cp=2, micro_batch_size=1, train_iters=1)
     with pytest.raises(UserError, match=r"^--cp 2: gemma3_text layers compute their own RoPE, which is not split over "
                                         r"context-parallel ranks; use --cp 1$"):

@@ -9,7 +9,7 @@ import pytest
 from megatron_ext.errors import UserError
 from megatron_ext.launch.flags import FLAGS, split_argv
 from megatron_ext.launch.slurm import hostnames, slurm_job
-from megatron_ext.launch.tokens import IMAGE_TOKEN, TokenizerFiles
+from megatron_ext.train.tokens import IMAGE_TOKEN, TokenizerFiles
 from tests.helpers import REPO_ROOT
 from tests.launch.conftest import write_tokenizer
 
@@ -52,7 +52,7 @@ def test_split_argv(argv, launcher, trainer):
     assert split_argv(argv) == (launcher, trainer)
 
 
-@pytest.mark.parametrize("fixture", ["llava_clip", "llava_qwen2_siglip"])
+@pytest.mark.parametrize("fixture", ["llava_clip", "llava_qwen2_siglip", "llava_internvit", "llava_gemma3_siglip"])
 def test_token_ids_match_what_build_llava_wrote(request, fixture):
     path = request.getfixturevalue(fixture)
     config = json.loads((path / "config.json").read_text())

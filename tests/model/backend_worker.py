@@ -81,6 +81,7 @@ def main():
     from megatron_ext.checkpoint.model_io import load_model_weights
     from megatron_ext.data.task_encoder import LlavaTaskEncoder
     from megatron_ext.distributed import device, init_parallel, shutdown
+    from megatron_ext.model.execution import ModelExecution
     from megatron_ext.model.inputs import ModelInputs
     from megatron_ext.model.provider import ModelOptions, build_model
     from megatron_ext.model.sequence_alignment import SequenceAlignment
@@ -96,7 +97,8 @@ def main():
     }
     results = {}
     for backend in backends:
-        model = build_model(arch, families.of(arch), ModelOptions(seq_length=SEQ, attention_backend=backend, init_weights=False)).eval()
+        model = build_model(arch, families.of(arch), ModelOptions(seq_length=SEQ, init_weights=False,
+                                                                  execution=ModelExecution(attention_backend=backend))).eval()
         load_model_weights(model, snapshot.path)
         inputs = ModelInputs.for_model(arch, model, device())
         for prefix, encoder in encoders.items():

@@ -60,3 +60,24 @@ def test_local_attention_keeps_packed_samples_apart_with_the_gpu_config(llava_cl
     # No query of sample 2 gives weight to a key of sample 1, nor any query to a later key.
     assert probs[..., 12:, :12].abs().max() == 0
     assert torch.equal(probs[0, 0] > 0, ~mask[0, 0])
+
+
+def test_execution_options_reach_the_language_config(llava_clip):
+    from megatron_ext import families
+    from megatron_ext.model.execution import ModelExecution
+    from megatron_ext.model.provider import ModelOptions, transformer_configs
+
+    arch = families.read_llava(json.loads((llava_clip / "config.json").read_text()))
+
+    def configs(**execution):
+        return transformer_configs(arch, families.of(arch), ModelOptions(execution=ModelExecution(**execution)), "sdpa",
+                                   tp=1, pp=1)
+
+    language, vision, projector = configs(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    assert (language.recompute_granularity, language.recompute_method, language.recompute_num_layers) == ("full", "block", 2)
+    assert vision.recompute_granularity is None and projector.recompute_granularity is None
+    language = configs(recompute_granularity="selective")[0]
+    assert (language.recompute_granularity, language.recompute_modules) == ("selective", ["core_attn"])
+    language = configs()[0]
+    assert (language.recompute_granularity, language.sequence_parallel, language.context_parallel_size, language.fp8,
+            language.gradient_accumulation_fusion) == (None, False, 1, None, False)

@@ -49,7 +49,7 @@ def test_plan_derives_stage_defaults_and_iterations(megatron_clip, train_data):
     stage1 = make_plan(TrainConfig(megatron_load_dir=str(megatron_clip), data_path=str(train_data), stage=1,
                                    micro_batch_size=4, epochs=2), world_size=4, on_gpu=False)
     assert (stage1.config.global_batch_size, stage1.config.lr, stage1.config.freeze_lm) == (256, 1e-3, True)
-    assert stage1.data_parallel_size == 4 and stage1.num_microbatches == 16
+    assert stage1.execution.data_parallel_size == 4 and stage1.num_microbatches == 16
     assert stage1.train_iters == 1  # 2 epochs of 80 samples in batches of 256
     stage2 = make_plan(TrainConfig(megatron_load_dir=str(megatron_clip), data_path=str(train_data), stage=2,
                                    global_batch_size=8, epochs=1.5, tp=2), world_size=2, on_gpu=True)

@@ -3,6 +3,8 @@ resolved and refused in one line before anything starts (no torch needed)."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import click
 import pytest
 from click.testing import CliRunner
@@ -12,31 +14,52 @@ from megatron_ext.train.execution import resolve_execution
 from megatron_ext.train.options import TrainConfig
 
 
-def _resolve(world: int = 1, te: bool = False, **options):
-    return resolve_execution(TrainConfig(stage=2, **options).resolved(), world, te)
+def _resolve(world: int = 1, te: bool = False, on_gpu: bool = False, **options):
+    return resolve_execution(TrainConfig(stage=2, **options).resolved(), world, te, on_gpu)
 
 
 def test_auto_picks_te_where_it_is_usable_else_sdpa():
-    assert _resolve(te=True).attention_backend == "te"
-    assert _resolve(te=False).attention_backend == "sdpa"
-    assert _resolve(te=True, attention_backend="local").attention_backend == "local"
+    assert _resolve(te=True).model.attention_backend == "te"
+    assert _resolve(te=False).model.attention_backend == "sdpa"
+    assert _resolve(te=True, attention_backend="local").model.attention_backend == "local"
 
 
 def test_defaults_follow_the_backend_and_layout():
     te_tp2 = _resolve(world=4, te=True, tp=2, dist_optim=True)
-    assert te_tp2.sequence_parallel and te_tp2.alignment.total == 2 and te_tp2.data_parallel_size == 2
-    assert te_tp2.recompute_granularity is None
+    assert te_tp2.model.sequence_parallel and te_tp2.alignment.total == 2 and te_tp2.data_parallel_size == 2
+    assert te_tp2.model.recompute_granularity is None
     assert te_tp2.overlap_grad_reduce and te_tp2.overlap_param_gather
-    assert not _resolve(world=2, te=True, tp=2, sequence_parallel=False).sequence_parallel
+    assert not _resolve(world=2, te=True, tp=2, sequence_parallel=False).model.sequence_parallel
     # Generation during training runs without sequence parallelism.
-    assert not _resolve(world=2, te=True, tp=2, eval_interval=5, eval_generate_samples=2).sequence_parallel
+    assert not _resolve(world=2, te=True, tp=2, eval_interval=5, eval_generate_samples=2).model.sequence_parallel
     local = _resolve(attention_backend="local")
-    assert local.recompute_granularity == "selective" and not local.overlap_param_gather
-    full = _resolve(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    assert local.model.recompute_granularity == "selective" and not local.overlap_param_gather
+    full = _resolve(recompute_granularity="full", recompute_method="block", recompute_num_layers=2).model
     assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "block", 2)
     cp = _resolve(world=8, te=True, tp=2, cp=2)
-    assert (cp.alignment.total, cp.alignment.per_sample, cp.data_parallel_size) == (8, 4, 2)
-    assert _resolve(te=True, fp8=True).alignment.total == 16
+    assert (cp.alignment.total, cp.alignment.per_sample, cp.data_parallel_size, cp.model.cp) == (8, 4, 2, 2)
+    fp8 = _resolve(te=True, fp8=True)
+    assert (fp8.alignment.total, fp8.model.fp8) == (16, "hybrid")
+    assert _resolve(te=True).model.fp8 is None
+
+
+@pytest.mark.parametrize("apex", [False, True])
+def test_gradient_accumulation_fusion_on_gpu_where_a_kernel_exists(monkeypatch, apex):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if apex and name == "fused_weight_gradient_mlp_cuda" else None)
+    assert _resolve(te=True, on_gpu=True).model.gradient_accumulation_fusion
+    assert not _resolve(te=True, on_gpu=False).model.gradient_accumulation_fusion
+    # Local layers (sdpa, local) fuse only with Apex's kernel.
+    assert _resolve(on_gpu=True).model.gradient_accumulation_fusion == apex
+    assert not _resolve(on_gpu=False).model.gradient_accumulation_fusion
+
+
+def test_summary_is_flat_as_checkpoints_store_it():
+    summary = _resolve(world=2, attention_backend="local", dist_optim=True).summary()
+    assert summary == {"attention_backend": "local", "sequence_parallel": False, "cp": 1, "fp8": None,
+                       "recompute_granularity": "selective", "recompute_method": "uniform", "recompute_num_layers": 1,
+                       "gradient_accumulation_fusion": False, "data_parallel_size": 2, "overlap_grad_reduce": True,
+                       "overlap_param_gather": True, "ddp_bucket_size": None,
+                       "alignment": {"total": 1, "per_sample": 1}}
 
 
 REFUSED = {

@@ -1,0 +1,21 @@
+"""How the model's layers run on their devices: the choices that shape its TransformerConfigs but
+not its weights. The trainer resolves them from its options (`train.execution`) and hands this one
+object to `provider.ModelOptions`; inference builds keep the defaults. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelExecution:
+    attention_backend: str = "auto"  # te | sdpa | local; auto: te when usable, else sdpa (backends.py)
+    sequence_parallel: bool = False
+    cp: int = 1  # context-parallel size
+    fp8: str | None = None  # Transformer Engine FP8 format ("hybrid", "e4m3"), TE only
+    recompute_granularity: str | None = None  # None | "selective" (core attention) | "full" (whole layers)
+    recompute_method: str = "uniform"  # full recomputation: "uniform" or "block"
+    recompute_num_layers: int = 1
+    gradient_accumulation_fusion: bool = False  # weight gradients accumulated in place (training on GPU)
+

@@ -1,0 +1,63 @@
+"""run.py and the trainer started directly make one plan: the same defaults, the same refusals in the same words."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from megatron_ext.train.plan import make_plan
+from tests.helpers import child_env, run_script
+from tests.launch.conftest import write_prepared_dataset, write_tokenizer
+from tests.launch.test_commands import _trainer, split_torchrun
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+
+# (run.py arguments, the same given to the trainer, iterations both must train)
+LENGTHS = {
+    "one epoch by default": ([], [], 125),  # 1000 training samples / global batch 8
+    "epochs": (["--", "--epochs", "2.5"], ["--epochs", "2.5"], 313),
+    "iterations": (["--", "--train-iters", "7"], ["--train-iters", "7"], 7),
+}
+
+
+@pytest.mark.parametrize("name", list(LENGTHS))
+def test_direct_trainer_plans_what_the_launcher_launches(launcher, inputs, name):
+    launcher_extra, trainer_extra, iters = LENGTHS[name]
+    common = ["--megatron-load-dir", str(inputs.checkpoint), "--data-path", str(inputs.data), "--stage", "2",
+              "--global-batch-size", "8"]
+    dry = launcher.run("--dry-run", *common, *launcher_extra)
+    assert dry.returncode == 0, dry.stderr
+    _, launched = split_torchrun(shlex.split(dry.stdout)[1:])
+    direct = make_plan(_trainer.main([*common, *trainer_extra], standalone_mode=False), world_size=1, on_gpu=False,
+                       te=False)
+    from_launched = make_plan(launched, world_size=1, on_gpu=False, te=False)
+    for plan in (direct, from_launched):
+        assert (plan.train_iters, plan.config.image_token_id, plan.config.pad_token_id) == (iters, 32000, 32001)
+    assert direct.resolved_config() == from_launched.resolved_config()
+    # What was filled in, as run.py shows it.
+    notes = [f"token ids from {inputs.checkpoint / 'tokenizer'}: image 32000, pad 32001"]
+    if not trainer_extra:
+        notes.append("125 iterations = one epoch of 1000 training samples at global batch 8 "
+                     "(change with -- --train-iters N or -- --epochs E)")
+    assert list(direct.notes) == notes
+    assert [f"run.py: {note}" for note in notes] == [line for line in dry.stderr.splitlines() if "token ids" in line
+                                                     or "one epoch" in line]
+
+
+@pytest.mark.parametrize("case", ["init without tokenizer", "tokenizer of another model", "no training samples"])
+def test_an_error_reads_the_same_from_both(launcher, inputs, tmp_path, case):
+    args = {
+        "init without tokenizer": ["--data-path", inputs.data, "--init"],
+        "tokenizer of another model": ["--megatron-load-dir", inputs.checkpoint, "--data-path", inputs.data,
+                                       "--tokenizer-load-dir", write_tokenizer(tmp_path / "other", {"<image>": 5, "<pad>": 6})],
+        "no training samples": ["--megatron-load-dir", inputs.checkpoint, "--data-path",
+                                write_prepared_dataset(tmp_path / "val_only", {"a.tar": 5}, {"train": [], "val": ["a.tar"]})],
+    }[case]
+    from_launcher = launcher.run(*args)
+    from_trainer = run_script("train/pretrain_llava.py", *args, check=False, timeout=100, env=child_env())
+    assert from_launcher.returncode == from_trainer.returncode == 2
+    assert from_launcher.stderr.startswith("error: ") and "\n" not in from_launcher.stderr.strip()
+    assert from_trainer.stderr == from_launcher.stderr
+    assert launcher.records() == []
