@@ -22,6 +22,10 @@ META_DIR = ".nv-meta"
 SPLITS = ("train", "val", "test")
 
 
+class UncountedSamples(UserError):
+    """A metadataset whose samples cannot be counted: its join entries pair samples energon's way."""
+
+
 @dataclass(frozen=True)
 class SplitCount:
     """Samples of one split; `members` lists (dataset directory, weight or repetitions, samples)."""
@@ -104,7 +108,8 @@ def _entry_members(entry: dict, base: Path, split: str, flag: str,
     if not isinstance(entry, dict):
         raise UserError(f"{flag}: metadataset entry {entry!r} is not a mapping")
     if "join" in entry:
-        raise UserError(f"{flag}: cannot count samples of a metadataset with join entries; give --train-iters instead of --epochs")
+        raise UncountedSamples(f"{flag}: cannot count samples of a metadataset with join entries; give --train-iters "
+                               "instead of --epochs")
     absolute = None
     if "subset" in entry:
         subset = _subset_range(entry, flag)

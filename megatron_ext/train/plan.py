@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megatron_ext import families
 from megatron_ext.checkpoint import layout
-from megatron_ext.data.prepared import SplitCount, split_counts
+from megatron_ext.data.prepared import SplitCount, UncountedSamples, split_counts
 from megatron_ext.errors import UserError
 from megatron_ext.lora.settings import lora_settings
 from megatron_ext.model.arch import LlavaArch
@@ -160,7 +160,13 @@ def _model(hf_config: dict, no_add_class_token: bool) -> tuple[dict, LlavaArch]:
 def _train_split(config: TrainConfig) -> SplitCount:
     if not config.data_path:
         raise UserError("--data-path is required: a prepared energon dataset directory or a metadataset YAML")
-    train = split_counts(config.data_path)["train"]
+    try:
+        train = split_counts(config.data_path)["train"]
+    except UncountedSamples:
+        if config.train_iters is None:
+            raise
+        # The length is given, so nothing needs the count; the metadataset names its datasets itself.
+        return SplitCount(0)
     if train.samples == 0:
         raise UserError(f"--data-path {config.data_path} has no training samples")
     return train

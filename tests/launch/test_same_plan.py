@@ -61,3 +61,21 @@ def test_an_error_reads_the_same_from_both(launcher, inputs, tmp_path, case):
     assert from_launcher.stderr.startswith("error: ") and "\n" not in from_launcher.stderr.strip()
     assert from_trainer.stderr == from_launcher.stderr
     assert launcher.records() == []
+
+
+def test_a_metadataset_with_join_entries_trains_for_the_given_iterations(launcher, inputs, tmp_path):
+    """Joined samples cannot be counted: with --train-iters both plan it; without, both say to give it."""
+    import yaml
+
+    joined = tmp_path / "joined.yaml"
+    joined.write_text(yaml.safe_dump({"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {
+        "train": {"join": [{"path": str(inputs.data)}, {"path": str(inputs.data)}]}}}))
+    common = ["--megatron-load-dir", str(inputs.checkpoint), "--data-path", str(joined), "--stage", "2"]
+    dry = launcher.run("--dry-run", *common, "--", "--train-iters", "3")
+    assert dry.returncode == 0, dry.stderr
+    plan = make_plan(_trainer.main([*common, "--train-iters", "3"], standalone_mode=False), world_size=1,
+                     on_gpu=False, te=False)
+    assert plan.train_iters == 3
+    refused = launcher.run("--dry-run", *common)
+    assert refused.returncode != 0
+    assert "cannot count samples of a metadataset with join entries; give --train-iters" in refused.stderr
