@@ -43,6 +43,8 @@ def read_frames(video, frames: int, name: str | None = None) -> np.ndarray:
         if len(picked) < min(frames, total):
             # The header counted more frames than the stream holds: sample the frames it has.
             picked, _ = _decode(video, uniform_indices(decoded, frames))
+    except FileNotFoundError as exc:
+        raise UserError(f"{name}: no such video file; check the path") from exc
     except (av.FFmpegError, ValueError) as exc:
         reason = " ".join(str(exc).split())
         raise UserError(f"{name}: cannot decode the video ({reason}); re-encode it (e.g. ffmpeg -i IN OUT.mp4) or drop the sample") from exc
