@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from megatron_ext.data.images import _rgb
+from megatron_ext.data.images import rgb
 from megatron_ext.data.pixels import PixelTable
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class AnyresPreprocessor:
         several = len(images) > 1
         if self.settings is None or not all(isinstance(image, Image.Image) for image in images):
             return self._hf(images)
-        return [self._tiles(_rgb(image), several) for image in images]
+        return [self._tiles(rgb(image), several) for image in images]
 
     def _tiles(self, image: Image.Image, several: bool) -> Tiles:
         s = self.settings

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from megatron_ext.data.images import _rgb
+from megatron_ext.data.images import rgb
 from megatron_ext.data.pixels import PixelTable
 from megatron_ext.errors import UserError
 
@@ -32,7 +32,7 @@ def read_frames(video, frames: int, name: str | None = None) -> np.ndarray:
     """uint8 RGB frames [n, H, W, 3] sampled uniformly from `video`: a file path, the file's bytes,
     or a list of frame images (PIL or uint8 [H, W, 3] arrays). `name` names the video in errors."""
     if isinstance(video, (list, tuple)):
-        return np.stack([np.asarray(_rgb(f)) if isinstance(f, Image.Image) else np.asarray(f)
+        return np.stack([np.asarray(rgb(f)) if isinstance(f, Image.Image) else np.asarray(f)
                          for f in (video[i] for i in uniform_indices(len(video), frames))])
     name = name or (str(video) if isinstance(video, (str, Path)) else "video bytes")
     import av
