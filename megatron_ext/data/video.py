@@ -5,8 +5,8 @@ Sampling (`--video-frames N`): frame indices `np.linspace(0, total - 1, N, dtype
 last frame included, the rule of lmms-eval's LLaVA-OneVision / llava_hf video loaders and of
 LLaVA-NeXT's training code with `frames_upbound` N and `force_sample` (without it, that code
 takes one frame a second when that gives at most N). transformers' own `default_sample_indices_fn`
-(`arange(N) * total // N`) differs: it never takes the last frame. A video with fewer than N
-frames gives all its frames, as lmms-eval's PyAV loader does.
+(`arange(N) * total // N`) differs: it stops short of the last frame unless N = total. A video
+with fewer than N frames gives all its frames, as lmms-eval's PyAV loader does.
 """
 
 from __future__ import annotations

@@ -105,6 +105,29 @@ def test_counts_over_many_sizes(name):
     assert [layout.image_features(size) for size in sizes] == expected
 
 
+@pytest.mark.parametrize("model", ["llava-next", "onevision"])
+def test_counts_equal_the_models_packing(model):
+    """The positions the HF models' pack_image_features make of the tiles' features (unpadding,
+    newlines, anyres_max_9 downsampling), for a CLIP-like tower of image size 28 and patch 14."""
+    from types import SimpleNamespace
+
+    from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
+    from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionModel, image_size_to_num_patches
+
+    layout = FeatureLayout.of(_tiny_onevision()) if model == "onevision" else FeatureLayout(((28, 56), (56, 28), (56, 56)), 28, 2)
+    config = SimpleNamespace(vision_config=SimpleNamespace(image_size=28, patch_size=14),
+                             image_grid_pinpoints=[list(p) for p in layout.pinpoints])
+    sizes = [(300, 500), (700, 300), (15, 20), (160, 1000), (28, 28), (100, 3000)]
+    features = [torch.zeros(image_size_to_num_patches(size, config.image_grid_pinpoints, 28), 4, 1) for size in sizes]
+    if model == "onevision":
+        packed, _ = LlavaOnevisionModel.pack_image_features(SimpleNamespace(config=config), features, torch.tensor(sizes),
+                                                            image_newline=torch.zeros(1))
+    else:
+        packed, _ = LlavaNextModel.pack_image_features(SimpleNamespace(config=config), features, torch.tensor(sizes),
+                                                       "default", image_newline=torch.zeros(1))
+    assert [layout.image_features(size) for size in sizes] == [len(p) for p in packed]
+
+
 def test_other_processors_run_as_hf_does():
     class Shifted(LlavaNextImageProcessorPil):
         def normalize(self, image, mean, std, **kwargs):
