@@ -112,7 +112,10 @@ def test_counts_equal_the_models_packing(model):
     from types import SimpleNamespace
 
     from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
-    from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionModel, image_size_to_num_patches
+    from transformers.models.llava_onevision.modeling_llava_onevision import (
+        LlavaOnevisionModel,
+        image_size_to_num_patches,
+    )
 
     layout = FeatureLayout.of(_tiny_onevision()) if model == "onevision" else FeatureLayout(((28, 56), (56, 28), (56, 56)), 28, 2)
     config = SimpleNamespace(vision_config=SimpleNamespace(image_size=28, patch_size=14),
