@@ -167,10 +167,19 @@ class AnyresPreprocessor:
         return canvas.reshape(rows, tile, columns, tile, 3).swapaxes(1, 2).reshape(-1, tile, tile, 3)
 
     def _hf(self, images: list) -> list[Tiles]:
-        # OneVision tells a multi-image sample by a nested list; LLaVA-NeXT takes that too.
+        # OneVision tells a multi-image sample by a nested list (and returns batch_num_images);
+        # LLaVA-NeXT takes that too.
         out = self.processor(images=[images], return_tensors="pt")
-        return [Tiles(pixel_values.float(), tuple(int(x) for x in size))
-                for pixel_values, size in zip(out["pixel_values"], out["image_sizes"])]
+        one_tile = len(images) > 1 and "batch_num_images" in self.processor.model_input_names
+        pinpoints, tile = self.processor.image_grid_pinpoints, _tile_size(self.processor)
+        tiles = []
+        for pixel_values, size in zip(out["pixel_values"], out["image_sizes"]):
+            size = tuple(int(x) for x in size)
+            canvas_height, canvas_width = best_resolution(size, pinpoints)
+            count = 1 if one_tile else math.ceil(canvas_height / tile) * math.ceil(canvas_width / tile) + 1
+            # HF pads every image to the most tiles in the batch with zero tiles: not the image's.
+            tiles.append(Tiles(pixel_values[:count].float(), size))
+        return tiles
 
 
 @dataclass(frozen=True)

@@ -131,16 +131,36 @@ def test_counts_equal_the_models_packing(model):
     assert [layout.image_features(size) for size in sizes] == [len(p) for p in packed]
 
 
-def test_other_processors_run_as_hf_does():
-    class Shifted(LlavaNextImageProcessorPil):
+def _shifted(base):
+    """`base` with a step of its own: no longer a processor the direct path reproduces."""
+    class Shifted(base):
         def normalize(self, image, mean, std, **kwargs):
             return super().normalize(image, mean, std, **kwargs) + 1
 
-    image_processor = Shifted(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
-                              image_grid_pinpoints=[[28, 56], [56, 28], [56, 56]])
+    return Shifted
+
+
+def test_other_processors_run_as_hf_does():
+    image_processor = _shifted(LlavaNextImageProcessorPil)(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                                           image_grid_pinpoints=[[28, 56], [56, 28], [56, 56]])
     preprocess = AnyresPreprocessor(image_processor)
     assert preprocess.settings is None
     image = _photo(50, 40)
     expected = image_processor(images=[image], return_tensors="pt")
     (tiles,) = preprocess([image])
     assert torch.equal(tiles.pixel_values, expected["pixel_values"][0]) and tiles.image_size == (40, 50)
+    # Several images: each keeps its own tiles, none of the zero tiles HF pads the batch with.
+    images = [_photo(50, 25, seed=1), _photo(50, 50, seed=2)]
+    wide, square = preprocess(images)
+    expected = image_processor(images=images, return_tensors="pt")["pixel_values"]
+    assert expected.shape[1] == 5 and (len(wide.pixel_values), len(square.pixel_values)) == (3, 5)
+    assert torch.equal(wide.pixel_values, expected[0, :3]) and torch.equal(square.pixel_values, expected[1])
+
+
+def test_other_onevision_processors_make_one_tile_of_each_of_several_images():
+    image_processor = _shifted(LlavaOnevisionImageProcessorPil)(size={"height": 28, "width": 28},
+                                                                image_grid_pinpoints=[[28, 56], [56, 56]])
+    images = [_photo(50, 25, seed=1), _photo(50, 50, seed=2)]
+    got = AnyresPreprocessor(image_processor)(images)
+    expected = image_processor(images=[images], return_tensors="pt")["pixel_values"]
+    assert expected.shape[1] == 1 and [torch.equal(t.pixel_values, e) for t, e in zip(got, expected)] == [True, True]
