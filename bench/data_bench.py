@@ -25,6 +25,14 @@ packing buffers' worth of samples (768), the grid being rows x the longest row (
 computes without pipeline parallelism) or rows x the sequence length (with pipeline
 parallelism; for packing, the fill of each packed sequence): without packing (micro batch 8) and
 with packing to 2048 (micro batch 1 and 2), 4096 and 8192 (micro batch 1), packing buffer 256.
+
+Any-resolution tiles and video frames (`--only tiles` measures just these): samples per
+CPU-second of this process (one thread: per core), interleaved rounds, medians, of
+- a 672x672 photo-like image -> 5 tiles at 336 (LLaVA-NeXT's settings), by transformers'
+  LlavaNextImageProcessorPil and by megatron_ext.data.anyres (the same pixel_values, checked);
+- a 640x480 mpeg4 video of 64 frames -> 8 frames sampled (PyAV) -> OneVision's frames at 384
+  (megatron_ext.data.video; transformers' video processor needs torchvision, which is not installed):
+  decoding alone, preprocessing alone, both.
 """
 
 from __future__ import annotations
@@ -82,12 +90,12 @@ def _conversation(rng: random.Random) -> list[dict]:
     return turns
 
 
-def _photo(rng: np.random.RandomState):
+def _photo(rng: np.random.RandomState, width: int = 640, height: int = 480):
     from PIL import Image
 
     coarse = (rng.rand(12, 16, 3) * 255).astype("uint8")
-    image = Image.fromarray(coarse).resize((640, 480), Image.BICUBIC)
-    noise = rng.randint(-12, 12, (480, 640, 3))
+    image = Image.fromarray(coarse).resize((width, height), Image.BICUBIC)
+    noise = rng.randint(-12, 12, (height, width, 3))
     return Image.fromarray(np.clip(np.asarray(image, dtype=np.int16) + noise, 0, 255).astype("uint8"))
 
 
@@ -279,6 +287,70 @@ def packer_comparison(model_dir: Path, buffers: int = 24) -> dict[int, dict[str,
     return out
 
 
+def _per_cpu_second(step, repeats: int) -> float:
+    start = time.process_time()
+    for _ in range(repeats):
+        step()
+    return repeats / (time.process_time() - start)
+
+
+def _video(path: Path, frames: int = 64) -> Path:
+    """A 640x480 mpeg4 video of photo-like frames."""
+    import av
+
+    rng = np.random.RandomState(1)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=30)
+        stream.width, stream.height, stream.pix_fmt = 640, 480, "yuv420p"
+        for _ in range(frames):
+            for packet in stream.encode(av.VideoFrame.from_image(_photo(rng))):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def tile_rates(work: Path, rounds: int, repeats: int = 20) -> dict[str, list[float]]:
+    """Samples per CPU-second, per round, of any-resolution tiling and video frame preparation."""
+    import torch
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+    from transformers.models.llava_onevision.video_processing_llava_onevision import LlavaOnevisionVideoProcessor
+
+    from megatron_ext.data.anyres import AnyresPreprocessor
+    from megatron_ext.data.video import VideoPreprocessor, read_frames
+
+    processor = LlavaNextImageProcessorPil(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    anyres = AnyresPreprocessor(processor)
+    image = _photo(np.random.RandomState(0), 672, 672)
+    hf = processor(images=[image], return_tensors="pt")["pixel_values"][0]
+    assert hf.shape[0] == 5 and torch.equal(anyres([image])[0].pixel_values, hf)
+    video = _video(work / "video.mp4")
+    frames = VideoPreprocessor(LlavaOnevisionVideoProcessor())
+    decoded = read_frames(video, 8)
+    assert frames(decoded).shape == (8, 3, 384, 384)
+    steps = {
+        "672x672 -> 5 tiles at 336: HF LlavaNextImageProcessorPil": lambda: processor(images=[image], return_tensors="pt"),
+        "672x672 -> 5 tiles at 336: megatron_ext.data.anyres (same pixel_values)": lambda: anyres([image]),
+        "video 64 x 640x480 mpeg4 -> 8 frames (PyAV decode, uniform sampling)": lambda: read_frames(video, 8),
+        "8 decoded frames -> OneVision pixel_values 8 x 384 (resize, normalize)": lambda: frames(decoded),
+        "video -> 8 frames -> OneVision pixel_values 8 x 384 (decode + preprocess)": lambda: frames(read_frames(video, 8)),
+    }
+    rates = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            rates[name].append(_per_cpu_second(step, repeats))
+    return rates
+
+
+def _tiles_report(rates: dict[str, list[float]]) -> list[str]:
+    lines = ["## Any-resolution tiles and video frames (samples per CPU-second, one thread)", "",
+             "Target: >= 40 samples/s per core for 672x672 -> 5 tiles at 336, not slower than HF's processor.", "",
+             "| step | median samples/s | rounds |", "|---|---:|---|"]
+    lines += [f"| {name} | {statistics.median(values):.1f} | {', '.join(f'{v:.0f}' for v in values)} |"
+              for name, values in rates.items()]
+    return lines + [""]
+
+
 def length_stats(model_dir: Path, data: Path, samples: int) -> dict[str, float]:
     encoder = _encoder(model_dir, None, image_processing=False)
     it = iter(_task_loader(data, encoder, 0, 1))
@@ -290,12 +362,15 @@ def length_stats(model_dir: Path, data: Path, samples: int) -> dict[str, float]:
             "p90": float(np.percentile(lengths, 90)), "max": max(lengths), "min": min(lengths)}
 
 
-def _report(args: dict, stats, tput: dict, costs: dict, efficiency: dict, packers: dict) -> str:
-    lines = ["# Data pipeline: task encoder throughput and packing efficiency", "",
-             f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared with other jobs), no GPU, "
-             f"Python {platform.python_version()}, torch {__import__('torch').__version__}, "
-             f"megatron-energon {__import__('megatron.energon', fromlist=['__version__']).__version__}, "
-             f"transformers {__import__('transformers').__version__} (no torchvision: HF's PIL image processors).", "",
+def _machine() -> str:
+    return (f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared with other jobs), no GPU, "
+            f"Python {platform.python_version()}, torch {__import__('torch').__version__}, "
+            f"megatron-energon {__import__('megatron.energon', fromlist=['__version__']).__version__}, "
+            f"transformers {__import__('transformers').__version__} (no torchvision: HF's PIL image processors).")
+
+
+def _report(args: dict, stats, tput: dict, costs: dict, efficiency: dict, packers: dict, tiles: dict) -> str:
+    lines = ["# Data pipeline: task encoder throughput and packing efficiency", "", _machine(), "",
              f"Command: `python bench/data_bench.py {args}` (inputs described in its docstring). "
              f"Target: task encoder overhead <= 15% vs the bare decode loop; packing efficiency >= 95%.", "",
              f"Data: {stats['n']} LLaVA-like samples, 640x480 JPEG, CLIP-336 processor ({IMG_SEQ_LEN} image tokens), "
@@ -327,7 +402,8 @@ def _report(args: dict, stats, tput: dict, costs: dict, efficiency: dict, packer
               "| packing length | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
     lines += [f"| {capacity} | " + " | ".join(f"{fills[n]:.1%}" if n in fills else "" for n in names) + " |"
               for capacity, fills in packers.items()]
-    return "\n".join(lines) + "\n"
+    lines += ["", *_tiles_report(tiles)]
+    return "\n".join(lines)
 
 
 @click.command()
@@ -335,7 +411,9 @@ def _report(args: dict, stats, tput: dict, costs: dict, efficiency: dict, packer
 @click.option("--rounds", default=5, show_default=True, help="Interleaved timing rounds per pipeline.")
 @click.option("--workers", "workers_list", multiple=True, type=int, default=(0, 2), show_default=True)
 @click.option("--out", default=str(REPO_ROOT / "bench" / "results" / "data.md"), show_default=True)
-def main(samples, rounds, workers_list, out):
+@click.option("--only", type=click.Choice(["all", "tiles"]), default="all", show_default=True,
+              help="tiles: only the any-resolution tile and video frame rows.")
+def main(samples, rounds, workers_list, out, only):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -343,16 +421,21 @@ def main(samples, rounds, workers_list, out):
     from megatron_ext.logs import setup_logging
 
     setup_logging()
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir, data = make_inputs(Path(tmp), samples)
-        stats = length_stats(model_dir, data, min(samples, 200))
-        stats["n"] = samples
-        tput = {w: throughput(model_dir, data, w, rounds, min_samples=320) for w in workers_list}
-        costs = component_costs(model_dir, Path(tmp) / "src")
-        efficiency = packing_efficiency(model_dir, data, samples=3 * PACKING_BUFFER)
-        packers = packer_comparison(model_dir)
     argv = " ".join(sys.argv[1:])
-    text = _report(argv, stats, tput, costs, efficiency, packers)
+    with tempfile.TemporaryDirectory() as tmp:
+        tiles = tile_rates(Path(tmp), rounds)
+        if only == "tiles":
+            text = "\n".join(["# Data pipeline: any-resolution tiles and video frames", "", _machine(), "",
+                              f"Command: `python bench/data_bench.py {argv}`.", "", *_tiles_report(tiles)])
+        else:
+            model_dir, data = make_inputs(Path(tmp), samples)
+            stats = length_stats(model_dir, data, min(samples, 200))
+            stats["n"] = samples
+            tput = {w: throughput(model_dir, data, w, rounds, min_samples=320) for w in workers_list}
+            costs = component_costs(model_dir, Path(tmp) / "src")
+            efficiency = packing_efficiency(model_dir, data, samples=3 * PACKING_BUFFER)
+            packers = packer_comparison(model_dir)
+            text = _report(argv, stats, tput, costs, efficiency, packers, tiles)
     Path(out).write_text(text)
     print(text)
 

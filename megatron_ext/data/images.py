@@ -95,7 +95,7 @@ def _shortest_edge_size(height: int, width: int, shortest_edge: int) -> tuple[in
     return shortest_edge, int(shortest_edge * width / height)
 
 
-def _rgb(image: Image.Image) -> Image.Image:
+def rgb(image: Image.Image) -> Image.Image:
     """RGB as the processors make it (transparent pixels over white)."""
     from transformers.image_transforms import convert_to_rgb
 
@@ -118,7 +118,7 @@ def fit_aspect(image: Image.Image, processor, aspect: str) -> Image.Image:
     """`image` made ready for `processor` under the aspect mode `aspect` (see the module docstring)."""
     if aspect == "crop":
         return image
-    image = _rgb(image)
+    image = rgb(image)
     if aspect == "resize":
         height, width = _output_size(processor)
         return image.resize((width, height), resample=int(_resample(processor)), reducing_gap=None)
@@ -165,7 +165,7 @@ class ImagePreprocessor:
     def _direct(self, image: Image.Image) -> torch.Tensor:
         steps = self.steps
         if steps.convert_rgb:
-            image = _rgb(image)
+            image = rgb(image)
         height, width = self._resized_hw(image)
         if (height, width) != (image.height, image.width):
             image = image.resize((width, height), resample=steps.resample, reducing_gap=None)

@@ -1,0 +1,116 @@
+"""Videos for LLaVA-OneVision: N frames sampled uniformly, each preprocessed as OneVision's video
+processor does, and the number of feature positions a `<video>` expands to.
+
+Sampling (`--video-frames N`): frame indices `np.linspace(0, total - 1, N, dtype=int)`, first and
+last frame included, the rule of lmms-eval's LLaVA-OneVision / llava_hf video loaders and of
+LLaVA-NeXT's training code with `frames_upbound` N and `force_sample` (without it, that code
+takes one frame a second when that gives at most N). transformers' own `default_sample_indices_fn`
+(`arange(N) * total // N`) differs: it stops short of the last frame unless N = total. A video
+with fewer than N frames gives all its frames, as lmms-eval's PyAV loader does.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from megatron_ext.data.images import rgb
+from megatron_ext.data.pixels import PixelTable
+from megatron_ext.errors import UserError
+
+
+def uniform_indices(total: int, frames: int) -> list[int]:
+    """Indices of `frames` frames spread evenly over `total`, first and last included."""
+    return np.linspace(0, total - 1, min(frames, total), dtype=int).tolist()
+
+
+def read_frames(video, frames: int, name: str | None = None) -> np.ndarray:
+    """uint8 RGB frames [n, H, W, 3] sampled uniformly from `video`: a file path, the file's bytes,
+    or a list of frame images (PIL or uint8 [H, W, 3] arrays). `name` names the video in errors."""
+    if isinstance(video, (list, tuple)):
+        return np.stack([np.asarray(rgb(f)) if isinstance(f, Image.Image) else np.asarray(f)
+                         for f in (video[i] for i in uniform_indices(len(video), frames))])
+    name = name or (str(video) if isinstance(video, (str, Path)) else "video bytes")
+    import av
+
+    try:
+        total = _frame_count(video)
+        picked, decoded = _decode(video, uniform_indices(total, frames))
+        if len(picked) < min(frames, total):
+            # The header counted more frames than the stream holds: sample the frames it has.
+            picked, _ = _decode(video, uniform_indices(decoded, frames))
+    except FileNotFoundError as exc:
+        raise UserError(f"{name}: no such video file; check the path") from exc
+    except (av.FFmpegError, ValueError) as exc:
+        reason = " ".join(str(exc).split())
+        raise UserError(f"{name}: cannot decode the video ({reason}); re-encode it (e.g. ffmpeg -i IN OUT.mp4) or drop the sample") from exc
+    return np.stack(picked)
+
+
+def _open(video):
+    import av
+
+    return av.open(io.BytesIO(video) if isinstance(video, bytes) else str(video))
+
+
+def _frame_count(video) -> int:
+    """Frames of the first video stream: the header's count, else its packets (not every container
+    stores a count)."""
+    with _open(video) as container:
+        if not container.streams.video:
+            raise ValueError("no video stream")
+        total = container.streams.video[0].frames or sum(1 for p in container.demux(video=0) if p.size)
+    if total == 0:
+        raise ValueError("no frames")
+    return total
+
+
+def _decode(video, indices: list[int]) -> tuple[list[np.ndarray], int]:
+    """(the frames at `indices` as uint8 RGB arrays, frames decoded)."""
+    wanted, picked, decoded = set(indices), [], 0
+    with _open(video) as container:
+        for decoded, frame in enumerate(container.decode(video=0), start=1):
+            if decoded - 1 in wanted:
+                picked.append(frame.to_ndarray(format="rgb24"))
+            if decoded > indices[-1]:
+                break
+    return picked, decoded
+
+
+class VideoPreprocessor:
+    """Callable: uint8 frames [n, H, W, 3] -> float32 pixel_values [n, 3, height, width].
+
+    LlavaOnevisionVideoProcessor's steps (transformers 5.x): RGB, each frame resized to `size`
+    (height, width; aspect ratio not kept) with the processor's filter, rescaled and normalized. It
+    runs them in torchvision, which this project does not install; here the resize is PIL's, the
+    resize every PIL-backend processor uses. Compared (tests/data/test_video.py): each frame equals,
+    torch.equal, the base tile `LlavaOnevisionImageProcessorPil` computes for it as an image, which
+    is the same squash to the vision size, rescale and normalize. How far torchvision's resize is
+    from PIL's on these frames is not measured here (no torchvision); transformers' two backends
+    differ the same way for images.
+    `processor` is the video processor, or the image processor: both carry these settings.
+    """
+
+    def __init__(self, processor):
+        self.size = (int(processor.size.height), int(processor.size.width))
+        resample = processor.resample if processor.resample is not None else Image.Resampling.BILINEAR
+        self.resample = int(resample)
+        self.pixels = PixelTable.of(processor)
+
+    def __call__(self, frames: np.ndarray) -> torch.Tensor:
+        height, width = self.size
+        resized = [np.asarray(Image.fromarray(f).resize((width, height), resample=self.resample, reducing_gap=None))
+                   for f in frames]
+        return self.pixels(np.stack(resized))
+
+
+def video_features(frames: int, side: int) -> int:
+    """Feature positions of a OneVision video: each frame's side x side features pooled 2x2
+    (bilinear, to ceil(side / 2) a side), then one newline after the last frame."""
+    pooled = math.ceil(side / 2)
+    return frames * pooled * pooled + 1
