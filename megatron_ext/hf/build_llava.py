@@ -26,8 +26,8 @@ from megatron_ext.data.chat_template import processor_template
 from megatron_ext.errors import UserError
 from megatron_ext.families import llava_kinds, vision_tower
 from megatron_ext.families.llava import IMAGE_TOKEN
-from megatron_ext.hf.processors import processor_class
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
+from megatron_ext.hf.processors import processor_class
 from megatron_ext.model.arch import VOCAB_MULTIPLE
 
 log = logging.getLogger(__name__)

@@ -141,8 +141,8 @@ def test_megatron_logits_match_transformers_at_tp2_and_pp2(converted, name):
 @pytest.mark.timeout(900)
 def test_the_samples_hold_what_they_claim(converted):
     """Full grids of different shapes, a downsampled grid, single tiles and a video reach the model."""
-    from megatron_ext.families import read_llava
     from megatron_ext.convert.compare import megatron_media
+    from megatron_ext.families import read_llava
     from megatron_ext.model.tiling import IMAGE, VIDEO, downsampled, grid_shape, unpadded_box
 
     out, hf_dirs = converted
