@@ -58,8 +58,9 @@ def collapse_image_tokens(input_ids: torch.Tensor, image_token_index: int) -> to
 
 def megatron_media(arch, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(images, media layout) of an HF processor batch for the Megatron model: LLaVA-1.5's
-    pixel_values and no layout, or a tiled model's tiles (each image's own, then each video's
-    frames) and their layout, in the order their tokens come in `batch["input_ids"]`."""
+    pixel_values and no layout, or a tiled model's tiles (an image's grid, one tile of an image of
+    a OneVision multi-image sample, a video's frames) and their layout, both in the order the media's
+    tokens come in `batch["input_ids"]`."""
     from megatron_ext.model.tiling import IMAGE, VIDEO, Media, feature_count, grid_shape, layout_tensor
 
     tile = arch.vision.image_size
