@@ -29,6 +29,11 @@ def _load(what: str, loader, source: str, flag: str, **kwargs):
         raise UserError(f"{flag}: cannot load the {what} from {_describe(source)}: {reason}") from exc
 
 
+def load_with(loader, what: str, source: str, flag: str, **kwargs):
+    """`loader(source)` (a from_pretrained) with the errors of the other loaders here."""
+    return _load(what, loader, source, flag, **kwargs)
+
+
 def load_config(source: str, flag: str):
     from transformers import AutoConfig
 

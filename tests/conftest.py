@@ -142,6 +142,26 @@ def llava_internvit(tmp_path_factory, tiny_hf) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llava_next_clip(tmp_path_factory, tiny_hf) -> Path:
+    """LLaVA-NeXT: GQA Llama + CLIP (56-pixel tiles of 4x4 patches, class token dropped), the
+    published grids of 56 (1x2, 2x1, 2x2, 3x1, 1x3 tiles)."""
+    from megatron_ext.hf.build_llava import build_llava
+
+    return build_llava(tmp_path_factory.mktemp("llava_next_clip") / "hf", str(tiny_hf["text"]),
+                       str(tiny_hf["vision-clip"]), arch="llava-next")
+
+
+@pytest.fixture(scope="session")
+def llava_onevision_siglip(tmp_path_factory, tiny_qwen2_tied, tiny_hf) -> Path:
+    """LLaVA-OneVision: Qwen2-style (tied embeddings) + SigLIP (56-pixel tiles), grids of 1..6 x
+    1..6 tiles, anyres_max_2: grids with more than about 2 tiles of features are downsampled."""
+    from megatron_ext.hf.build_llava import build_llava
+
+    return build_llava(tmp_path_factory.mktemp("llava_onevision_siglip") / "hf", str(tiny_qwen2_tied),
+                       str(tiny_hf["vision-siglip"]), arch="llava-onevision", anyres_max=2)
+
+
+@pytest.fixture(scope="session")
 def llava_padded(tmp_path_factory, tiny_hf) -> Path:
     """LLaVA built with --vocab-size-padding (vocab 768, a multiple of 128)."""
     return _build(tmp_path_factory, "llava_padded", tiny_hf["text"], tiny_hf["vision-clip"], padding=True)

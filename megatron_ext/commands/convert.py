@@ -1,6 +1,7 @@
 """megatron-ext-convert: assemble an HF LLaVA, convert it to Megatron and back, compare the two.
 
     megatron-ext-convert build-llava --save-dir D --text-model T [--vision-model V] [--vocab-size-padding]
+                                     [--arch llava|llava-next|llava-onevision] [--image-grid-pinpoints HxW,...]
     megatron-ext-convert hf-to-megatron --tp N --pp M --hf-dir D --megatron-dir O
     megatron-ext-convert megatron-to-hf --megatron-dir D --hf-dir O
     megatron-ext-convert compare --hf-dir D --megatron-dir O [--tp N --pp M] [--image F --prompt P]
@@ -16,6 +17,7 @@ import sys
 import click
 
 from megatron_ext.errors import run_command
+from megatron_ext.families import llava_kinds
 from megatron_ext.hf.build_llava import DEFAULT_VISION_MODEL
 from megatron_ext.model.backends import STORED_DTYPES
 from megatron_ext.progress import quiet_option
@@ -44,17 +46,27 @@ def _in_container(sif_path: str, binds: list) -> None:
 @click.option("--dtype", type=click.Choice(["auto", *STORED_DTYPES]), default="auto", show_default=True,
               help="Weights dtype; auto keeps the text model's.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for the projector's initial weights.")
+@click.option("--arch", type=click.Choice(list(llava_kinds())), default="llava", show_default=True,
+              help="LLaVA-1.5 (one tile per image), LLaVA-NeXT or LLaVA-OneVision (anyres tiles; OneVision: video too).")
+@click.option("--image-grid-pinpoints", help="Tiled archs: the HEIGHTxWIDTH grids images are resized into, multiples "
+              "of the tower's image size (e.g. 672x336,336x672); default: the published models' grids of it.")
+@click.option("--anyres-max", type=int, default=9, show_default=True,
+              help="llava-onevision: grids beyond about N tiles' features are downsampled (anyres_max_N).")
 @click.option("--force", is_flag=True, help="Replace a non-empty --save-dir.")
 @_SIF_OPTION
-def build_llava(save_dir, text_model, vision_model, vocab_size_padding, dtype, seed, force, sif_path):
+def build_llava(save_dir, text_model, vision_model, vocab_size_padding, dtype, seed, arch, image_grid_pinpoints,
+                anyres_max, force, sif_path):
     """Assemble a Hugging Face LLaVA checkpoint from a text model and a vision encoder."""
     if sif_path:
         _in_container(sif_path, [save_dir, text_model, vision_model])
     from megatron_ext.hf.build_llava import build_llava as build
+    from megatron_ext.hf.build_llava import parse_pinpoints
     from megatron_ext.logs import setup_logging
 
     setup_logging()
-    path = build(save_dir, text_model, vision_model, vocab_size_padding, force, dtype, seed)
+    pinpoints = parse_pinpoints(image_grid_pinpoints) if image_grid_pinpoints else None
+    path = build(save_dir, text_model, vision_model, vocab_size_padding, force, dtype, seed, arch=arch,
+                 image_grid_pinpoints=pinpoints, anyres_max=anyres_max)
     click.echo(f"LLaVA checkpoint written to {path}")
 
 

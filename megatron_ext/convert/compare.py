@@ -3,7 +3,10 @@
 The pieces are reusable by generation/evaluation code:
 - `process_inputs`: images + prompt -> HF processor output (chat template when the tokenizer has one);
 - `collapse_image_tokens`: HF's processor expands each `<image>` into one token per image
-  embedding, megatron-core's LLaVAModel expects one token per image and expands it itself;
+  embedding, megatron-core's LLaVAModel expects one token per image and expands it itself
+  (tiled models keep HF's tokens: each is one position);
+- `megatron_media`: the images of an HF processor batch as the Megatron model takes them (for
+  tiled models each image's tiles and the media layout);
 - `megatron_logits`: full-vocabulary logits of a TP/PP-split model, gathered over TP and sent
   from the last pipeline stage to every stage;
 - `logit_stats`: max / mean |dlogit| and whether the next-token argmax agrees everywhere.
@@ -11,6 +14,7 @@ The pieces are reusable by generation/evaluation code:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,18 +56,58 @@ def collapse_image_tokens(input_ids: torch.Tensor, image_token_index: int) -> to
     return torch.stack(rows)
 
 
-def megatron_logits(model, images: torch.Tensor, input_ids: torch.Tensor, img_seq_len: int, vocab_size: int) -> torch.Tensor:
+def megatron_media(arch, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(images, media layout) of an HF processor batch for the Megatron model: LLaVA-1.5's
+    pixel_values and no layout, or a tiled model's tiles (an image's grid, one tile of an image of
+    a OneVision multi-image sample, a video's frames) and their layout, both in the order the media's
+    tokens come in `batch["input_ids"]`."""
+    from megatron_ext.model.tiling import IMAGE, VIDEO, Media, feature_count, grid_shape, layout_tensor
+
+    tile = arch.vision.image_size
+    pixels = batch.get("pixel_values")
+    if arch.tiling is None:
+        return pixels if pixels is not None else torch.empty(0, 3, tile, tile), None
+    side = tile // arch.vision.patch_size
+    found = []  # (first token position, media, its tiles)
+    ids = batch["input_ids"].flatten()
+
+    def place(token: int, media: list[Media], tiles: list[torch.Tensor]) -> None:
+        positions = torch.nonzero(ids == token).flatten().tolist()
+        offset = 0
+        for m, t in zip(media, tiles):
+            found.append((positions[offset], m, t))
+            offset += feature_count(m, arch.tiling, tile, side)
+
+    if pixels is not None:
+        sizes = batch["image_sizes"].tolist()
+        # The processor's multi-image samples (OneVision's batch_num_images) give one tile per image.
+        per_sample = batch.get("batch_num_images")
+        alone = [n == 1 for n in per_sample.tolist() for _ in range(n)] if per_sample is not None else [True] * len(sizes)
+        media = [Media(IMAGE, math.prod(grid_shape(h, w, arch.tiling, tile)) + 1 if one else 1, h, w)
+                 for (h, w), one in zip(sizes, alone)]
+        place(arch.image_token_index, media, [p[:m.tiles] for p, m in zip(pixels, media)])
+    videos = batch.get("pixel_values_videos")
+    if videos is not None:
+        place(arch.tiling.video_token_index, [Media(VIDEO, len(v)) for v in videos], list(videos))
+    found.sort(key=lambda entry: entry[0])
+    images = torch.cat([t for _, _, t in found]) if found else torch.empty(0, 3, tile, tile)
+    return images, layout_tensor([m for _, m, _ in found])
+
+
+def megatron_logits(model, images: torch.Tensor, input_ids: torch.Tensor, img_seq_len: int, vocab_size: int,
+                    media_layout: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [B, S, vocab_size] (float32, on the host of every rank) for HF-style `input_ids` [B, S]
-    whose image tokens are already expanded. Collective over the model-parallel group (NCCL on a GPU:
-    every tensor in it lives where the model does); the model must be built with
-    `parallel_output=False`, and is left in eval mode."""
+    whose image tokens are already expanded (`media_layout`: a tiled model's, `megatron_media`).
+    Collective over the model-parallel group (NCCL on a GPU: every tensor in it lives where the model
+    does); the model must be built with `parallel_output=False`, and is left in eval mode."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     image_token_index = model.image_token_index
     device = next(model.parameters()).device
-    ids = collapse_image_tokens(input_ids, image_token_index)
+    # With one position per image token (tiled models) the tokens are already the model's.
+    ids = input_ids if img_seq_len == 1 else collapse_image_tokens(input_ids, image_token_index)
     num_images = int((ids[0] == image_token_index).sum())
     seq_length = combined_length(ids.shape[1], num_images, img_seq_len)
     max_length = model.language_model.max_sequence_length
@@ -73,9 +117,11 @@ def megatron_logits(model, images: torch.Tensor, input_ids: torch.Tensor, img_se
     # Under PP, LLaVAModel pads every sequence to the model's seq_length (fixed p2p shapes).
     sent_length = max_length if pipelined else seq_length
 
+    layout = {} if media_layout is None else {"media_layout": media_layout}
+
     def forward_step(data_iterator, module):
         output, _ = module(images=images.to(device), input_ids=next(data_iterator).to(device), position_ids=None,
-                           attention_mask=None)
+                           attention_mask=None, **layout)
         return output, None
 
     model.eval()
@@ -117,17 +163,20 @@ def logit_stats(reference: torch.Tensor, logits: torch.Tensor) -> LogitStats:
 
 
 def hf_logits(hf_dir: Path, batch) -> torch.Tensor:
-    """HF LlavaForConditionalGeneration logits in float32."""
-    from transformers import LlavaForConditionalGeneration
+    """The HF LLaVA's (of whichever class its config names) logits in float32."""
+    import transformers
 
     from megatron_ext import hf_loading
+    from megatron_ext.convert.hf_checkpoint import read_config
+    from megatron_ext.families import llava_kind
 
-    model = hf_loading.load_pretrained(LlavaForConditionalGeneration, str(hf_dir), "--hf-dir", dtype=torch.float32).eval()
+    model_class = getattr(transformers, llava_kind(read_config(Path(hf_dir), "--hf-dir")).model_class)
+    model = hf_loading.load_pretrained(model_class, str(hf_dir), "--hf-dir", dtype=torch.float32).eval()
     with torch.no_grad():
         return model(**batch).logits.float()
 
 
-def _megatron_logits_rank(snapshot_dir: Path, tp: int, pp: int, images: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+def _megatron_logits_rank(snapshot_dir: Path, tp: int, pp: int, batch: dict) -> torch.Tensor:
     from megatron_ext import families
     from megatron_ext.checkpoint.layout import find_snapshot
     from megatron_ext.distributed import init_parallel, shutdown
@@ -138,10 +187,12 @@ def _megatron_logits_rank(snapshot_dir: Path, tp: int, pp: int, images: torch.Te
     try:
         snapshot = find_snapshot(snapshot_dir, "--megatron-dir")
         arch = snapshot.arch
+        input_ids = batch["input_ids"]
         model = build_model(arch, families.of(arch), ModelOptions(seq_length=input_ids.shape[1], dtype="float32", init_weights=False,
                                                parallel_output=False))
         load_for_inference(model, snapshot)
-        return megatron_logits(model, images, input_ids, arch.img_seq_len, arch.text.vocab_size)
+        images, layout = megatron_media(arch, batch)
+        return megatron_logits(model, images, input_ids, arch.img_seq_len, arch.text.vocab_size, layout)
     finally:
         shutdown()
 
@@ -150,16 +201,15 @@ def compare(hf_dir: str | Path, megatron_dir: str | Path, tp: int | None = None,
             images: list | None = None, prompt: str = DEFAULT_PROMPT) -> LogitStats:
     """HF vs Megatron (loaded at `tp` x `pp`, default: the layout it was saved with) in float32 on CPU,
     on a prompt about `images` (default: one noise image)."""
-    from megatron_ext import hf_loading
     from megatron_ext.checkpoint.layout import find_snapshot
     from megatron_ext.convert.cpu_ranks import run_on_cpu_ranks
+    from megatron_ext.hf.processors import load_processor
 
     snapshot = find_snapshot(megatron_dir, "--megatron-dir")
     tp, pp = tp or snapshot.tp, pp or snapshot.pp
     snapshot.arch.check_parallel(tp, pp)
-    processor = hf_loading.load_processor(str(hf_dir), "--hf-dir")
+    processor = load_processor(hf_dir, "--hf-dir")
     batch = process_inputs(processor, images or [synthetic_image()], prompt)
     reference = hf_logits(Path(hf_dir), batch)
-    logits = run_on_cpu_ranks(_megatron_logits_rank, tp * pp, snapshot.path, tp, pp, batch["pixel_values"],
-                              batch["input_ids"])
+    logits = run_on_cpu_ranks(_megatron_logits_rank, tp * pp, snapshot.path, tp, pp, dict(batch))
     return logit_stats(reference, logits)

@@ -122,10 +122,13 @@ class HfWeights:
 
 def meta_llava(hf_config: dict):
     """transformers' LLaVA model for this config, on the meta device (names and shapes, no memory)."""
-    from transformers import LlavaConfig, LlavaForConditionalGeneration
+    import transformers
 
+    from megatron_ext.families import llava_kind
+
+    kind = llava_kind(hf_config)
     with torch.device("meta"):
-        return LlavaForConditionalGeneration(LlavaConfig.from_dict(hf_config))
+        return getattr(transformers, kind.model_class)(getattr(transformers, kind.config_class).from_dict(hf_config))
 
 
 def hf_model_names(hf_config: dict) -> list[str]:

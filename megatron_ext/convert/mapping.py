@@ -25,6 +25,9 @@ def _projector_rows(arch: LlavaArch) -> list[Mapping]:
             row("vision_projection.encoder.linear_fc1.bias", "multi_modal_projector.linear_1.bias", COLUMN),
             row("vision_projection.encoder.linear_fc2.bias", "multi_modal_projector.linear_2.bias", REPLICATED),
         ]
+    if arch.tiling is not None:
+        # Tiled models' learned newline between rows of image features (model/tiled_llava.py).
+        rows.append(row("image_newline", "image_newline", REPLICATED))
     return rows
 
 
@@ -51,6 +54,7 @@ _HF_ALIASES = [
     (re.compile(r"^lm_head\."), "language_model.lm_head."),
     (re.compile(r"^(model\.)?vision_tower\.(vision_model\.)?"), "vision_tower."),
     (re.compile(r"^model\.multi_modal_projector\."), "multi_modal_projector."),
+    (re.compile(r"^model\.image_newline$"), "image_newline"),
 ]
 
 

@@ -149,18 +149,19 @@ def _write_weights(groups: list[dict], extra: list[TensorSpec], export: Export, 
 
 
 def _write_configs(snapshot: layout.Snapshot, tokenizer_dir: Path, out: Path) -> None:
-    from transformers import GenerationConfig, LlavaConfig
+    import transformers
 
     from megatron_ext.model.provider import DTYPES
 
-    config = LlavaConfig.from_dict(snapshot.hf_config)
+    kind = families.llava_kind(snapshot.hf_config)
+    config = getattr(transformers, kind.config_class).from_dict(snapshot.hf_config)
     config.dtype = DTYPES[snapshot.dtype]
-    config.architectures = ["LlavaForConditionalGeneration"]
+    config.architectures = [kind.model_class]
     config.save_pretrained(out)
     copy_tokenizer_files(tokenizer_dir, out)
     _write_chat_template(snapshot, out)
     if not (out / GENERATION_CONFIG_FILE).is_file():
-        GenerationConfig.from_model_config(config).save_pretrained(out)
+        transformers.GenerationConfig.from_model_config(config).save_pretrained(out)
 
 
 def _write_chat_template(snapshot: layout.Snapshot, out: Path) -> None:
@@ -182,6 +183,12 @@ def _write_chat_template(snapshot: layout.Snapshot, out: Path) -> None:
     (out / CHAT_TEMPLATE_FILE).write_text(processor_template(template, tokenizer))
 
 
+def _top_level(name: str) -> str:
+    """The key prefix of a Megatron tensor's top-level module ("language_model."), or its whole name
+    when it belongs to the model itself ("image_newline")."""
+    return name.split(".")[0] + "." if "." in name else name
+
+
 def _export(export: Export, out: Path) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -200,7 +207,7 @@ def _export(export: Export, out: Path) -> None:
         table = llava_mapping(export.arch)
         # The model's tensors are those under the table's top-level prefixes (a trainer snapshot also
         # holds its optimizer state); anything there the table does not know is refused by the check.
-        stored = stored_tensors(export.weights.path, tuple({name.split(".")[0] + "." for name in table}))
+        stored = stored_tensors(export.weights.path, tuple({_top_level(name) for name in table}))
         _refuse(export, coverage.megatron_to_hf_problems(table, list(stored), extra), extra)
         _write_weights(_by_layer(stored), extra_specs, export, out)
         written = coverage.hf_names_written(table, list(stored), extra)

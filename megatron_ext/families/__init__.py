@@ -103,3 +103,13 @@ def of(arch: LlavaArch) -> Families:
 def read_llava(cfg: Any) -> LlavaArch:
     """The LlavaArch of an HF LLaVA config (a transformers config or a config.json dict), checked."""
     return llava.read_llava(cfg, text_family, vision_family)
+
+
+def llava_kind(cfg: Any) -> llava.LlavaKind:
+    """The HF LLaVA architecture of a config (object or config.json dict): its transformers classes."""
+    return llava.kind_of(cfg)
+
+
+def llava_kinds() -> dict[str, llava.LlavaKind]:
+    """Every supported HF LLaVA architecture, by its build-llava --arch name."""
+    return {kind.arch_flag: kind for kind in llava.KINDS.values()}

@@ -1,13 +1,18 @@
-"""Assemble a Hugging Face `LlavaForConditionalGeneration` from a text model and a vision tower.
+"""Assemble a Hugging Face LLaVA from a text model and a vision tower: `LlavaForConditionalGeneration`
+(LLaVA-1.5, the default), `LlavaNextForConditionalGeneration` or `LlavaOnevisionForConditionalGeneration`
+(`arch`, the names of `families.llava_kinds()`).
 
 What it does, in order:
 1. loads the text model's config and tokenizer, and the vision tower's config and image processor;
-2. adds `<image>` (and `<pad>` when the tokenizer has no pad token) as special tokens;
+2. adds `<image>` (`<video>` for OneVision, and `<pad>` when the tokenizer has no pad token) as
+   special tokens;
 3. builds the LLaVA skeleton on the meta device and moves the pretrained text and vision weights
    into it (so the big text model is held in memory once), with a freshly initialised 2-layer GELU
-   projector mapping the vision hidden size to the text hidden size;
+   projector mapping the vision hidden size to the text hidden size (and, for tiled models, a
+   fresh `image_newline`);
 4. resizes the embedding and LM head to the tokenizer (to a multiple of 128 with vocab padding);
-5. writes model, tokenizer and processor through a temporary directory.
+5. writes model, tokenizer and processor (tiled models: the anyres image processor with the
+   tower's settings and the grid) through a temporary directory.
 """
 
 from __future__ import annotations
@@ -19,28 +24,58 @@ from pathlib import Path
 from megatron_ext import hf_loading
 from megatron_ext.data.chat_template import processor_template
 from megatron_ext.errors import UserError
-from megatron_ext.families import vision_tower
+from megatron_ext.families import llava_kinds, vision_tower
+from megatron_ext.families.llava import IMAGE_TOKEN
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
+from megatron_ext.hf.processors import processor_class
 from megatron_ext.model.arch import VOCAB_MULTIPLE
 
 log = logging.getLogger(__name__)
 
 # LLaVA-1.5's vision tower, also the original toolkit's default.
 DEFAULT_VISION_MODEL = "openai/clip-vit-large-patch14-336"
-IMAGE_TOKEN = "<image>"
 PAD_TOKEN = "<pad>"
 
 
-def add_special_tokens(tokenizer) -> tuple[int, int]:
-    """Add `<image>` and, if the tokenizer has none, a `<pad>` token. Returns (image_id, pad_id)."""
-    if IMAGE_TOKEN not in tokenizer.get_vocab():
-        tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]}, replace_extra_special_tokens=False)
+def add_special_tokens(tokenizer, media_tokens: tuple[str, ...] = (IMAGE_TOKEN,)) -> tuple[int, int]:
+    """Add `media_tokens` (`<image>`, ...) and, if the tokenizer has none, a `<pad>` token.
+    Returns (image_id, pad_id)."""
+    missing = [token for token in media_tokens if token not in tokenizer.get_vocab()]
+    if missing:
+        tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
     if tokenizer.pad_token is None:
         if PAD_TOKEN not in tokenizer.get_vocab():
             tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
         else:
             tokenizer.pad_token = PAD_TOKEN
     return tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), tokenizer.pad_token_id
+
+
+# The tower's image processor settings a tiled model's anyres image processor keeps.
+_IMAGE_PROCESSOR_FIELDS = ("size", "crop_size", "do_convert_rgb", "do_resize", "resample", "do_rescale",
+                           "rescale_factor", "do_normalize", "image_mean", "image_std")
+
+
+def _anyres_image_processor(kind, tower_processor, pinpoints: list[list[int]]):
+    """The tiled model's image processor (its PIL one: the torchvision ones need torchvision),
+    resizing, cropping and normalising tiles as the tower's own does."""
+    import transformers
+
+    settings = tower_processor.to_dict()
+    fields = {key: settings[key] for key in _IMAGE_PROCESSOR_FIELDS if settings.get(key) is not None}
+    return getattr(transformers, kind.image_processor_class)(
+        **fields, do_center_crop=bool(settings.get("do_center_crop")), image_grid_pinpoints=pinpoints)
+
+
+def parse_pinpoints(text: str) -> list[list[int]]:
+    """--image-grid-pinpoints "672x336,336x672" -> [[672, 336], [336, 672]] ((height, width) each)."""
+    try:
+        pinpoints = [[int(n) for n in item.lower().split("x")] for item in text.split(",")]
+    except ValueError:
+        pinpoints = []
+    if not pinpoints or any(len(p) != 2 or min(p) <= 0 for p in pinpoints):
+        raise UserError(f"--image-grid-pinpoints {text!r} is not a list of HEIGHTxWIDTH sizes (e.g. 672x336,336x672)")
+    return pinpoints
 
 
 def _resolve_dtype(dtype: str, text_config):
@@ -80,12 +115,25 @@ def build_llava(
     force: bool = False,
     dtype: str = "auto",
     seed: int = 0,
+    arch: str = "llava",
+    image_grid_pinpoints: list[list[int]] | None = None,
+    anyres_max: int = 9,
 ) -> Path:
-    """Write a LLaVA checkpoint + tokenizer + processor to `save_dir`; returns its path."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
-    from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+    """Write a LLaVA checkpoint + tokenizer + processor to `save_dir`; returns its path.
+    `image_grid_pinpoints` (tiled archs; default: the published models' grids of the tower's image
+    size) and `anyres_max` (OneVision's vision_aspect_ratio anyres_max_N)."""
+    import math
 
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    kinds = llava_kinds()
+    if arch not in kinds:
+        raise UserError(f"--arch {arch!r} is not supported (supported: {', '.join(kinds)})")
+    kind = kinds[arch]
+    if anyres_max < 1:
+        raise UserError(f"--anyres-max {anyres_max} must be at least 1")
     save_dir = check_output_dir(save_dir, force, "--save-dir")
 
     text_config = hf_loading.load_config(text_model, "--text-model")
@@ -96,33 +144,42 @@ def build_llava(
     image_processor = hf_loading.load_image_processor(vision_model, "--vision-model")
     torch_dtype = _resolve_dtype(dtype, text_config)
 
-    image_token_id, pad_token_id = add_special_tokens(tokenizer)
+    image_token_id, pad_token_id = add_special_tokens(tokenizer, kind.special_tokens)
     tower_arch = tower.read(vision_config, tower.feature_layer)
     num_patches = tower_arch.num_patches
     image_seq_length = num_patches + (tower.extra_tokens if tower.select_strategy == "full" else 0)
+    pinpoints = image_grid_pinpoints or kind.default_pinpoints(tower_arch.image_size)
+    if kind.tiled and any(h % tower_arch.image_size or w % tower_arch.image_size for h, w in pinpoints):
+        raise UserError(f"--image-grid-pinpoints {pinpoints} are not multiples of the tower's image size "
+                        f"{tower_arch.image_size}")
+    token_ids = {token: tokenizer.convert_tokens_to_ids(token) for token in kind.special_tokens}
 
     text = hf_loading.load_pretrained(AutoModelForCausalLM, text_model, "--text-model", dtype=torch_dtype)
     vision = _load_tower(tower, vision_model, found.whole, torch_dtype)
 
-    config = LlavaConfig(
+    config = getattr(transformers, kind.config_class)(
         text_config=text.config.to_dict(),
         vision_config=vision.config.to_dict(),
         image_token_index=image_token_id,
-        image_seq_length=image_seq_length,
         projector_hidden_act="gelu",
         vision_feature_layer=tower.feature_layer,
         vision_feature_select_strategy=tower.select_strategy,
         multimodal_projector_bias=True,
         tie_word_embeddings=bool(text.config.tie_word_embeddings),
+        **kind.config_fields(image_seq_length, pinpoints, anyres_max, token_ids),
     )
 
     with torch.device("meta"):
-        llava = LlavaForConditionalGeneration(config)
+        llava = getattr(transformers, kind.model_class)(config)
     llava.model.language_model.load_state_dict(text.model.state_dict(), assign=True)
     llava.lm_head.load_state_dict(text.lm_head.state_dict(), assign=True)
     llava.model.vision_tower.load_state_dict(vision.state_dict(), assign=True)
     torch.manual_seed(seed)
-    llava.model.multi_modal_projector = LlavaMultiModalProjector(config).to(torch_dtype)
+    llava.model.multi_modal_projector = type(llava.model.multi_modal_projector)(config).to(torch_dtype)
+    if kind.tiled:
+        hidden = config.text_config.hidden_size
+        # As transformers initialises it.
+        llava.model.image_newline = torch.nn.Parameter(torch.randn(hidden, dtype=torch_dtype) / math.sqrt(hidden))
     if config.tie_word_embeddings:
         llava.lm_head.weight = llava.model.language_model.embed_tokens.weight
     del text, vision
@@ -139,13 +196,10 @@ def build_llava(
     llava.generation_config.eos_token_id = tokenizer.eos_token_id
     llava.generation_config.bos_token_id = tokenizer.bos_token_id
 
-    processor = LlavaProcessor(
-        image_processor=image_processor,
+    processor = processor_class(kind)(
+        image_processor=_anyres_image_processor(kind, image_processor, pinpoints) if kind.tiled else image_processor,
         tokenizer=tokenizer,
-        patch_size=tower_arch.patch_size,
-        vision_feature_select_strategy=tower.select_strategy,
-        num_additional_image_tokens=tower.extra_tokens,
-        image_token=IMAGE_TOKEN,
+        **kind.processor_fields(tower_arch.patch_size, num_patches, tower.extra_tokens, tower.select_strategy, anyres_max),
         # Wrapped so that HF's structured messages render as training renders them (lmms-eval, vLLM).
         chat_template=processor_template(tokenizer.chat_template, tokenizer) if tokenizer.chat_template else None,
     )
@@ -154,8 +208,8 @@ def build_llava(
         llava.save_pretrained(tmp)
         processor.save_pretrained(tmp)
     log.info(
-        "wrote %s: vocab %d (tokenizer %d), <image>=%d, <pad>=%d, vision %s, feature layer %d (%s)",
-        save_dir, llava.config.text_config.vocab_size, len(tokenizer), image_token_id, pad_token_id,
+        "wrote %s (%s): vocab %d (tokenizer %d), <image>=%d, <pad>=%d, vision %s, feature layer %d (%s)",
+        save_dir, kind.model_class, llava.config.text_config.vocab_size, len(tokenizer), image_token_id, pad_token_id,
         vision_config.model_type, tower.feature_layer, tower.select_strategy,
     )
     return save_dir

@@ -65,6 +65,17 @@ class VisionArch:
 
 
 @dataclass(frozen=True)
+class TilingArch:
+    """How a LLaVA-NeXT / OneVision model sees an image: resized into one of `grid_pinpoints`,
+    cut into tiles of the tower's size, after a base tile of the whole image; features unpadded,
+    a learned newline after every row. Videos are frames of one tile each, pooled 2x2."""
+
+    grid_pinpoints: tuple[tuple[int, int], ...]  # (height, width) resolutions, multiples of the tile size
+    max_tiles: int | None  # anyres_max_N: larger grids are downsampled to about N tiles' features; None: never
+    video_token_index: int | None  # None: the model takes no video
+
+
+@dataclass(frozen=True)
 class LlavaArch:
     text: TextArch
     vision: VisionArch
@@ -73,10 +84,14 @@ class LlavaArch:
     image_token_index: int
     pad_token_id: int | None
     drop_class_token: bool
+    tiling: TilingArch | None = None  # None: LLaVA-1.5, one tile per image
 
     @property
     def img_seq_len(self) -> int:
-        """Image embeddings the language model sees per image."""
+        """Language-model positions per image token. A tiled model's inputs carry one image token
+        per feature already (as HF's processor expands them), so each is one position."""
+        if self.tiling is not None:
+            return 1
         keep_cls = self.vision.class_token and not self.drop_class_token
         return self.vision.num_patches + int(keep_cls)
 

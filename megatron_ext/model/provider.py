@@ -9,6 +9,7 @@ first stage, the language model's layers are split across stages.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -133,7 +134,6 @@ def build_model(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions = M
     `megatron_ext.families.of(arch)`."""
     from megatron.core import parallel_state
     from megatron.core.enums import ModelType
-    from megatron.core.models.multimodal.llava_model import LLaVAModel
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -144,7 +144,7 @@ def build_model(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions = M
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     t = arch.text
-    model = LLaVAModel(
+    model = _model_class(arch)(
         language_transformer_config=language_cfg,
         language_transformer_layer_spec=families.text.language_spec(t, specs.language, language_cfg, backend, vp_stage),
         language_vocab_size=t.padded_vocab_size,
@@ -184,6 +184,17 @@ def build_model(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions = M
     if not opts.init_weights:
         _mark_tensor_parallel_weights(model)
     return model
+
+
+def _model_class(arch: LlavaArch):
+    """megatron-core's LLaVAModel, or for tiled models (LLaVA-NeXT, OneVision) its subclass."""
+    if arch.tiling is None:
+        from megatron.core.models.multimodal.llava_model import LLaVAModel
+
+        return LLaVAModel
+    from megatron_ext.model.tiled_llava import TiledLLaVAModel
+
+    return partial(TiledLLaVAModel, tiling=arch.tiling)
 
 
 def _mark_tensor_parallel_weights(model) -> None:

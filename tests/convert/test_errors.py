@@ -37,9 +37,9 @@ def _set(section, **values):
 
 def test_unsupported_model_types_name_themselves_and_the_supported_list(llava_clip, tmp_path):
     message = _refused(_hf_copy(llava_clip, tmp_path / "a", _set(None, model_type="blip")), tmp_path / "out")
-    assert message == "model_type 'blip' is not supported (supported: llava)"
+    assert message == "model_type 'blip' is not supported (supported: llava, llava_next, llava_onevision)"
     message = _refused(_hf_copy(llava_clip, tmp_path / "b", _set("text_config", model_type="gpt2")), tmp_path / "out")
-    assert message == "text model_type 'gpt2' is not supported (supported: gemma3_text, llama, mistral, qwen2, qwen3)"
+    assert message == "text model_type 'gpt2' is not supported (supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3)"
     message = _refused(_hf_copy(llava_clip, tmp_path / "c", _set("vision_config", model_type="vit")), tmp_path / "out")
     assert "vision model_type 'vit' is not supported (supported: clip_vision_model, internvl_vision, siglip_vision_model)" in message
     assert not (tmp_path / "out").exists()

@@ -188,3 +188,45 @@ def test_processor_renders_hf_structured_messages_as_the_trainer_does(tmp_path, 
     # The text model's template alone cannot render such messages (Llama-3's fails on a list content).
     with pytest.raises(TypeError):
         processor.tokenizer.apply_chat_template(structured, chat_template=string_only, tokenize=False)
+
+
+@pytest.mark.parametrize("fixture", ["llava_next_clip", "llava_onevision_siglip"])
+def test_tiled_archs_give_their_class_the_published_grids_and_a_processor_matching_the_model(request, fixture):
+    """--arch llava-next / llava-onevision: the HF class, grids of the tower's 56-pixel tiles, a fresh
+    image_newline, and a processor whose expanded image tokens transformers' model accepts."""
+    import transformers
+
+    from megatron_ext.families import llava_kind
+    from megatron_ext.hf.processors import load_processor
+
+    path = request.getfixturevalue(fixture)
+    config = json.loads((path / "config.json").read_text())
+    kind = llava_kind(config)
+    assert config["architectures"] == [kind.model_class]
+    assert config["image_grid_pinpoints"] == kind.default_pinpoints(56)
+    model = getattr(transformers, kind.model_class).from_pretrained(path).eval()
+    newline = model.model.image_newline
+    assert newline.shape == (config["text_config"]["hidden_size"],) and 0.05 < newline.std() < 0.3  # ~1/sqrt(64)
+    processor = load_processor(path, "--hf-dir")
+    if kind.video:
+        assert config["vision_aspect_ratio"] == "anyres_max_2"
+        assert config["video_token_index"] == processor.tokenizer.convert_tokens_to_ids("<video>")
+    batch = _batch(processor)
+    assert int((batch["input_ids"] == config["image_token_index"]).sum()) > 16  # a base tile and a grid
+    with torch.no_grad():
+        assert torch.isfinite(model(**batch).logits).all()
+
+
+def test_image_grid_pinpoints_are_given_as_sizes_that_are_multiples_of_the_tile(tiny_hf, tmp_path):
+    from megatron_ext.hf.build_llava import parse_pinpoints
+
+    assert parse_pinpoints("56x112,112X56") == [[56, 112], [112, 56]]
+    with pytest.raises(UserError, match=r"^--image-grid-pinpoints '56x112,big' is not a list of HEIGHTxWIDTH sizes"):
+        parse_pinpoints("56x112,big")
+    with pytest.raises(UserError, match=r"^--image-grid-pinpoints \[\[50, 100\]\] are not multiples of the tower's image size 56$"):
+        build_llava(tmp_path / "bad", str(tiny_hf["text"]), str(tiny_hf["vision-clip"]), arch="llava-next",
+                    image_grid_pinpoints=[[50, 100]])
+    path = build_llava(tmp_path / "ok", str(tiny_hf["text"]), str(tiny_hf["vision-clip"]), arch="llava-next",
+                       image_grid_pinpoints=[[56, 112], [112, 56]])
+    assert json.loads((path / "config.json").read_text())["image_grid_pinpoints"] == [[56, 112], [112, 56]]
+    assert not (tmp_path / "bad").exists()
