@@ -4,7 +4,7 @@ and the number of feature positions its `<image>` expands to.
 What transformers' PIL-backend `LlavaNextImageProcessorPil` / `LlavaOnevisionImageProcessorPil`
 compute for an image of (height, width):
 1. the canvas: among the grid pinpoints, the (height, width) that keeps most of the image's pixels
-   once the image is scaled to fit in it, and among equals wastes the fewest (`best_resolution`);
+   once the image is scaled to fit in it, and among equals wastes the fewest (`model.tiling.best_resolution`);
 2. the image resized (PIL, the processor's filter) to fit the canvas with its aspect ratio kept
    (`fitted_size`), centred on a black canvas, which is cut into tiles of the vision size, row by
    row;
@@ -34,23 +34,10 @@ from PIL import Image
 
 from megatron_ext.data.images import rgb
 from megatron_ext.data.pixels import PixelTable
+from megatron_ext.model import tiling
+from megatron_ext.model.arch import TilingArch
 
 log = logging.getLogger(__name__)
-
-
-def best_resolution(image_size: tuple[int, int], pinpoints) -> tuple[int, int]:
-    """The (height, width) pinpoint an image of `image_size` (height, width) is fitted to: the most
-    image pixels kept (the image is never counted larger than it is), then the least canvas wasted;
-    the first listed wins a tie."""
-    height, width = image_size
-    best, best_key = None, None
-    for canvas_height, canvas_width in pinpoints:
-        scale = min(canvas_width / width, canvas_height / height)
-        kept = min(int(width * scale) * int(height * scale), width * height)
-        key = (kept, -(canvas_width * canvas_height - kept))
-        if best_key is None or key > best_key:
-            best, best_key = (canvas_height, canvas_width), key
-    return best
 
 
 def fitted_size(image_size: tuple[int, int], canvas: tuple[int, int]) -> tuple[int, int]:
@@ -156,7 +143,7 @@ class AnyresPreprocessor:
     def _grid(self, image: Image.Image) -> np.ndarray:
         """The canvas cut into tiles, row by row: [rows * columns, tile, tile, 3] uint8."""
         tile = self.settings.tile
-        canvas_height, canvas_width = best_resolution((image.height, image.width), self.settings.pinpoints)
+        canvas_height, canvas_width = tiling.best_resolution(image.height, image.width, self.settings.pinpoints)
         height, width = fitted_size((image.height, image.width), (canvas_height, canvas_width))
         if (height, width) != (image.height, image.width):
             image = image.resize((width, height), resample=self.settings.resample, reducing_gap=None)
@@ -175,7 +162,7 @@ class AnyresPreprocessor:
         tiles = []
         for pixel_values, size in zip(out["pixel_values"], out["image_sizes"]):
             size = tuple(int(x) for x in size)
-            canvas_height, canvas_width = best_resolution(size, pinpoints)
+            canvas_height, canvas_width = tiling.best_resolution(*size, pinpoints)
             count = 1 if one_tile else math.ceil(canvas_height / tile) * math.ceil(canvas_width / tile) + 1
             # HF pads every image to the most tiles in the batch with zero tiles: not the image's.
             tiles.append(Tiles(pixel_values[:count].float(), size))
@@ -184,18 +171,14 @@ class AnyresPreprocessor:
 
 @dataclass(frozen=True)
 class FeatureLayout:
-    """How a LLaVA-NeXT / OneVision model lays out an image's features.
+    """How many positions an HF LLaVA-NeXT / OneVision processor expands `<image>` and `<video>` to:
+    the model's own feature layout (`model.tiling`), with the tile size (`tile`) and features per
+    tile side (`side`: vision image size // patch size) of its processor. OneVision makes each image
+    of a sample with several one tile (`one_tile_when_several`)."""
 
-    pinpoints and tile: the image processor's; side: features along a tile's side (vision image
-    size // patch size: 24 for CLIP-336/14, 27 for SigLIP-384/14); max_tiles: OneVision's
-    `anyres_max_N` (None: LLaVA-NeXT, no limit); one_tile_when_several: OneVision's one-tile images
-    in samples with several.
-    """
-
-    pinpoints: tuple[tuple[int, int], ...]
+    tiling: TilingArch
     tile: int
     side: int
-    max_tiles: int | None = None
     one_tile_when_several: bool = False
 
     @classmethod
@@ -206,27 +189,20 @@ class FeatureLayout:
         tile = _tile_size(image_processor)
         aspect = getattr(processor, "vision_aspect_ratio", None)
         if aspect is None:
-            return cls(pinpoints, tile, tile // processor.patch_size)
-        return cls(pinpoints, tile, math.isqrt(processor.num_image_tokens), int(aspect.removeprefix("anyres_max_")),
-                   one_tile_when_several=True)
+            return cls(TilingArch(pinpoints, max_tiles=None, video_token_index=None), tile, tile // processor.patch_size)
+        return cls(TilingArch(pinpoints, max_tiles=int(aspect.removeprefix("anyres_max_")), video_token_index=None),
+                   tile, math.isqrt(processor.num_image_tokens), one_tile_when_several=True)
 
     def image_features(self, image_size: tuple[int, int], several: bool = False) -> int:
-        """Feature positions of an image of `image_size` (height, width): the base tile's, then the
-        grid's rows with the padding rows or columns taken off (as the model unpads them), at most
-        `max_tiles` tiles' worth (a larger grid is downsampled bilinearly), each row ending in a newline.
-        OneVision: an image among several in its sample is one tile and a newline."""
-        if several and self.one_tile_when_several:
-            return self.side * self.side + 1
+        """Feature positions of an image of `image_size` (height, width)."""
         height, width = image_size
-        canvas_height, canvas_width = best_resolution(image_size, self.pinpoints)
-        rows, columns = canvas_height // self.tile * self.side, canvas_width // self.tile * self.side
-        # Integer forms of HF's float comparisons: equal for any image under 10^7 pixels a side.
-        if width * rows > columns * height:
-            rows -= (rows - height * columns // width) // 2 * 2
+        if several and self.one_tile_when_several:
+            tiles = 1
         else:
-            columns -= (columns - width * rows // height) // 2 * 2
-        if self.max_tiles is not None:
-            ratio = math.sqrt(rows * columns / (self.max_tiles * self.side ** 2))
-            if ratio > 1.1:
-                rows, columns = int(rows // ratio), int(columns // ratio)
-        return self.side * self.side + rows * (columns + 1)
+            rows, cols = tiling.grid_shape(height, width, self.tiling, self.tile)
+            tiles = rows * cols + 1
+        return tiling.feature_count(tiling.Media(tiling.IMAGE, tiles, height, width), self.tiling, self.tile, self.side)
+
+    def video_features(self, frames: int) -> int:
+        """Feature positions of a video of `frames` frames."""
+        return tiling.feature_count(tiling.Media(tiling.VIDEO, frames), self.tiling, self.tile, self.side)

@@ -12,7 +12,6 @@ with fewer than N frames gives all its frames, as lmms-eval's PyAV loader does.
 from __future__ import annotations
 
 import io
-import math
 from pathlib import Path
 
 import numpy as np
@@ -107,10 +106,3 @@ class VideoPreprocessor:
         resized = [np.asarray(Image.fromarray(f).resize((width, height), resample=self.resample, reducing_gap=None))
                    for f in frames]
         return self.pixels(np.stack(resized))
-
-
-def video_features(frames: int, side: int) -> int:
-    """Feature positions of a OneVision video: each frame's side x side features pooled 2x2
-    (bilinear, to ceil(side / 2) a side), then one newline after the last frame."""
-    pooled = math.ceil(side / 2)
-    return frames * pooled * pooled + 1

@@ -7,7 +7,9 @@ import torch
 from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
 
-from megatron_ext.data.anyres import AnyresPreprocessor, FeatureLayout, best_resolution
+from megatron_ext.data.anyres import AnyresPreprocessor, FeatureLayout
+from megatron_ext.model.arch import TilingArch
+from megatron_ext.model.tiling import best_resolution
 from tests.data import hf_processors
 from tests.data.test_images import _photo
 
@@ -68,9 +70,9 @@ def test_the_issue_example_is_five_tiles_and_2928_positions():
 def test_onevision_downsamples_large_grids():
     processor = _tiny_onevision()
     layout = FeatureLayout.of(processor)
-    assert (layout.side, layout.max_tiles) == (2, 9)
+    assert (layout.side, layout.tiling.max_tiles) == (2, 9)
     # 500 x 300 fills a 6 x 4 tile canvas: a 12 x 8 feature grid, 2.5 times anyres_max_9's 36 features.
-    assert best_resolution((300, 500), layout.pinpoints) == (112, 168)
+    assert best_resolution(300, 500, layout.tiling.grid_pinpoints) == (112, 168)
     image = _photo(500, 300, seed=4)
     expected = _hf(processor, [image], "<image>")
     assert torch.equal(AnyresPreprocessor(processor.image_processor)([image])[0].pixel_values, expected["pixel_values"][0])
@@ -117,9 +119,9 @@ def test_counts_equal_the_models_packing(model):
         image_size_to_num_patches,
     )
 
-    layout = FeatureLayout.of(_tiny_onevision()) if model == "onevision" else FeatureLayout(((28, 56), (56, 28), (56, 56)), 28, 2)
+    layout = FeatureLayout.of(_tiny_onevision()) if model == "onevision" else FeatureLayout(TilingArch(((28, 56), (56, 28), (56, 56)), None, None), 28, 2)
     config = SimpleNamespace(vision_config=SimpleNamespace(image_size=28, patch_size=14),
-                             image_grid_pinpoints=[list(p) for p in layout.pinpoints])
+                             image_grid_pinpoints=[list(p) for p in layout.tiling.grid_pinpoints])
     sizes = [(300, 500), (700, 300), (15, 20), (160, 1000), (28, 28), (100, 3000)]
     features = [torch.zeros(image_size_to_num_patches(size, config.image_grid_pinpoints, 28), 4, 1) for size in sizes]
     if model == "onevision":

@@ -10,7 +10,8 @@ from PIL import Image
 from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
 
 from megatron_ext.data import video
-from megatron_ext.data.video import VideoPreprocessor, read_frames, uniform_indices, video_features
+from megatron_ext.data.anyres import FeatureLayout
+from megatron_ext.data.video import VideoPreprocessor, read_frames, uniform_indices
 from megatron_ext.errors import UserError
 from tests.data import hf_processors
 from tests.data.test_images import _photo
@@ -107,4 +108,4 @@ def test_video_count_equals_the_hf_processor(tmp_path):
     expected = processor(videos=[frames], text=["<video> What happens?"], return_tensors="pt")
     assert expected["pixel_values_videos"].shape == (1, 4, 3, 384, 384)
     # 27 x 27 SigLIP features per frame pooled to 14 x 14, then one newline.
-    assert video_features(4, 27) == 4 * 14 * 14 + 1 == hf_processors.count(expected["input_ids"], "<video>")
+    assert FeatureLayout.of(processor).video_features(4) == 4 * 14 * 14 + 1 == hf_processors.count(expected["input_ids"], "<video>")
