@@ -183,18 +183,24 @@ def test_generate_with_the_adapter_checkpoint_answers_as_the_merged_model(tmp_pa
 
 
 @pytest.mark.parametrize("lora_run", ["tp2"], indirect=True)
-def test_a_tp2_adapter_checkpoint_resumes_at_tp1(tmp_path, megatron_clip, train_data, lora_run):
+@pytest.mark.parametrize("load_optim", [True, False], ids=["with_optimizer", "without_optimizer"])
+def test_a_tp2_adapter_checkpoint_resumes_at_tp1(tmp_path, megatron_clip, train_data, lora_run, load_optim):
     """TP2's snapshot at iteration 2 continued in one process: the split and the replicated adapters
-    and their optimizer state resharded on load, the same run to float noise."""
+    (and their optimizer state) resharded on load, the same run to float noise; without the optimizer
+    state the weights still continue (iteration 3) and Adam starts afresh (iteration 4 differs)."""
     from megatron_ext.checkpoint import layout
 
     moved = tmp_path / "moved"
     shutil.copytree(lora_run, moved, ignore=shutil.ignore_patterns("iter_0000004", "metrics.jsonl", "tensorboard"))
     layout.mark_latest(moved, 2)
-    train(1, *trainer_args(megatron_clip, train_data, moved, **RUN), timeout=240)
+    fresh_adam = () if load_optim else ("--no-load-optim",)
+    train(1, *trainer_args(megatron_clip, train_data, moved, **RUN), *fresh_adam, timeout=240)
     expected, got = metrics(lora_run), metrics(moved)
     assert sorted(got) == [3, 4]
-    for iteration in (3, 4):
+    continued = (3, 4) if load_optim else (3,)
+    for iteration in continued:
         assert got[iteration]["samples_digest"] == expected[iteration]["samples_digest"]
         assert got[iteration]["loss"] == pytest.approx(expected[iteration]["loss"], rel=1e-5)
         assert got[iteration]["grad_norm"] == pytest.approx(expected[iteration]["grad_norm"], rel=1e-4)
+    if not load_optim:
+        assert got[4]["loss"] != pytest.approx(expected[4]["loss"], rel=1e-5)
