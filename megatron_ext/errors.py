@@ -17,7 +17,12 @@ OTHER_RANKS_EXIT_DELAY_S = 5.0
 
 
 def report(message: str) -> None:
-    """`error: <message>` on stderr, once per run: under torchrun only rank 0 prints it."""
+    """`error: <message>` on stderr, once per run: under run.py the launcher prints the first rank's
+    (megatron_ext/launch/failures.py); under torchrun alone, rank 0 prints it."""
+    from megatron_ext.launch import failures
+
+    if failures.record(message):
+        return
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     else:

@@ -1,14 +1,19 @@
-"""Running the launch command: its own process group, signals forwarded, output streamed (and teed)."""
+"""Running the launch command: its own process group, signals forwarded, output streamed (and logged),
+the first failure inside the ranks reported once."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 from megatron_ext import lifetime
+from megatron_ext.launch import failures
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
 
@@ -18,14 +23,37 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _tee(stream, log_path: Path) -> None:
-    out = sys.stdout.buffer
-    with open(log_path, "ab") as log:
+class _Output:
+    """The child's stdout and stderr passed through as they come, and all of it into one log file.
+
+    Once a rank has recorded a failure, stderr stops reaching the terminal (the log keeps it):
+    what follows is torchrun's report of that failure and the other ranks' reactions to it."""
+
+    def __init__(self, log_path: Path, failures_dir: Path):
+        self.log = open(log_path, "ab")
+        self.failures_dir = failures_dir
+        self.lock = threading.Lock()
+
+    def pump(self, stream, terminal, mutable: bool) -> None:
+        muted = False
         while chunk := os.read(stream.fileno(), 65536):
-            out.write(chunk)
-            out.flush()
-            log.write(chunk)
-            log.flush()
+            muted = muted or (mutable and failures.has_failed(self.failures_dir))
+            with self.lock:
+                if not muted:
+                    terminal.write(chunk)
+                    terminal.flush()
+                self.log.write(chunk)
+                self.log.flush()
+
+
+def _report(failures_dir: Path, log_path: Path) -> None:
+    """The first rank's failure, once: one line, after its traceback when it was not a user error."""
+    first = failures.first_failure(failures_dir)
+    if first is None:
+        return
+    if first.traceback:
+        sys.stderr.write(first.traceback)
+    print(f"error: {first.message} (rank {first.rank}; the run's whole output: {log_path})", file=sys.stderr, flush=True)
 
 
 def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> int:
@@ -33,13 +61,19 @@ def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> i
 
     The child gets a process group of its own, so Ctrl-C reaches it only through the launcher:
     SIGINT and SIGTERM (scancel) are passed to the whole group, torchrun and every rank. If this
-    process dies without forwarding anything (SIGKILL), the child dies with it (`lifetime`).
+    process dies without forwarding anything (SIGKILL), the child dies with it (`lifetime`). A rank
+    that fails leaves its reason in a directory of failures (`failures`), printed here once; the
+    run's whole output is in `log_file` or, when none is given, kept in that directory when a rank failed.
     """
+    failures_dir = Path(tempfile.mkdtemp(prefix="megatron-ext-run-"))
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
-    pipe = subprocess.PIPE if log_file is not None else None
-    proc = subprocess.Popen(argv, env={**os.environ, **env, **lifetime.launcher_marker()}, process_group=0,
-                            preexec_fn=lifetime.die_with_parent, stdout=pipe, stderr=subprocess.STDOUT if pipe else None)
+    log_path = log_file or failures_dir / "output.log"
+    # Unbuffered: the ranks write into a pipe now, and their output should still appear as it comes.
+    child_env = {"PYTHONUNBUFFERED": "1", **os.environ, **env, **lifetime.launcher_marker(),
+                 failures.FAILURES_ENV: str(failures_dir)}
+    proc = subprocess.Popen(argv, env=child_env, process_group=0, preexec_fn=lifetime.die_with_parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def forward(signum, _frame):
         try:
@@ -48,11 +82,23 @@ def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> i
             pass
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    output = _Output(log_path, failures_dir)
+    pumps = [threading.Thread(target=output.pump, args=(proc.stdout, sys.stdout.buffer, False), daemon=True),
+             threading.Thread(target=output.pump, args=(proc.stderr, sys.stderr.buffer, True), daemon=True)]
     try:
-        if log_file is not None:
-            _tee(proc.stdout, log_file)
-            proc.stdout.close()
-        return exit_status(proc.wait())
+        for pump in pumps:
+            pump.start()
+        # Joined with a timeout: a thread blocked in join would keep the signal handlers from running.
+        while any(pump.is_alive() for pump in pumps):
+            for pump in pumps:
+                pump.join(0.2)
+        status = exit_status(proc.wait())
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        output.log.close()
+    if status != 0:
+        _report(failures_dir, log_path)
+    if log_file is not None or status == 0 or not failures.has_failed(failures_dir):
+        shutil.rmtree(failures_dir, ignore_errors=True)
+    return status

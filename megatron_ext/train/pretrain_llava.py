@@ -12,6 +12,7 @@ import click
 
 from megatron_ext import lifetime
 from megatron_ext.errors import run_command
+from megatron_ext.launch import failures
 from megatron_ext.logs import setup_logging
 from megatron_ext.train.cli import trainer_options
 
@@ -30,4 +31,5 @@ def main(config):
 
 
 if __name__ == "__main__":
-    run_command(main)
+    with failures.recorded():
+        run_command(main)
