@@ -31,6 +31,13 @@ class Failure:
     traceback: str | None  # None for a user error: the message says it all
 
 
+def mark_started() -> None:
+    """Tell run.py that torchrun got as far as starting this rank (its rendezvous port was bound)."""
+    directory = os.environ.get(FAILURES_ENV)
+    if directory and Path(directory).is_dir():
+        (Path(directory) / f"rank{os.environ.get('RANK', '0')}.started").touch()
+
+
 def record(message: str, traceback_text: str | None = None) -> bool:
     """Leave this rank's failure for run.py. False when not started by run.py (then print it yourself)."""
     directory = os.environ.get(FAILURES_ENV)
@@ -60,6 +67,10 @@ def recorded():
         if not done:
             raise
         sys.exit(1)
+
+
+def has_started(directory: Path) -> bool:
+    return any(directory.glob("rank*.started"))
 
 
 def has_failed(directory: Path) -> bool:

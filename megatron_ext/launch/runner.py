@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext import lifetime
@@ -23,27 +25,54 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+# How torchrun says that its rendezvous port was taken between run.py's check and its own bind.
+PORT_TAKEN = b"EADDRINUSE"
+# torchrun binds its port within seconds; stderr is never held longer (should the ranks be unable to
+# say that they started: a container that does not see the launcher's temporary directory).
+HOLD_S = 30.0
+
+
 class _Output:
     """The child's stdout and stderr passed through as they come, and all of it into one log file.
 
-    Once a rank has recorded a failure, stderr stops reaching the terminal (the log keeps it):
-    what follows is torchrun's report of that failure and the other ranks' reactions to it."""
+    stderr is held back until a rank has started: torchrun fails before that mostly when it cannot
+    bind its rendezvous port, and run.py then says so itself (`port_taken`) instead of showing
+    torchrun's traceback. Once a rank has recorded a failure, stderr stops reaching the terminal
+    (the log keeps it): what follows is torchrun's report of that failure and the other ranks'
+    reactions to it."""
 
     def __init__(self, log_path: Path, failures_dir: Path):
         self.log = open(log_path, "ab")
         self.failures_dir = failures_dir
         self.lock = threading.Lock()
+        self.port_taken = False
 
-    def pump(self, stream, terminal, mutable: bool) -> None:
-        muted = False
+    def _write(self, chunk: bytes, terminal) -> None:
+        with self.lock:
+            if terminal is not None:
+                terminal.write(chunk)
+                terminal.flush()
+            self.log.write(chunk)
+            self.log.flush()
+
+    def pump(self, stream, terminal) -> None:
         while chunk := os.read(stream.fileno(), 65536):
-            muted = muted or (mutable and failures.has_failed(self.failures_dir))
-            with self.lock:
-                if not muted:
-                    terminal.write(chunk)
-                    terminal.flush()
-                self.log.write(chunk)
-                self.log.flush()
+            self._write(chunk, terminal)
+
+    def pump_stderr(self, stream, terminal) -> None:
+        held, muted, until = [], False, time.monotonic() + HOLD_S
+        while chunk := os.read(stream.fileno(), 65536):
+            if held is not None and not failures.has_started(self.failures_dir) and time.monotonic() < until:
+                held.append(chunk)
+                continue
+            if held:
+                self._write(b"".join(held), terminal)
+            held = None
+            muted = muted or failures.has_failed(self.failures_dir)
+            self._write(chunk, None if muted else terminal)
+        if held:
+            self.port_taken = PORT_TAKEN in b"".join(held)
+            self._write(b"".join(held), None if self.port_taken else terminal)
 
 
 def _report(failures_dir: Path, log_path: Path) -> None:
@@ -56,8 +85,14 @@ def _report(failures_dir: Path, log_path: Path) -> None:
     print(f"error: {first.message} (rank {first.rank}; the run's whole output: {log_path})", file=sys.stderr, flush=True)
 
 
-def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> int:
-    """Run `argv` with `env` added to this environment; returns its exit status.
+@dataclass(frozen=True)
+class Outcome:
+    status: int
+    port_taken: bool  # torchrun could not bind its rendezvous port: no rank started
+
+
+def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> Outcome:
+    """Run `argv` with `env` added to this environment.
 
     The child gets a process group of its own, so Ctrl-C reaches it only through the launcher:
     SIGINT and SIGTERM (scancel) are passed to the whole group, torchrun and every rank. If this
@@ -83,8 +118,8 @@ def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> i
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     output = _Output(log_path, failures_dir)
-    pumps = [threading.Thread(target=output.pump, args=(proc.stdout, sys.stdout.buffer, False), daemon=True),
-             threading.Thread(target=output.pump, args=(proc.stderr, sys.stderr.buffer, True), daemon=True)]
+    pumps = [threading.Thread(target=output.pump, args=(proc.stdout, sys.stdout.buffer), daemon=True),
+             threading.Thread(target=output.pump_stderr, args=(proc.stderr, sys.stderr.buffer), daemon=True)]
     try:
         for pump in pumps:
             pump.start()
@@ -101,4 +136,4 @@ def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> i
         _report(failures_dir, log_path)
     if log_file is not None or status == 0 or not failures.has_failed(failures_dir):
         shutil.rmtree(failures_dir, ignore_errors=True)
-    return status
+    return Outcome(status, output.port_taken and status != 0)

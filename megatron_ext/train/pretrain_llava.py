@@ -31,5 +31,6 @@ def main(config):
 
 
 if __name__ == "__main__":
+    failures.mark_started()
     with failures.recorded():
         run_command(main)
