@@ -18,10 +18,10 @@ OTHER_RANKS_EXIT_DELAY_S = 5.0
 
 def report(message: str) -> None:
     """`error: <message>` on stderr, once per run: under run.py the launcher prints the first rank's
-    (megatron_ext/launch/failures.py); under torchrun alone, rank 0 prints it."""
-    from megatron_ext.launch import failures
+    (megatron_ext/rank_failures.py); under torchrun alone, rank 0 prints it."""
+    from megatron_ext import rank_failures
 
-    if failures.record(message):
+    if rank_failures.record(message):
         return
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)

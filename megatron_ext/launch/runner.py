@@ -14,8 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext import lifetime
-from megatron_ext.launch import failures
+from megatron_ext import lifetime, rank_failures
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
 
@@ -62,13 +61,13 @@ class _Output:
     def pump_stderr(self, stream, terminal) -> None:
         held, muted, until = [], False, time.monotonic() + HOLD_S
         while chunk := os.read(stream.fileno(), 65536):
-            if held is not None and not failures.has_started(self.failures_dir) and time.monotonic() < until:
+            if held is not None and not rank_failures.has_started(self.failures_dir) and time.monotonic() < until:
                 held.append(chunk)
                 continue
             if held:
                 self._write(b"".join(held), terminal)
             held = None
-            muted = muted or failures.has_failed(self.failures_dir)
+            muted = muted or rank_failures.has_failed(self.failures_dir)
             self._write(chunk, None if muted else terminal)
         if held:
             self.port_taken = PORT_TAKEN in b"".join(held)
@@ -77,7 +76,7 @@ class _Output:
 
 def _report(failures_dir: Path, log_path: Path) -> None:
     """The first rank's failure, once: one line, after its traceback when it was not a user error."""
-    first = failures.first_failure(failures_dir)
+    first = rank_failures.first_failure(failures_dir)
     if first is None:
         return
     if first.traceback:
@@ -97,7 +96,7 @@ def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> O
     The child gets a process group of its own, so Ctrl-C reaches it only through the launcher:
     SIGINT and SIGTERM (scancel) are passed to the whole group, torchrun and every rank. If this
     process dies without forwarding anything (SIGKILL), the child dies with it (`lifetime`). A rank
-    that fails leaves its reason in a directory of failures (`failures`), printed here once; the
+    that fails leaves its reason in a directory of failures (`rank_failures`), printed here once; the
     run's whole output is in `log_file` or, when none is given, kept in that directory when a rank failed.
     """
     failures_dir = Path(tempfile.mkdtemp(prefix="megatron-ext-run-"))
@@ -106,7 +105,7 @@ def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> O
     log_path = log_file or failures_dir / "output.log"
     # Unbuffered: the ranks write into a pipe now, and their output should still appear as it comes.
     child_env = {"PYTHONUNBUFFERED": "1", **os.environ, **env, **lifetime.launcher_marker(),
-                 failures.FAILURES_ENV: str(failures_dir)}
+                 rank_failures.FAILURES_ENV: str(failures_dir)}
     proc = subprocess.Popen(argv, env=child_env, process_group=0, preexec_fn=lifetime.die_with_parent,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -134,6 +133,6 @@ def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> O
         output.log.close()
     if status != 0:
         _report(failures_dir, log_path)
-    if log_file is not None or status == 0 or not failures.has_failed(failures_dir):
+    if log_file is not None or status == 0 or not rank_failures.has_failed(failures_dir):
         shutil.rmtree(failures_dir, ignore_errors=True)
     return Outcome(status, output.port_taken and status != 0)

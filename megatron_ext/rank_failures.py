@@ -5,7 +5,8 @@ ChildFailedError report, and a user error seen by a rank other than 0 is not pri
 rank 0 prints): the reason scrolls away or never shows. Under run.py (FAILURES_ENV names a
 directory) a rank that fails writes what happened to DIR/rank<R>.json instead of printing it, and
 run.py prints the first failure once: a user error (or running out of memory) as one line, an
-unexpected exception with its traceback. Imports nothing heavy: errors.py uses it in every process.
+unexpected exception with its traceback. Each rank also marks that it started (DIR/rank<R>.started):
+torchrun got past binding its rendezvous port. Imports nothing heavy: errors.py uses it in every process.
 """
 
 from __future__ import annotations
