@@ -33,7 +33,8 @@ def run_command(command, args: list[str] | None = None, *, obj=None, prog_name: 
     """Run a click command as a script and exit with its status (its return value, else 0).
 
     Bad input, a UserError or a flag click rejects, is one line on stderr (from rank 0 only under
-    torchrun; the other ranks exit quietly with the same status 2), never a traceback or a usage block.
+    torchrun, the other ranks exiting quietly with the same status 2; under run.py, from run.py:
+    see `report`), never a traceback or a usage block.
     """
     import click
 
