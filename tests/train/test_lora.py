@@ -1,6 +1,6 @@
 """LoRA training (--lora-rank): only the adapters (and the projector when asked) change, the base
 model stays bit-identical, the loss falls, and TP2 and PP2 train exactly like one process. The
-trainer's LoRA runs at TP2, TP2 x PP2 and DP2 with the distributed optimizer save, resume exactly,
+trainer's LoRA runs at TP2, TP2 x PP2 and TP2 x DP2 with the distributed optimizer save, resume exactly,
 export (merged and PEFT) and load in another layout."""
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ def _numel(entry) -> int:
 
 
 # Where adapters are split (TP: column B, row A; gated fc1, GQA qkv), on two pipeline stages, and
-# with their optimizer state sharded over data-parallel ranks.
-LAYOUTS = {"tp2": (2, {"tp": 2}), "tp2_pp2": (4, {"tp": 2, "pp": 2}), "dp2_dist_optim": (2, {"dist_optim": True})}
+# with their optimizer state sharded over data-parallel ranks as well.
+LAYOUTS = {"tp2": (2, {"tp": 2}), "tp2_pp2": (4, {"tp": 2, "pp": 2}),
+           "tp2_dp2_dist_optim": (4, {"tp": 2, "dist_optim": True})}
 RUN = dict(train_iters=4, save_interval=2, save_optim=True, lora_rank=4, lora_alpha=8.0, lora_train_projector=True)
 
 
