@@ -16,9 +16,10 @@ from tests.train.conftest import run_py
 DOUBLE = Path(__file__).with_name("rank_failure")  # its sitecustomize makes rank FAIL_IN_RANK fail
 
 
-def _failing_env(failure: str) -> dict[str, str]:
+def _failing_env(failure: str, tmp_path: Path) -> dict[str, str]:
+    """TMPDIR: run.py keeps the output of a failed run in a temporary directory, here the test's."""
     path = os.pathsep.join(p for p in (str(DOUBLE), os.environ.get("PYTHONPATH")) if p)
-    return child_env(PYTHONPATH=path, FAIL_IN_RANK="1", FAILURE=failure)
+    return child_env(PYTHONPATH=path, FAIL_IN_RANK="1", FAILURE=failure, TMPDIR=str(tmp_path))
 
 
 def _error_lines(text: str) -> list[str]:
@@ -28,7 +29,7 @@ def _error_lines(text: str) -> list[str]:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_a_user_error_in_rank_1_is_one_line(tmp_path, megatron_clip, train_data):
-    result = run(run_py(megatron_clip, train_data, tmp_path / "run", 2), env=_failing_env("user"), timeout=180,
+    result = run(run_py(megatron_clip, train_data, tmp_path / "run", 2), env=_failing_env("user", tmp_path), timeout=180,
                  check=False)
     output = result.stdout + result.stderr
     assert result.returncode != 0
@@ -37,13 +38,14 @@ def test_a_user_error_in_rank_1_is_one_line(tmp_path, megatron_clip, train_data)
     message, log = line.split(" (rank 1; the run's whole output: ")
     assert message == "error: data shard /data/shard_7.tar is corrupt (unexpected end of archive); rebuild it"
     # Nothing is lost: the log keeps torchrun's own report too.
-    assert "ChildFailedError" in Path(log.removesuffix(")")).read_text()
+    log = Path(log.removesuffix(")"))
+    assert log.parent.parent == tmp_path and "ChildFailedError" in log.read_text()
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_a_bug_in_rank_1_shows_its_traceback_once(tmp_path, megatron_clip, train_data):
-    result = run(run_py(megatron_clip, train_data, tmp_path / "run", 2), env=_failing_env("bug"), timeout=180,
+    result = run(run_py(megatron_clip, train_data, tmp_path / "run", 2), env=_failing_env("bug", tmp_path), timeout=180,
                  check=False)
     output = result.stdout + result.stderr
     assert result.returncode != 0
