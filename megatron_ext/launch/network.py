@@ -5,14 +5,14 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
-import tempfile
 from pathlib import Path
 
 from megatron_ext.errors import UserError
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
-# Ports claimed by the run.py processes of this machine, one lock file each (shared by all users, as /tmp).
-CLAIMS_DIR = Path(tempfile.gettempdir()) / "megatron-ext-ports"
+# Ports claimed by the run.py processes of this machine, one lock file each, shared by all users and
+# jobs: /tmp itself, not $TMPDIR, which a scheduler may set per job.
+CLAIMS_DIR = Path("/tmp/megatron-ext-ports")
 _claims: dict[int, int] = {}  # port -> the open descriptor holding its lock for this process's lifetime
 
 
