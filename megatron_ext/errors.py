@@ -17,7 +17,12 @@ OTHER_RANKS_EXIT_DELAY_S = 5.0
 
 
 def report(message: str) -> None:
-    """`error: <message>` on stderr, once per run: under torchrun only rank 0 prints it."""
+    """`error: <message>` on stderr, once per run: under run.py the launcher prints the first rank's
+    (megatron_ext/rank_failures.py); under torchrun alone, rank 0 prints it."""
+    from megatron_ext import rank_failures
+
+    if rank_failures.record(message):
+        return
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     else:
@@ -28,7 +33,8 @@ def run_command(command, args: list[str] | None = None, *, obj=None, prog_name: 
     """Run a click command as a script and exit with its status (its return value, else 0).
 
     Bad input, a UserError or a flag click rejects, is one line on stderr (from rank 0 only under
-    torchrun; the other ranks exit quietly with the same status 2), never a traceback or a usage block.
+    torchrun, the other ranks exiting quietly with the same status 2; under run.py, from run.py:
+    see `report`), never a traceback or a usage block.
     """
     import click
 

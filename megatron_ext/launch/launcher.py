@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -9,10 +10,9 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from megatron_ext.errors import UserError
-from megatron_ext.launch import runner
+from megatron_ext.launch import network, runner
 from megatron_ext.launch.command import LaunchCommand, build_command
 from megatron_ext.launch.flags import TRAINER_FLAGS, passthrough_options
-from megatron_ext.launch.network import check_interface
 from megatron_ext.launch.slurm import slurm_job
 from megatron_ext.launch.topology import Topology, resolve_topology
 from megatron_ext.launch.trainer_args import TrainerSetup, trainer_setup
@@ -68,15 +68,35 @@ def prepare(values: dict, passthrough_argv: list[str], env: Mapping[str, str]) -
     topology = resolve_topology(values, env, slurm, values["name"])
     _check_devices(topology, values)
     if values["interface"]:
-        check_interface(values["interface"])
+        network.check_interface(values["interface"])
     flag_values = {field: list(values[field]) if isinstance(values[field], tuple) else values[field] for field in TRAINER_FLAGS}
     setup = trainer_setup(flag_values, passthrough, topology.world_size,
                           _transformer_engine(topology, values["sif_path"]), topology.on_gpu)
     _check_save_dir_free(setup.plan.config, topology)
-    output_name = values["slurm_output_name"]
-    command = build_command(topology, setup.plan.config, setup.argv, setup.plan.paths(), values["sif_path"],
-                            values["interface"], output_name, dry_run=values["dry_run"])
-    return Launch(topology=topology, trainer=setup, command=command)
+    return Launch(topology=topology, trainer=setup, command=_command(topology, setup, values))
+
+
+def _command(topology: Topology, setup: TrainerSetup, values: dict) -> LaunchCommand:
+    return build_command(topology, setup.plan.config, setup.argv, setup.plan.paths(), values["sif_path"],
+                         values["interface"], values["slurm_output_name"], dry_run=values["dry_run"])
+
+
+# A default port taken again and again at bind time is not a race any more: something is wrong.
+PORT_RETRIES = 3
+
+
+def _port_taken(launch: Launch, values: dict, retries_left: int) -> Launch:
+    """The launch again on a free port, when run.py chose the port that torchrun found taken; else one line."""
+    t = launch.topology
+    port, flag = (t.rdzv_port, "--rdzv-port") if t.rdzv_port is not None else (t.master_port, "-p/--master-port")
+    chosen_here = t.rdzv_port is None and values["master_port"] is None and t.nnodes == 1
+    if not chosen_here or not retries_left:
+        raise UserError(f"{flag} {port} was taken by another process while the run started; choose another, "
+                        f"e.g. {flag} {network.free_port()}")
+    topology = dataclasses.replace(t, master_port=network.take_free_port())
+    print(f"run.py: port {port} was taken by another process while the run started; starting again on free port "
+          f"{topology.master_port}", file=sys.stderr, flush=True)
+    return Launch(topology=topology, trainer=launch.trainer, command=_command(topology, launch.trainer, values))
 
 
 def main(values: dict, passthrough_argv: list[str]) -> int:
@@ -86,5 +106,9 @@ def main(values: dict, passthrough_argv: list[str]) -> int:
     if values["dry_run"]:
         print(launch.command.shell(), flush=True)
         return 0
-    print(f"+ {launch.command.shell()}", file=sys.stderr, flush=True)
-    return runner.run(launch.command.argv, launch.command.env, launch.command.log_file)
+    for retries_left in reversed(range(PORT_RETRIES + 1)):
+        print(f"+ {launch.command.shell()}", file=sys.stderr, flush=True)
+        outcome = runner.run(launch.command.argv, launch.command.env, launch.command.log_file)
+        if not outcome.port_taken:
+            return outcome.status
+        launch = _port_taken(launch, values, retries_left)

@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import socket
 from pathlib import Path
 
 from megatron_ext.errors import UserError
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
+# Ports claimed by the run.py processes of this machine, one lock file each, shared by all users and
+# jobs: /tmp itself, not $TMPDIR, which a scheduler may set per job.
+CLAIMS_DIR = Path("/tmp/megatron-ext-ports")
+_claims: dict[int, int] = {}  # port -> the open descriptor holding its lock for this process's lifetime
+
+
+def claim_port(port: int) -> bool:
+    """Reserve `port` among the run.py processes of this machine until this one exits; False when
+    another holds it. Two run.py started together both find a port free before either torchrun has
+    bound it (seen: the second died with EADDRINUSE); the first to claim it keeps it."""
+    if port in _claims:
+        return True
+    try:
+        CLAIMS_DIR.mkdir()
+        CLAIMS_DIR.chmod(0o1777)
+    except FileExistsError:
+        pass
+    fd = os.open(CLAIMS_DIR / f"{port}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
+        # An flock ends with its holder however it ends: no stale claims.
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    _claims[port] = fd
+    return True
 
 
 def port_free(port: int) -> bool:
@@ -27,11 +55,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def take_port(port: int) -> bool:
+    """Whether `port` is free here and now claimed for this run."""
+    return port_free(port) and claim_port(port)
+
+
+def take_free_port() -> int:
+    while not take_port(port := free_port()):
+        pass
+    return port
+
+
 def check_port(port: int, flag: str) -> None:
+    """`port` is free, and claimed for this run."""
     if not 0 < port < 65536:
         raise UserError(f"{flag} {port} is not a TCP port (1-65535)")
     if not port_free(port):
         raise UserError(f"{flag} {port} is in use on this machine; choose another, e.g. {flag} {free_port()}")
+    if not claim_port(port):
+        raise UserError(f"{flag} {port} is taken by another run.py starting on this machine; choose another, "
+                        f"e.g. {flag} {free_port()}")
 
 
 def is_this_host(host: str) -> bool:

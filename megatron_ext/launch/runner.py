@@ -1,14 +1,20 @@
-"""Running the launch command: its own process group, signals forwarded, output streamed (and teed)."""
+"""Running the launch command: its own process group, signals forwarded, output streamed (and logged),
+the first failure inside the ranks reported once."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext import lifetime
+from megatron_ext import lifetime, rank_failures
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM)
 
@@ -18,28 +24,90 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _tee(stream, log_path: Path) -> None:
-    out = sys.stdout.buffer
-    with open(log_path, "ab") as log:
+# How torchrun says that its rendezvous port was taken between run.py's check and its own bind.
+PORT_TAKEN = b"EADDRINUSE"
+# torchrun binds its port within seconds; stderr is never held longer (should the ranks be unable to
+# say that they started: a container that does not see the launcher's temporary directory).
+HOLD_S = 30.0
+
+
+class _Output:
+    """The child's stdout and stderr passed through as they come, and all of it into one log file.
+
+    stderr is held back until a rank has started: torchrun fails before that mostly when it cannot
+    bind its rendezvous port, and run.py then says so itself (`port_taken`) instead of showing
+    torchrun's traceback. Once a rank has recorded a failure, stderr stops reaching the terminal
+    (the log keeps it): what follows is torchrun's report of that failure and the other ranks'
+    reactions to it."""
+
+    def __init__(self, log_path: Path, failures_dir: Path):
+        self.log = open(log_path, "ab")
+        self.failures_dir = failures_dir
+        self.lock = threading.Lock()
+        self.port_taken = False
+
+    def _write(self, chunk: bytes, terminal) -> None:
+        with self.lock:
+            if terminal is not None:
+                terminal.write(chunk)
+                terminal.flush()
+            self.log.write(chunk)
+            self.log.flush()
+
+    def pump(self, stream, terminal) -> None:
         while chunk := os.read(stream.fileno(), 65536):
-            out.write(chunk)
-            out.flush()
-            log.write(chunk)
-            log.flush()
+            self._write(chunk, terminal)
+
+    def pump_stderr(self, stream, terminal) -> None:
+        held, muted, until = [], False, time.monotonic() + HOLD_S
+        while chunk := os.read(stream.fileno(), 65536):
+            if held is not None and not rank_failures.has_started(self.failures_dir) and time.monotonic() < until:
+                held.append(chunk)
+                continue
+            if held:
+                self._write(b"".join(held), terminal)
+            held = None
+            muted = muted or rank_failures.has_failed(self.failures_dir)
+            self._write(chunk, None if muted else terminal)
+        if held:
+            self.port_taken = PORT_TAKEN in b"".join(held)
+            self._write(b"".join(held), None if self.port_taken else terminal)
 
 
-def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> int:
-    """Run `argv` with `env` added to this environment; returns its exit status.
+def _report(failures_dir: Path, log_path: Path) -> None:
+    """The first rank's failure, once: one line, after its traceback when it was not a user error."""
+    first = rank_failures.first_failure(failures_dir)
+    if first is None:
+        return
+    if first.traceback:
+        sys.stderr.write(first.traceback)
+    print(f"error: {first.message} (rank {first.rank}; the run's whole output: {log_path})", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: int
+    port_taken: bool  # torchrun could not bind its rendezvous port: no rank started
+
+
+def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> Outcome:
+    """Run `argv` with `env` added to this environment.
 
     The child gets a process group of its own, so Ctrl-C reaches it only through the launcher:
     SIGINT and SIGTERM (scancel) are passed to the whole group, torchrun and every rank. If this
-    process dies without forwarding anything (SIGKILL), the child dies with it (`lifetime`).
+    process dies without forwarding anything (SIGKILL), the child dies with it (`lifetime`). A rank
+    that fails leaves its reason in a directory of failures (`rank_failures`), printed here once; the
+    run's whole output is in `log_file` or, when none is given, kept in that directory when a rank failed.
     """
+    failures_dir = Path(tempfile.mkdtemp(prefix="megatron-ext-run-"))
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
-    pipe = subprocess.PIPE if log_file is not None else None
-    proc = subprocess.Popen(argv, env={**os.environ, **env, **lifetime.launcher_marker()}, process_group=0,
-                            preexec_fn=lifetime.die_with_parent, stdout=pipe, stderr=subprocess.STDOUT if pipe else None)
+    log_path = log_file or failures_dir / "output.log"
+    # Unbuffered: the ranks write into a pipe now, and their output should still appear as it comes.
+    child_env = {"PYTHONUNBUFFERED": "1", **os.environ, **env, **lifetime.launcher_marker(),
+                 rank_failures.FAILURES_ENV: str(failures_dir)}
+    proc = subprocess.Popen(argv, env=child_env, process_group=0, preexec_fn=lifetime.die_with_parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def forward(signum, _frame):
         try:
@@ -48,11 +116,23 @@ def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> i
             pass
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    output = _Output(log_path, failures_dir)
+    pumps = [threading.Thread(target=output.pump, args=(proc.stdout, sys.stdout.buffer), daemon=True),
+             threading.Thread(target=output.pump_stderr, args=(proc.stderr, sys.stderr.buffer), daemon=True)]
     try:
-        if log_file is not None:
-            _tee(proc.stdout, log_file)
-            proc.stdout.close()
-        return exit_status(proc.wait())
+        for pump in pumps:
+            pump.start()
+        # Joined with a timeout: a thread blocked in join would keep the signal handlers from running.
+        while any(pump.is_alive() for pump in pumps):
+            for pump in pumps:
+                pump.join(0.2)
+        status = exit_status(proc.wait())
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        output.log.close()
+    if status != 0:
+        _report(failures_dir, log_path)
+    if log_file is not None or status == 0 or not rank_failures.has_failed(failures_dir):
+        shutil.rmtree(failures_dir, ignore_errors=True)
+    return Outcome(status, output.port_taken and status != 0)

@@ -64,9 +64,10 @@ def _processes(gpus: int, gpu_ids: str, physical: int, visible: int, slurm: Slur
 
 
 def _master_port(port: int | None, nnodes: int, notes: list[str]) -> int:
-    """Checked on the master node: the port must be free, except that a single node replaces a busy default."""
-    if port is None and nnodes == 1 and not network.port_free(network.DEFAULT_MASTER_PORT):
-        port = network.free_port()
+    """Checked and claimed on the master node: the port must be free, except that a single node replaces a
+    busy default."""
+    if port is None and nnodes == 1 and not network.take_port(network.DEFAULT_MASTER_PORT):
+        port = network.take_free_port()
         notes.append(f"port {network.DEFAULT_MASTER_PORT} is in use; using free port {port} (set one with -p/--master-port)")
         return port
     port = network.DEFAULT_MASTER_PORT if port is None else port

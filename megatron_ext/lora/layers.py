@@ -71,6 +71,9 @@ class LoraLinear(torch.nn.Module):
         self.dropout = torch.nn.Dropout(settings.dropout) if settings.dropout else torch.nn.Identity()
         self.sequence_parallel = bool(base.config.sequence_parallel)
         out_local, in_local = base.weight.shape
+        # The checkpoint metadata needs the group too: without it a split adapter is described as
+        # whole and a replicated one as written by every TP rank.
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         dtype = base.weight.dtype
@@ -118,23 +121,24 @@ class LoraLinear(torch.nn.Module):
         return finish(output + self._adapter(x), bias)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
         # The wrapped layer's tensors keep their checkpoint keys; only the state-dict keys (what
         # load_state_dict matches) gain "base.".
         base = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
         entries = {prefix + _BASE + key[len(prefix):]: value for key, value in base.items()}
         axis = {"lora_b.weight": 0} if self.kind == "column" else {"lora_a.weight": 1}
         adapter = {"lora_a.weight": self.lora_a.weight, "lora_b.weight": self.lora_b.weight}
-        entries.update(make_sharded_tensors_for_checkpoint(adapter, prefix, axis, sharded_offsets,
-                                                           dp_cp_group=(metadata or {}).get("dp_cp_group")))
+        entries.update(make_sharded_tensors_for_checkpoint(adapter, prefix, axis, sharded_offsets, tp_group=self.tp_group,
+                                                           dp_cp_group=metadata["dp_cp_group"]))
         if self.gated:
             # A gated fc1 holds [gate shard; up shard] per rank: megatron's MLP stores such a weight
             # as [gate; up] globally, and B's rows follow the weight's. MLP only recognises its own
             # keys, which are renamed here, so the split is applied here.
             from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
-            singleton = (metadata or {}).get("singleton_local_shards", False)
+            singleton = metadata.get("singleton_local_shards", False)
             for key in (prefix + _BASE + "weight", prefix + _BASE + "bias", prefix + "lora_b.weight"):
                 if key in entries:
                     entries[key] = apply_swiglu_sharded_factory(entries[key], sharded_offsets, singleton)

@@ -45,7 +45,9 @@ def lora_settings(config) -> LoraSettings | None:
     targets = tuple(t.strip() for t in config.lora_targets.split(",") if t.strip())
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets:
-        raise UserError(f"--lora-targets {config.lora_targets!r}: expected a comma-separated subset of {','.join(TARGETS)}")
+        what = f"no target {', '.join(unknown)}" if unknown else "no targets"
+        raise UserError(f"--lora-targets {config.lora_targets!r}: {what}; give a comma-separated subset of "
+                        + ", ".join(f"{name} ({layer})" for name, layer in TARGETS.items()))
     return LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
                         targets=tuple(dict.fromkeys(targets)), train_projector=config.lora_train_projector)
 

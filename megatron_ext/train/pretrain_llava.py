@@ -10,7 +10,7 @@ megatron_ext/train/options.py (see --help).
 
 import click
 
-from megatron_ext import lifetime
+from megatron_ext import lifetime, rank_failures
 from megatron_ext.errors import run_command
 from megatron_ext.logs import setup_logging
 from megatron_ext.train.cli import trainer_options
@@ -30,4 +30,6 @@ def main(config):
 
 
 if __name__ == "__main__":
-    run_command(main)
+    rank_failures.mark_started()
+    with rank_failures.recorded():
+        run_command(main)

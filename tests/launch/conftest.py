@@ -43,6 +43,15 @@ def record(**entry):
 if role != "child":
     record(argv=sys.argv[1:], env=dict(os.environ), pid=os.getpid(), pgid=os.getpgid(0), ppid=os.getppid(),
            parent_pgid=os.getpgid(os.getppid()))
+if role == "torchrun" and os.environ.get("STANDIN_PORT_TAKEN"):
+    # torchrun's report when its rendezvous port was taken before it could bind it, on its first start.
+    with open(os.environ["STANDIN_RECORD"]) as f:
+        if sum('"argv"' in line for line in f) == 1:
+            port = sys.argv[sys.argv.index("--master-port") + 1]
+            print("Traceback (most recent call last):\\n  ...\\ntorch.distributed.DistNetworkError: The server socket "
+                  f"has failed to listen on any local network address. port: {{port}}, useIpv6: false, code: -98, "
+                  "name: EADDRINUSE, message: address already in use", file=sys.stderr, flush=True)
+            sys.exit(1)
 print(f"{{role}} says hello on stdout", flush=True)
 print(f"{{role}} says hello on stderr", file=sys.stderr, flush=True)
 if os.environ.get("STANDIN_WAIT"):

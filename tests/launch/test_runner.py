@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from megatron_ext.launch.network import free_port
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 
@@ -22,6 +24,29 @@ def test_exit_status_and_streamed_output(launcher, inputs, standin_exit, status)
     assert [line for line in result.stderr.splitlines() if line.startswith("+ torchrun ")]
     assert "torchrun says hello on stdout" in result.stdout
     assert "torchrun says hello on stderr" in result.stderr
+
+
+def test_a_port_taken_at_bind_time_starts_again_on_a_free_port(launcher, inputs):
+    """Another process bound the port between run.py's check and torchrun's bind: torchrun's traceback
+    stays off the terminal, and the run starts again on a free port."""
+    result = launcher.run(*_args(inputs), env=launcher.env(STANDIN_PORT_TAKEN="1"))
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "EADDRINUSE" not in result.stderr
+    first, second = [r["argv"] for r in launcher.records() if "argv" in r]
+    taken, free = (argv[argv.index("--master-port") + 1] for argv in (first, second))
+    assert taken != free
+    assert f"run.py: port {taken} was taken by another process while the run started; starting again on free port " \
+           f"{free}" in result.stderr.splitlines()
+    assert "torchrun says hello on stderr" in result.stderr
+
+
+def test_an_explicit_port_taken_at_bind_time_is_one_line(launcher, inputs):
+    port = free_port()
+    result = launcher.run(*_args(inputs), "-p", port, env=launcher.env(STANDIN_PORT_TAKEN="1"))
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1].startswith(f"error: -p/--master-port {port} was taken by another process "
+                                                     "while the run started; choose another, e.g. -p/--master-port ")
+    assert "Traceback" not in result.stderr and len([r for r in launcher.records() if "argv" in r]) == 1
 
 
 def _wait_ready(launcher, proc, count, timeout=30.0):

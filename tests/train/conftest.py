@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-from tests.helpers import run_torchrun
+from tests.helpers import REPO_ROOT, run_torchrun
 
 
 def trainer_args(checkpoint: Path, data: Path, save_dir: Path, **options) -> list[str]:
@@ -21,6 +22,14 @@ def trainer_args(checkpoint: Path, data: Path, save_dir: Path, **options) -> lis
         elif value is not None and value is not False:
             args += [flag, str(value)]
     return args
+
+
+def run_py(checkpoint: Path, data: Path, save: Path, iters: int) -> list[str]:
+    """The command of a small two-process run through the launcher, scripts/train/run.py."""
+    return [sys.executable, str(REPO_ROOT / "scripts/train/run.py"), "-g", "2", "--megatron-load-dir", str(checkpoint),
+            "--data-path", str(data), "--save", "--save-dir", str(save), "--save-interval", "2", "--micro-batch-size",
+            "2", "--global-batch-size", "4", "--num-workers", "0", "--stage", "2",
+            "--", "--train-iters", str(iters), "--seq-length", "128", "--lr", "1e-3"]
 
 
 def train(nproc: int, *args, timeout: float = 240, check: bool = True, env: dict | None = None):

@@ -16,14 +16,7 @@ import pytest
 from megatron_ext import lifetime
 from megatron_ext.checkpoint import layout
 from tests.helpers import REPO_ROOT, run, started
-from tests.train.conftest import metrics
-
-
-def _run_py(checkpoint, data, save, iters: int) -> list[str]:
-    return [sys.executable, str(REPO_ROOT / "scripts/train/run.py"), "-g", "2", "--megatron-load-dir", str(checkpoint),
-            "--data-path", str(data), "--save", "--save-dir", str(save), "--save-interval", "2", "--micro-batch-size",
-            "2", "--global-batch-size", "4", "--num-workers", "0", "--stage", "2",
-            "--", "--train-iters", str(iters), "--seq-length", "128", "--lr", "1e-3"]
+from tests.train.conftest import metrics, run_py
 
 
 def _started_by(launcher_pid: int) -> list[psutil.Process]:
@@ -59,7 +52,7 @@ def test_a_process_forked_by_a_guarded_one_dies_with_it():
 @pytest.mark.timeout(400)
 def test_run_py_killed_alone_takes_its_ranks_along(tmp_path, megatron_clip, train_data):
     save = tmp_path / "run"
-    endless = _run_py(megatron_clip, train_data, save, 100000)
+    endless = run_py(megatron_clip, train_data, save, 100000)
     with open(tmp_path / "first.log", "w") as log, started(endless, stdout=log, stderr=subprocess.STDOUT) as first:
         deadline = time.monotonic() + 240
         while layout.latest_complete_snapshot(save) is None:
@@ -81,7 +74,7 @@ def test_run_py_killed_alone_takes_its_ranks_along(tmp_path, megatron_clip, trai
         assert not left, [p.cmdline() for p in left]
 
     saved = layout.latest_complete_snapshot(save).iteration
-    resumed = run(_run_py(megatron_clip, train_data, save, saved + 2), timeout=300)
+    resumed = run(run_py(megatron_clip, train_data, save, saved + 2), timeout=300)
     output = resumed.stdout + resumed.stderr
     assert "took over the lock of a run on" in output and "which is gone" in output
     assert f"resumed from {save / layout.snapshot_name(saved)}" in output

@@ -1,5 +1,7 @@
 """LoRA training (--lora-rank): only the adapters (and the projector when asked) change, the base
-model stays bit-identical, the loss falls, and TP2 and PP2 train exactly like one process."""
+model stays bit-identical, the loss falls, and TP2 and PP2 train exactly like one process. The
+trainer's LoRA runs at TP2, TP2 x PP2 and TP2 x DP2 with the distributed optimizer save, resume exactly,
+export (merged and PEFT) and load in another layout."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import run_script, run_torchrun
-from tests.train.conftest import train, trainer_args
+from tests.train.conftest import metrics, train, trainer_args
 
 WORKER = str(Path(__file__).with_name("lora_worker.py"))
 LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lora_train_projector": True}
@@ -76,19 +78,26 @@ def _numel(entry) -> int:
     return math.prod(getattr(entry, "global_shape", ()))
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory, megatron_clip, train_data) -> Path:
-    """The trainer's LoRA run of 4 iterations, saved at 2 and 4, then resumed from 2 (metrics.jsonl
-    holds both passes over iterations 3 and 4)."""
+# Where adapters are split (TP: column B, row A; gated fc1, GQA qkv), on two pipeline stages, and
+# with their optimizer state sharded over data-parallel ranks as well.
+LAYOUTS = {"tp2": (2, {"tp": 2}), "tp2_pp2": (4, {"tp": 2, "pp": 2}),
+           "tp2_dp2_dist_optim": (4, {"tp": 2, "dist_optim": True})}
+RUN = dict(train_iters=4, save_interval=2, save_optim=True, lora_rank=4, lora_alpha=8.0, lora_train_projector=True)
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def lora_run(request, tmp_path_factory, megatron_clip, train_data) -> Path:
+    """The trainer's LoRA run of 4 iterations in one layout, saved at 2 and 4, then resumed from 2
+    (metrics.jsonl holds both passes over iterations 3 and 4)."""
     from megatron_ext.checkpoint import layout
 
-    save = tmp_path_factory.mktemp("lora_run") / "run"
-    args = trainer_args(megatron_clip, train_data, save, train_iters=4, save_interval=2, save_optim=True,
-                        lora_rank=4, lora_alpha=8.0, lora_train_projector=True)
-    train(1, *args)
+    nproc, layout_args = LAYOUTS[request.param]
+    save = tmp_path_factory.mktemp(f"lora_{request.param}") / "run"
+    args = trainer_args(megatron_clip, train_data, save, **RUN, **layout_args)
+    train(nproc, *args, timeout=300)
     shutil.rmtree(save / layout.snapshot_name(4))
     layout.mark_latest(save, 2)
-    train(1, *args)
+    train(nproc, *args, timeout=300)
     return save
 
 
@@ -107,8 +116,17 @@ def test_adapter_checkpoint_is_small_names_its_base_and_resumes_exactly(megatron
     model_keys = [k for k in stored if not k.startswith("optimizer.")]
     assert model_keys and all(".lora_" in k or k.startswith("vision_projection.") for k in model_keys)
     assert all(".lora_" in k or "vision_projection." in k for k in stored if k.startswith("optimizer."))
-    base_numel = sum(_numel(t) for t in load_sharded_metadata(str(base.path)).values())
+    base_stored = load_sharded_metadata(str(base.path))
+    base_numel = sum(_numel(t) for t in base_stored.values())
     assert sum(_numel(stored[k]) for k in model_keys) < 0.1 * base_numel  # 6%: rank 4 and the projector
+    # Whatever the layout, the adapters of all 4 targets are stored whole: (layers, rank, in) and
+    # (layers, out, rank) beside their weight's (layers, out, in).
+    adapted = {k[: -len(".lora_a.weight")] for k in model_keys if k.endswith(".lora_a.weight")}
+    assert len(adapted) == 4
+    for name in adapted:
+        layers, out_features, in_features = base_stored[name + ".weight"].global_shape
+        assert stored[name + ".lora_a.weight"].global_shape == (layers, 4, in_features)
+        assert stored[name + ".lora_b.weight"].global_shape == (layers, out_features, 4)
 
     # Resumed from iteration 2, the run repeats iterations 3 and 4 exactly.
     records = _train_records(save)
@@ -118,10 +136,19 @@ def test_adapter_checkpoint_is_small_names_its_base_and_resumes_exactly(megatron
             (first["loss"], first["grad_norm"], first["samples_digest"])
 
 
-def test_exports_equal_the_megatron_model_with_adapters(tmp_path, llava_clip, megatron_clip, lora_run):
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, lora_run) -> tuple[Path, Path]:
+    """The run's adapters merged into an HF LLaVA, and as a PEFT adapter (read at TP1, whatever the layout)."""
+    out = tmp_path_factory.mktemp("lora_export")
+    merged, adapter = out / "merged", out / "adapter"
+    run_script("convert/convert_megatron_to_hf.py", "--megatron-dir", lora_run, "--hf-dir", merged, "--lora-merge",
+               "--lora-adapter-dir", adapter)
+    return merged, adapter
+
+
+def test_exports_equal_the_megatron_model_with_adapters(llava_clip, lora_run, exported):
     """The PEFT adapter on the HF base (loaded by peft), the merged HF model and the Megatron base
-    with its adapters give the same logits; generation with the adapter checkpoint answers as the
-    merged model does."""
+    with its adapters (loaded in one process) give the same logits."""
     import torch
     from peft import PeftModel
     from transformers import LlavaForConditionalGeneration
@@ -129,9 +156,7 @@ def test_exports_equal_the_megatron_model_with_adapters(tmp_path, llava_clip, me
     from megatron_ext import hf_loading
     from megatron_ext.convert.compare import compare, hf_logits, process_inputs, synthetic_image
 
-    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
-    run_script("convert/convert_megatron_to_hf.py", "--megatron-dir", lora_run, "--hf-dir", merged, "--lora-merge",
-               "--lora-adapter-dir", adapter)
+    merged, adapter = exported
     assert compare(merged, lora_run).max_abs <= 1e-4
 
     processor = hf_loading.load_processor(str(merged), "--hf-dir")
@@ -144,10 +169,39 @@ def test_exports_equal_the_megatron_model_with_adapters(tmp_path, llava_clip, me
     assert (peft_logits - merged_logits).abs().max() <= 1e-4
     assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapters changed the model
 
-    # generate.py runs the adapter checkpoint (on its base) as the merged HF model answers.
+
+@pytest.mark.parametrize("lora_run", ["tp2"], indirect=True)
+def test_generate_with_the_adapter_checkpoint_answers_as_the_merged_model(tmp_path, lora_run, exported):
+    """generate.py runs the adapter checkpoint (on its base) as the merged HF model answers."""
+    from megatron_ext.convert.compare import synthetic_image
+
     image = tmp_path / "image.png"
     synthetic_image().save(image)
     answers = [run_script("eval/generate.py", flag, path, "--image", image, "--prompt", "Describe this image.",
                           "--max-new-tokens", 8, timeout=120).stdout.strip()
-               for flag, path in (("--megatron-dir", lora_run), ("--hf-dir", merged))]
+               for flag, path in (("--megatron-dir", lora_run), ("--hf-dir", exported[0]))]
     assert answers[0] and answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("lora_run", ["tp2"], indirect=True)
+@pytest.mark.parametrize("load_optim", [True, False], ids=["with_optimizer", "without_optimizer"])
+def test_a_tp2_adapter_checkpoint_resumes_at_tp1(tmp_path, megatron_clip, train_data, lora_run, load_optim):
+    """TP2's snapshot at iteration 2 continued in one process: the split and the replicated adapters
+    (and their optimizer state) resharded on load, the same run to float noise; without the optimizer
+    state the weights still continue (iteration 3) and Adam starts afresh (iteration 4 differs)."""
+    from megatron_ext.checkpoint import layout
+
+    moved = tmp_path / "moved"
+    shutil.copytree(lora_run, moved, ignore=shutil.ignore_patterns("iter_0000004", "metrics.jsonl", "tensorboard"))
+    layout.mark_latest(moved, 2)
+    fresh_adam = () if load_optim else ("--no-load-optim",)
+    train(1, *trainer_args(megatron_clip, train_data, moved, **RUN), *fresh_adam, timeout=240)
+    expected, got = metrics(lora_run), metrics(moved)
+    assert sorted(got) == [3, 4]
+    continued = (3, 4) if load_optim else (3,)
+    for iteration in continued:
+        assert got[iteration]["samples_digest"] == expected[iteration]["samples_digest"]
+        assert got[iteration]["loss"] == pytest.approx(expected[iteration]["loss"], rel=1e-5)
+        assert got[iteration]["grad_norm"] == pytest.approx(expected[iteration]["grad_norm"], rel=1e-4)
+    if not load_optim:
+        assert got[4]["loss"] != pytest.approx(expected[4]["loss"], rel=1e-5)

@@ -33,6 +33,15 @@ def test_bad_settings_name_the_flag(options, flag):
         lora_settings(TrainConfig(**{"stage": 2, **options}).resolved())
 
 
+@pytest.mark.parametrize("targets, what", [("qkv,o_proj", "no target o_proj"), (" , ", "no targets")])
+def test_unknown_targets_are_named_with_the_valid_ones(targets, what):
+    with pytest.raises(UserError) as error:
+        lora_settings(TrainConfig(stage=2, lora_rank=8, lora_targets=targets).resolved())
+    assert str(error.value) == (f"--lora-targets {targets!r}: {what}; give a comma-separated subset of "
+                                "qkv (self_attention.linear_qkv), proj (self_attention.linear_proj), "
+                                "fc1 (mlp.linear_fc1), fc2 (mlp.linear_fc2)")
+
+
 def _adapters_on(base_dir, record) -> layout.Snapshot:
     return layout.Snapshot(root=base_dir.parent, path=base_dir.parent / "adapters", meta={"lora_base": record})
 

@@ -1,0 +1,70 @@
+"""run.py with the real torchrun and trainer: a failure inside one rank reaches the terminal once (a
+user error as one line, a bug with one traceback), and two runs started together on one node both train."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.checkpoint import layout
+from tests.helpers import child_env, run, started
+from tests.train.conftest import run_py
+
+DOUBLE = Path(__file__).with_name("rank_failure")  # its sitecustomize makes rank FAIL_IN_RANK fail
+
+
+def _failing_env(failure: str, tmp_path: Path) -> dict[str, str]:
+    """TMPDIR: run.py keeps the output of a failed run in a temporary directory, here the test's."""
+    path = os.pathsep.join(p for p in (str(DOUBLE), os.environ.get("PYTHONPATH")) if p)
+    return child_env(PYTHONPATH=path, FAIL_IN_RANK="1", FAILURE=failure, TMPDIR=str(tmp_path))
+
+
+def _error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_user_error_in_rank_1_is_one_line(tmp_path, megatron_clip, train_data):
+    result = run(run_py(megatron_clip, train_data, tmp_path / "run", 2), env=_failing_env("user", tmp_path), timeout=180,
+                 check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "Traceback" not in output and "ChildFailedError" not in output, output
+    (line,) = _error_lines(result.stderr)
+    message, log = line.split(" (rank 1; the run's whole output: ")
+    assert message == "error: data shard /data/shard_7.tar is corrupt (unexpected end of archive); rebuild it"
+    # Nothing is lost: the log keeps torchrun's own report too.
+    log = Path(log.removesuffix(")"))
+    assert log.parent.parent == tmp_path and "ChildFailedError" in log.read_text()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_bug_in_rank_1_shows_its_traceback_once(tmp_path, megatron_clip, train_data):
+    result = run(run_py(megatron_clip, train_data, tmp_path / "run", 2), env=_failing_env("bug", tmp_path), timeout=180,
+                 check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("Traceback (most recent call last)") == 1, output
+    assert 'in _fail\n    raise RuntimeError("injected failure while building the trainer")' in result.stderr
+    (line,) = _error_lines(result.stderr)
+    assert line.startswith("error: RuntimeError: injected failure while building the trainer (rank 1; ")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_runs_started_together_on_one_node_both_train(tmp_path, megatron_clip, train_data):
+    """Both find the default port free before either torchrun binds it: the second to claim it takes another."""
+    logs = [tmp_path / f"run{i}.log" for i in range(2)]
+    with open(logs[0], "w") as first_log, open(logs[1], "w") as second_log, \
+            started(run_py(megatron_clip, train_data, tmp_path / "run0", 2), stdout=first_log,
+                    stderr=subprocess.STDOUT) as first, \
+            started(run_py(megatron_clip, train_data, tmp_path / "run1", 2), stdout=second_log,
+                    stderr=subprocess.STDOUT) as second:
+        statuses = [first.wait(timeout=280), second.wait(timeout=280)]
+    assert statuses == [0, 0], [log.read_text()[-3000:] for log in logs]
+    assert [layout.find_snapshot(tmp_path / f"run{i}").iteration for i in range(2)] == [2, 2]
