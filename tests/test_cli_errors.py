@@ -30,7 +30,8 @@ CASES = {
     "eval/generate.py": (["--megatron-dir", MISSING, "--prompt", "hi"], f"--megatron-dir {MISSING} does not exist"),
     "train/pretrain_llava.py": (["--megatron-load-dir", MISSING, "--data-path", MISSING, "--train-iters", "1"],
                                 f"--data-path {MISSING} does not exist"),
-    "train/run.py": (["--megatron-load-dir", MISSING, "--data-path", MISSING], "--megatron-load-dir"),
+    # The same plan refuses it in the same words from run.py as from the trainer.
+    "train/run.py": (["--megatron-load-dir", MISSING, "--data-path", MISSING], f"--data-path {MISSING} does not exist"),
 }
 TORCHRUN = ("eval/evaluate.py", "eval/generate.py", "train/pretrain_llava.py")
 
