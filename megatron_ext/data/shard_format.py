@@ -81,7 +81,8 @@ def video_part_name(path: Path) -> str:
 
 
 def _is_video_part(name: str) -> bool:
-    return name.split(".", 1)[0] == VIDEO_PART
+    # webdataset's decoder hands its handlers the part name with a leading dot.
+    return name.lstrip(".").split(".", 1)[0] == VIDEO_PART
 
 
 def _image_in_its_own_mode(key: str, data: bytes):

@@ -94,7 +94,8 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
         decoded to `video_frames` frames); None: LLaVA-1.5's one image per image token."""
         tokenizer = hf_loading.load_tokenizer(str(tokenizer_dir), "--tokenizer-load-dir")
         image_processor = hf_loading.load_image_processor(str(tokenizer_dir), "--tokenizer-load-dir")
-        self.images = ImagePreprocessor(image_processor, image_aspect)
+        # A tiled model's images are tiled as its processor tiles them (`--image-aspect` does not apply).
+        self.images = ImagePreprocessor(image_processor, image_aspect) if tiled_model is None else None
         self.media = None if tiled_model is None else TiledMedia(image_processor, tokenizer, tiled_model, video_frames)
         self.template_name, template = resolve_chat_template(chat_template, lang, tokenizer,
                                                                     family_default=family_template)
@@ -137,7 +138,8 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
         media = ()
         if self.media is not None:
             ids, assistant, group = self.media.expand(ids, assistant, images, videos, sample.__key__)
-            images, media = [group], group.media
+            # A text-only conversation has no group: nothing for the vision tower.
+            images, media = ([group], group.media) if group.media else ([], [])
         elif videos:
             raise ValueError("the sample has a video, which this model does not take")
         labels = np.append(ids[1:], self.pad_token_id)

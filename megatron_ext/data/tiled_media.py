@@ -66,6 +66,10 @@ class TiledMedia:
         frames = [read_frames(video, self.video_frames, name=f"{name}: video") for video in videos]
         several = len(images) > 1
         tokens = [self.image_token, self.video_token]
+        rendered = int((ids == self.image_token).sum()), int((ids == self.video_token).sum())
+        if rendered != (len(images), len(frames)):
+            raise ValueError(f"the chat template rendered {rendered[0]} image and {rendered[1]} video markers for "
+                             f"{len(images)} images and {len(frames)} videos; choose a template that keeps them all")
         media, counts = [], np.ones(len(ids), dtype=np.int64)
         next_image, next_video = iter(images), iter(frames)
         for position in np.flatnonzero(np.isin(ids, tokens)):

@@ -88,3 +88,49 @@ def test_images_and_a_video_in_token_order(llava_onevision_siglip):
     encoded = _encode(encoder, _sample("<video>\nand <image>\nsame?", [image], [frames]))
     assert [m.kind for m in encoded.media] == [VIDEO, IMAGE]
     assert len(encoded.images) == 2 + encoded.media[1].tiles
+
+
+def test_a_text_only_sample_has_no_tiles(llava_onevision_siglip):
+    encoder = _encoder(llava_onevision_siglip)
+    encoded = _encode(encoder, _sample("Say hi."))
+    assert encoded.images == [] and encoded.media == []
+    assert encoder.batch([encoded]).media_layout.shape == (0, 4)
+
+
+def test_a_template_that_drops_markers_is_a_bad_sample(llava_onevision_siglip):
+    """LLaVA's `plain` pre-training template renders one image and the answer: a sample with two
+    images is refused (and skipped by the loader's error handler), never trained with one."""
+    encoder = _encoder(llava_onevision_siglip, chat_template="plain")
+    images = [synthetic_image(0, (83, 50)), synthetic_image(1, (50, 117))]
+    with pytest.raises(ValueError, match="rendered 1 image and 0 video markers for 2 images and 0 videos"):
+        encoder.preencode_sample(_sample("<image>\n<image>\nSame?", images))
+
+
+def test_a_video_in_a_shard_reaches_the_model(tmp_path, llava_onevision_siglip):
+    """The builder's parts of a LLaVA-Video record (its file's bytes as `video.mp4`), decoded as the
+    loader decodes them: the video's frames, one layout row, one <video> run."""
+    from megatron_ext.data.shard_format import ImageModeKeepingDecoder, conversation_fields
+    from megatron_ext.data.sources import shard_sample
+    from tests.data.test_video import _write
+
+    _write(tmp_path / "clip.mp4", "mpeg4", "yuv420p")
+    record = {"id": "v", "video": "clip.mp4", "conversations": [{"from": "human", "value": "<image>\nWhat happens?"},
+                                                                  {"from": "gpt", "value": "It brightens."}]}
+    parts = shard_sample("llava", tmp_path, (0, record)).parts
+    assert parts["video.mp4"] == (tmp_path / "clip.mp4").read_bytes()
+    # As stored in the tar: every part as bytes.
+    stored = {name: value.encode() if isinstance(value, str) and name != "__key__" else value for name, value in parts.items()}
+    decoded = ImageModeKeepingDecoder()._decoder.decode(stored)
+    sample = ConversationSample(__key__="v", __restore_key__=(), **conversation_fields(decoded))
+    encoded = _encode(_encoder(llava_onevision_siglip, video_frames=4), sample)
+    assert encoded.media == [(VIDEO, 4, 0, 0)] and len(encoded.images) == 4
+
+
+def test_media_past_the_sequence_length_make_a_bad_sample(llava_next_clip):
+    """As for LLaVA-1.5: text is cut at the end, an image never; a sample whose image would not fit
+    is refused (the loader's error handler skips and counts it)."""
+    encoder = _encoder(llava_next_clip, seq_length=64)
+    with pytest.raises(ValueError, match="an image does not fit in the sequence length 64"):
+        encoder.preencode_sample(_sample("lorem " * 40 + "<image>", [synthetic_image(0, (83, 50))]))
+    with pytest.raises(ValueError, match="5 tiles exceed --max-tiles-per-sequence 4"):
+        _encoder(llava_next_clip, max_tiles=4).preencode_sample(_sample("<image>\nIt?", [synthetic_image(0, (83, 83))]))
