@@ -37,10 +37,6 @@ class MediaGroup:
     videos: list
     media: list[tiling.Media]
 
-    @property
-    def tiles(self) -> int:
-        return sum(m.tiles for m in self.media)
-
 
 class TiledMedia:
     def __init__(self, image_processor, tokenizer, arch, video_frames: int):
