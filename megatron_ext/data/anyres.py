@@ -115,6 +115,14 @@ class AnyresPreprocessor:
         log.info("anyres preprocessing: %s %s", type(processor).__name__,
                  "settings applied directly (PIL resize, table normalize)" if self.settings else "called as is")
 
+    @property
+    def one_tile_when_several(self) -> bool:
+        """Whether an image among several of a sample is one tile (OneVision: its processor tells
+        multi-image samples by batch_num_images)."""
+        if self.settings is not None:
+            return self.settings.one_tile_when_several
+        return "batch_num_images" in self.processor.model_input_names
+
     def __call__(self, images: list) -> list[Tiles]:
         several = len(images) > 1
         if self.settings is None or not all(isinstance(image, Image.Image) for image in images):
@@ -157,7 +165,7 @@ class AnyresPreprocessor:
         # OneVision tells a multi-image sample by a nested list (and returns batch_num_images);
         # LLaVA-NeXT takes that too.
         out = self.processor(images=[images], return_tensors="pt")
-        one_tile = len(images) > 1 and "batch_num_images" in self.processor.model_input_names
+        one_tile = len(images) > 1 and self.one_tile_when_several
         pinpoints, tile = self.processor.image_grid_pinpoints, _tile_size(self.processor)
         tiles = []
         for pixel_values, size in zip(out["pixel_values"], out["image_sizes"]):

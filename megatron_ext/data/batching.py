@@ -6,8 +6,12 @@ Everything here is about lengths in the model's *combined* sequence, where an im
 
 Batch contract (`LlavaBatch`, consumed by the trainer through `model.inputs`), B rows of T tokens:
 - images       float [N_img, 3, H, W]  every image of the micro batch in order of appearance
-                                       (row by row); N_img may be 0
-- input_ids    long  [B, T]  one `image_token_index` per image; padding = pad_token_id
+                                       (row by row); N_img may be 0. Tiled models: every tile,
+                                       in the order of their media's tokens
+- media_layout long  [M, 4]  tiled models: one `model.tiling.Media` row per image or video, in
+                             token order across rows and packed samples; [0, 4] otherwise
+- input_ids    long  [B, T]  one `image_token_index` per image (tiled models: per feature, and
+                             video tokens per video feature); padding = pad_token_id
 - labels       long  [B, T]  labels[b, t] = token after position t (pad_token_id where ignored)
 - loss_mask    float [B, T]  1 where labels[b, t] is an assistant token; 0 for prompts, system
                              text, image tokens, the last token of every packed sample, padding
@@ -21,6 +25,11 @@ Lengths the parallel layout needs (`alignment`, `model.sequence_alignment`): eac
 to a multiple of `alignment.per_sample` (context parallelism splits every packed sample) before
 packing, so packs account for it; each micro batch is padded to a combined length that is a
 multiple of `alignment.total` (sequence parallelism, context parallelism, FP8).
+
+`max_tiles` (--max-tiles-per-sequence) bounds the vision tower's batch: a sample with more tiles
+(LLaVA-1.5: images) is refused (the task encoder's error handler skips and counts it), and packing
+closes a pack before it would exceed the bound, so a micro batch holds at most
+micro_batch_size x max_tiles tiles.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from megatron.energon import Batch, Sample, edataclass
 
 from megatron_ext.data.packing import knapsack_bins
 from megatron_ext.model.sequence_alignment import SequenceAlignment, combined_length, round_up
+from megatron_ext.model.tiling import layout_tensor
 
 
 @edataclass
@@ -44,13 +54,16 @@ class EncodedSample(Sample):
     loss_mask: torch.Tensor  # [L] float
     lengths: list[int]  # tokens of each packed conversation, in order
     pads: list[int]  # alignment padding tokens after each of them
-    images: list  # PIL images until the task encoder's postencode_sample, then [3, H, W] float tensors
+    images: list  # PIL images (tiled models: `tiled_media.MediaGroup`s) until the task encoder's
+    # postencode_sample, then [3, H, W] float tensors (tiles)
     num_truncated: int
+    media: list  # tiled models: `model.tiling.Media` rows in token order; empty otherwise
 
 
 @edataclass
 class LlavaBatch(Batch):
     images: torch.Tensor
+    media_layout: torch.Tensor
     input_ids: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
@@ -66,8 +79,13 @@ class LlavaBatch(Batch):
         return out
 
 
-_BATCH_FIELDS = ("images", "input_ids", "labels", "loss_mask", "segment_ids", "num_samples", "num_truncated",
+_BATCH_FIELDS = ("images", "media_layout", "input_ids", "labels", "loss_mask", "segment_ids", "num_samples", "num_truncated",
                  "num_skipped")
+
+
+def _tiles(images: list, media: list) -> int:
+    """Vision tower inputs of a sample: its media rows' tiles (tiled models), else its images."""
+    return sum(m.tiles for m in media) if media else len(images)
 
 
 @dataclass(frozen=True)
@@ -78,6 +96,8 @@ class BatchLayout:
     max_length: int  # combined positions a sample (or a pack) may take
     image_shape: tuple[int, int, int]  # of a processed image, for batches that hold none
     alignment: SequenceAlignment = SequenceAlignment()
+    video_token_index: int | None = None  # tiled models' video features: never cut, as image tokens
+    max_tiles: int | None = None  # vision tower inputs a sample or a pack may hold
 
     @property
     def sample_limit(self) -> int:
@@ -89,13 +109,17 @@ class BatchLayout:
         the task encoder's error handler reports the sample as bad)."""
         ends = np.cumsum(np.where(ids == self.image_token_index, self.img_seq_len, 1))
         keep = int(np.searchsorted(ends, self.sample_limit, side="right"))
-        if (ids[keep:] == self.image_token_index).any():
+        if np.isin(ids[keep:], [self.image_token_index, self.video_token_index]).any():
             raise ValueError(f"an image does not fit in the sequence length {self.sample_limit}")
         return keep
 
     def sample(self, base: Sample, ids: np.ndarray, labels: np.ndarray, loss_mask: np.ndarray, images: list,
-               truncated: bool) -> EncodedSample:
-        """One conversation (already fitted), padded to the per-sample alignment."""
+               truncated: bool, media: list = ()) -> EncodedSample:
+        """One conversation (already fitted), padded to the per-sample alignment; `media`: a tiled
+        model's layout rows (their tiles counted against `max_tiles`, else the images are)."""
+        tiles = _tiles(images, media)
+        if self.max_tiles is not None and tiles > self.max_tiles:
+            raise ValueError(f"{tiles} tiles exceed --max-tiles-per-sequence {self.max_tiles}")
         combined = combined_length(len(ids), len(images), self.img_seq_len)
         pad = round_up(combined, self.alignment.per_sample) - combined
         return EncodedSample.derive_from(
@@ -107,6 +131,7 @@ class BatchLayout:
             pads=[pad],
             images=images,
             num_truncated=int(truncated),
+            media=list(media),
         )
 
     def combined_length(self, sample: EncodedSample) -> int:
@@ -115,7 +140,20 @@ class BatchLayout:
     def packs(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
         """Samples grouped into sequences of at most `max_length` (`packing.knapsack_bins`)."""
         lengths = [self.combined_length(s) for s in samples]
-        return [[samples[i] for i in bin_] for bin_ in knapsack_bins(lengths, self.max_length)]
+        bins = [[samples[i] for i in bin_] for bin_ in knapsack_bins(lengths, self.max_length)]
+        return bins if self.max_tiles is None else [part for bin_ in bins for part in self._within_tiles(bin_)]
+
+    def _within_tiles(self, bin_: list[EncodedSample]) -> list[list[EncodedSample]]:
+        """`bin_` cut, in order, into packs of at most `max_tiles` tiles."""
+        parts, tiles = [[]], 0
+        for s in bin_:
+            count = _tiles(s.images, s.media)
+            if parts[-1] and tiles + count > self.max_tiles:
+                parts.append([])
+                tiles = 0
+            parts[-1].append(s)
+            tiles += count
+        return parts
 
     @staticmethod
     def pack(samples: list[EncodedSample]) -> EncodedSample:
@@ -129,6 +167,7 @@ class BatchLayout:
             pads=[n for s in samples for n in s.pads],
             images=[image for s in samples for image in s.images],
             num_truncated=sum(s.num_truncated for s in samples),
+            media=[m for s in samples for m in s.media],
         )
 
     def batch(self, samples: list[EncodedSample], num_skipped: int = 0) -> LlavaBatch:
@@ -153,6 +192,7 @@ class BatchLayout:
             __key__=[s.__key__ for s in samples],
             __restore_key__=(),
             images=torch.stack(images) if images else torch.zeros((0, *self.image_shape)),
+            media_layout=layout_tensor([m for s in samples for m in s.media]),
             input_ids=input_ids,
             labels=labels,
             loss_mask=loss_mask,

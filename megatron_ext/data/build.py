@@ -42,6 +42,7 @@ class BuildReport:
     text_only: int = 0  # written samples without an image
     multi_image: int = 0  # ... with several
     max_images: int = 0  # most images in one sample
+    videos: int = 0  # written samples with a video
     shards: int = 0
     splits: dict = field(default_factory=dict)
     skipped: dict = field(default_factory=dict)  # reason -> count
@@ -51,6 +52,7 @@ class BuildReport:
         lines = [f"wrote {self.written} samples in {self.shards} shards to {self.output_dir}",
                  f"  {self.text_only} text-only ({_share(self.text_only, self.written)}), {self.multi_image} with "
                  f"several images ({_share(self.multi_image, self.written)}, up to {self.max_images} in one sample)",
+                 f"  {self.videos} with a video ({_share(self.videos, self.written)})",
                  "splits: " + ", ".join(f"{k} {v}" for k, v in self.splits.items())]
         total = sum(self.skipped.values())
         lines.append(f"skipped {total} samples" + (":" if total else ""))
@@ -99,6 +101,7 @@ def _write_shards(samples, out: Path, total: int, samples_per_shard: int, strict
             report.text_only += sample.num_images == 0
             report.multi_image += sample.num_images > 1
             report.max_images = max(report.max_images, sample.num_images)
+            report.videos += sample.num_videos > 0
     report.skipped = dict(skipped)
 
 

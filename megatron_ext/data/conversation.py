@@ -10,6 +10,7 @@ marking where each image goes.
 from __future__ import annotations
 
 IMAGE_MARKER = "<image>"
+VIDEO_MARKER = "<video>"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 # Reasons a sample cannot be trained on (the builder's report groups skipped samples by these).
@@ -17,6 +18,7 @@ NO_ANSWER = "no gpt turn"
 EMPTY_ANSWER = "empty answer"
 MALFORMED = "malformed record"
 IMAGE_COUNT = "number of <image> markers differs from the number of images"
+VIDEO_COUNT = "number of <video> markers differs from the number of videos"
 
 
 class BadConversation(ValueError):
@@ -67,23 +69,50 @@ def image_files(record: dict) -> list[str]:
     raise BadConversation(MALFORMED, "'image' must be a file name or a list of file names")
 
 
-def count_image_markers(messages: list[dict]) -> int:
-    return sum(m["content"].count(IMAGE_MARKER) for m in messages if m["role"] != "assistant")
+def video_files(record: dict) -> list[str]:
+    """A record's `"video"` (LLaVA-OneVision / LLaVA-Video): absent, or one file name."""
+    video = record.get("video")
+    if video in (None, ""):
+        return []
+    if isinstance(video, str):
+        return [video]
+    raise BadConversation(MALFORMED, "'video' must be one file name")
 
 
-def place_images(messages: list[dict], num_images: int) -> list[dict]:
-    """Messages with one `<image>` per image: kept where the text has them, otherwise put at the
-    start of the first user turn (LLaVA's "<image>\\n question" layout)."""
-    markers = count_image_markers(messages)
+def video_marked_as_image(messages: list[dict], turns, num_images: int):
+    """(messages, turns) with LLaVA-Video's marker rewritten: its JSON marks a sample's one video
+    with `<image>`; a sample without images and `<video>` markers gets `<video>` there instead."""
+    if num_images or count_markers(messages, VIDEO_MARKER) or count_markers(messages) != 1:
+        return messages, turns
+    messages = [{**m, "content": m["content"].replace(IMAGE_MARKER, VIDEO_MARKER)} for m in messages]
+    if turns is not None:
+        turns = [{**t, "value": t["value"].replace(IMAGE_MARKER, VIDEO_MARKER)} for t in turns]
+    return messages, turns
+
+
+def count_markers(messages: list[dict], marker: str = IMAGE_MARKER) -> int:
+    return sum(m["content"].count(marker) for m in messages if m["role"] != "assistant")
+
+
+def place_images(messages: list[dict], num_images: int, marker: str = IMAGE_MARKER) -> list[dict]:
+    """Messages with one `<image>` (`marker`) per image: kept where the text has them, otherwise
+    put at the start of the first user turn (LLaVA's "<image>\\n question" layout)."""
+    markers = count_markers(messages, marker)
     if markers == 0 and num_images:
         first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
         if first_user is None:
             raise BadConversation(MALFORMED, "no user turn to put the image in")
         messages = [dict(m) for m in messages]
-        messages[first_user]["content"] = (IMAGE_MARKER + "\n") * num_images + messages[first_user]["content"]
+        messages[first_user]["content"] = (marker + "\n") * num_images + messages[first_user]["content"]
     elif markers != num_images:
-        raise BadConversation(IMAGE_COUNT, f"{markers} markers, {num_images} images")
+        raise BadConversation(IMAGE_COUNT if marker == IMAGE_MARKER else VIDEO_COUNT,
+                              f"{markers} markers, {num_images} {'images' if marker == IMAGE_MARKER else 'videos'}")
     return messages
+
+
+def place_videos(messages: list[dict], num_videos: int) -> list[dict]:
+    """Messages with one `<video>` per video, as `place_images` places images."""
+    return place_images(messages, num_videos, VIDEO_MARKER)
 
 
 def sample_messages(context, answers) -> list[dict]:

@@ -18,12 +18,13 @@ image) are read too: `conversation_of` takes either.
 
 import io
 import re
+from dataclasses import field
 from pathlib import Path
 from typing import Type
 
 from megatron.energon import Sample, SampleDecoder, StandardWebdatasetFactory, VQASample, edataclass
 
-from megatron_ext.data.conversation import MALFORMED, BadConversation, place_images, sample_messages
+from megatron_ext.data.conversation import MALFORMED, BadConversation, place_images, place_videos, sample_messages
 
 # PIL format -> shard extension of the formats stored as they are.
 KEPT_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png"}
@@ -32,6 +33,7 @@ _PNG_MODES = {"1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"}
 # Image parts: the extensions readers decode as images, with an optional "N." (Nth image) in front.
 _IMAGE_EXTENSIONS = ("jpg", "jpeg", "png")
 _IMAGE_PART = re.compile(rf"^(?:(\d+)\.)?({'|'.join(_IMAGE_EXTENSIONS)})$")
+VIDEO_PART = "video"
 
 
 class ImageFileError(Exception):
@@ -73,10 +75,23 @@ def image_part_names(extensions: list[str]) -> list[str]:
     return [f"{i}.{ext}" for i, ext in enumerate(extensions)]
 
 
+def video_part_name(path: Path) -> str:
+    """Shard part name of a sample's video file: its bytes are stored as they are."""
+    return f"{VIDEO_PART}{path.suffix.lower() or '.bin'}"
+
+
+def _is_video_part(name: str) -> bool:
+    # webdataset's decoder hands its handlers the part name with a leading dot.
+    return name.lstrip(".").split(".", 1)[0] == VIDEO_PART
+
+
 def _image_in_its_own_mode(key: str, data: bytes):
-    """webdataset handler: an image part as PIL in the file's own mode (None for other parts)."""
+    """webdataset handler: an image part as PIL in the file's own mode, a video part as its bytes
+    (decoded by the task encoder, which samples its frames); None for other parts."""
     from PIL import Image
 
+    if _is_video_part(key):
+        return data
     if key.rsplit(".", 1)[-1].lower() not in _IMAGE_EXTENSIONS:
         return None
     image = Image.open(io.BytesIO(data))
@@ -101,7 +116,8 @@ class ImageModeKeepingDecoder(SampleDecoder):
 @edataclass
 class ConversationSample(Sample):
     images: list  # decoded images (PIL), in the order of their <image> markers
-    messages: list[dict]  # chat messages; `<image>` marks each image
+    messages: list[dict]  # chat messages; `<image>` marks each image, `<video>` each video
+    videos: list = field(default_factory=list)  # a video file's bytes, or a list of frames (PIL or uint8 arrays)
 
 
 def conversation_fields(raw: dict) -> dict:
@@ -112,7 +128,9 @@ def conversation_fields(raw: dict) -> dict:
         raise BadConversation(MALFORMED, f"sample {raw.get('__key__')} has no json part with the question")
     numbered = [(match, value) for name, value in raw.items() if (match := _IMAGE_PART.match(name))]
     images = [value for _, value in sorted(numbered, key=lambda item: int(item[0].group(1) or -1))]
-    return {"images": images, "messages": sample_messages(meta.get("conversations") or meta.get("question"), raw.get("txt"))}
+    videos = [value for name, value in raw.items() if _is_video_part(name)]
+    return {"images": images, "videos": videos,
+            "messages": sample_messages(meta.get("conversations") or meta.get("question"), raw.get("txt"))}
 
 
 class ConversationWebdataset(StandardWebdatasetFactory[ConversationSample]):
@@ -132,12 +150,18 @@ DATASET_YAML = {
 }
 
 
+def videos_of(sample: ConversationSample | VQASample) -> list:
+    """The sample's videos, in the order of their `<video>` markers (a VQASample has none)."""
+    return sample.videos if isinstance(sample, ConversationSample) else []
+
+
 def conversation_of(sample: ConversationSample | VQASample) -> tuple[list, list[dict]]:
-    """(images, messages with one `<image>` per image) of a ConversationSample or a VQASample; raises
-    BadConversation for a conversation the trainer cannot use."""
+    """(images, messages with one `<image>` per image and one `<video>` per video of `videos_of`)
+    of a ConversationSample or a VQASample; raises BadConversation for a conversation the trainer
+    cannot use."""
     if isinstance(sample, ConversationSample):
         images, messages = sample.images, sample.messages
     else:
         images = [sample.image] if sample.image is not None else []
         messages = sample_messages(sample.context, sample.answers)
-    return images, place_images(messages, len(images))
+    return images, place_videos(place_images(messages, len(images)), len(videos_of(sample)))

@@ -7,6 +7,10 @@ Inputs:
   text-only conversation (mix665k's ShareGPT part);
 - JSONL (``.jsonl``): one ``{"image", "question", "answer"}`` per line, ``image`` likewise.
 
+A record may name one video, ``"video": "clip.mp4"`` (LLaVA-OneVision's and LLaVA-Video's JSON),
+marked ``<video>`` in the text; the ``<image>`` those datasets mark it with is read as ``<video>``
+when the record has no image. Its file is stored as it is, once PyAV decodes it (`data.video`).
+
 Each usable record becomes one sample in the layout of `shard_format`.
 """
 
@@ -22,14 +26,19 @@ from megatron_ext.data.conversation import (
     image_files,
     llava_messages,
     place_images,
+    place_videos,
     qa_messages,
+    video_files,
+    video_marked_as_image,
 )
-from megatron_ext.data.shard_format import ImageFileError, image_file_part, image_part_names
+from megatron_ext.data.shard_format import ImageFileError, image_file_part, image_part_names, video_part_name
 from megatron_ext.errors import UserError
 
 LLAVA, JSONL = "llava", "jsonl"
 MISSING_IMAGE = "missing image file"
 CORRUPT_IMAGE = "corrupt image"
+MISSING_VIDEO = "missing video file"
+CORRUPT_VIDEO = "video cannot be decoded"
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,7 @@ class Skip:
 class ShardSample:
     parts: dict  # webdataset sample: __key__ and its parts
     num_images: int
+    num_videos: int = 0
 
 
 def read_records(path: Path) -> tuple[str, list]:
@@ -90,6 +100,21 @@ def _messages(kind: str, record: dict) -> tuple[list[dict], list | None]:
     return messages, turns if multi else None
 
 
+def video_file_part(path: Path) -> tuple[str, bytes]:
+    """(part name, bytes) of a video file as it is stored; checks that PyAV decodes it."""
+    from megatron_ext.data.video import read_frames
+
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise BadConversation(MISSING_VIDEO, f"{path}: {exc.strerror}") from None
+    try:
+        read_frames(data, 1, name=str(path))
+    except UserError as exc:
+        raise BadConversation(CORRUPT_VIDEO, str(exc)) from None
+    return video_part_name(path), data
+
+
 def shard_sample(kind: str, image_root: Path, item: tuple[int, object]) -> ShardSample | Skip:
     """The webdataset sample for record `item` = (index, record), or a Skip."""
     index, record = item
@@ -99,9 +124,12 @@ def shard_sample(kind: str, image_root: Path, item: tuple[int, object]) -> Shard
     sample_id = str(record.get("id", index))
     try:
         messages, turns = _messages(kind, record)
-        files = image_files(record)
-        place_images(messages, len(files))
+        files, video_names = image_files(record), video_files(record)
+        if video_names:
+            messages, turns = video_marked_as_image(messages, turns, len(files))
+        place_videos(place_images(messages, len(files)), len(video_names))
         images = [image_file_part(image_root / name) for name in files]
+        videos = [video_file_part(image_root / name) for name in video_names]
     except BadConversation as exc:
         return Skip(index, sample_id, exc.reason, exc.detail)
     except ImageFileError as exc:
@@ -112,4 +140,5 @@ def shard_sample(kind: str, image_root: Path, item: tuple[int, object]) -> Shard
     answer = next(m["content"] for m in messages if m["role"] == "assistant")
     parts = {"__key__": f"{index:09d}", "txt": answer, "json": json.dumps(meta, ensure_ascii=False)}
     parts.update(zip(image_part_names([ext for ext, _ in images]), (data for _, data in images)))
-    return ShardSample(parts, len(images))
+    parts.update(videos)
+    return ShardSample(parts, len(images), len(videos))

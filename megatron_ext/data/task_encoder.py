@@ -12,6 +12,9 @@ Steps (energon calls them in this order):
    energon's packing buffer (`packing.knapsack_bins`), then concatenation;
 3. `postencode_sample`: the checkpoint's own HF image processor (CLIP / SigLIP), through
    `images.ImagePreprocessor`, so pixels are what HF LLaVA sees;
+   tiled models (LLaVA-NeXT, OneVision; `arch.tiling`): `tiled_media.TiledMedia` expands each
+   `<image>` / `<video>` token to its features in step 1 (the ids HF's processor gives; a video's
+   frames are decoded there, `--video-frames` of them) and makes the tiles and media layout here;
 4. `batch`: padding and stacking into a `LlavaBatch` (the batch contract: `batching.py`).
 
 Lengths, truncation, alignment padding, packing and stacking are the `batching.BatchLayout`'s.
@@ -33,7 +36,8 @@ from megatron_ext import hf_loading
 from megatron_ext.data.batching import BatchLayout, EncodedSample, LlavaBatch
 from megatron_ext.data.chat_template import ChatTokenizer, resolve_chat_template
 from megatron_ext.data.images import ImagePreprocessor
-from megatron_ext.data.shard_format import ImageModeKeepingDecoder, conversation_of
+from megatron_ext.data.shard_format import ImageModeKeepingDecoder, conversation_of, videos_of
+from megatron_ext.data.tiled_media import TiledMedia
 from megatron_ext.errors import UserError
 from megatron_ext.model.sequence_alignment import SequenceAlignment
 
@@ -82,10 +86,17 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
         image_aspect: str = "crop",
         packing_seq_length: int | None = None,
         alignment: SequenceAlignment = SequenceAlignment(),
+        tiled_model=None,
+        video_frames: int = 32,
+        max_tiles: int | None = None,
     ):
+        """`tiled_model`: the `LlavaArch` of a tiled model (its images are tiled, its videos
+        decoded to `video_frames` frames); None: LLaVA-1.5's one image per image token."""
         tokenizer = hf_loading.load_tokenizer(str(tokenizer_dir), "--tokenizer-load-dir")
-        self.images = ImagePreprocessor(hf_loading.load_image_processor(str(tokenizer_dir), "--tokenizer-load-dir"),
-                                        image_aspect)
+        image_processor = hf_loading.load_image_processor(str(tokenizer_dir), "--tokenizer-load-dir")
+        # A tiled model's images are tiled as its processor tiles them (`--image-aspect` does not apply).
+        self.images = ImagePreprocessor(image_processor, image_aspect) if tiled_model is None else None
+        self.media = None if tiled_model is None else TiledMedia(image_processor, tokenizer, tiled_model, video_frames)
         self.template_name, template = resolve_chat_template(chat_template, lang, tokenizer,
                                                                     family_default=family_template)
         self.chat = ChatTokenizer(tokenizer, template, image_token_index)
@@ -101,7 +112,9 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
         self.layout = BatchLayout(
             pad_token_id=self.pad_token_id, image_token_index=image_token_index, img_seq_len=img_seq_len,
             max_length=packing_seq_length or seq_length, alignment=alignment,
-            image_shape=tuple(self.images([Image.new("RGB", (8, 8))]).shape[1:]),
+            image_shape=tuple(self.images([Image.new("RGB", (8, 8))]).shape[1:]) if self.media is None
+            else (3, tiled_model.vision.image_size, tiled_model.vision.image_size),
+            video_token_index=None if self.media is None else self.media.video_token, max_tiles=max_tiles,
         )
         if img_seq_len + 2 > self.layout.sample_limit:
             raise UserError(f"a sequence of {self.layout.max_length} cannot hold an image ({img_seq_len} positions) "
@@ -114,12 +127,21 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
         from megatron_ext import families
 
         return cls(tokenizer_dir, img_seq_len=arch.img_seq_len, image_token_index=arch.image_token_index,
-                   family_template=families.of(arch).text.chat_template, **kwargs)
+                   family_template=families.of(arch).text.chat_template,
+                   tiled_model=arch if arch.tiling is not None else None, **kwargs)
 
     @stateless
     def preencode_sample(self, sample: Sample) -> EncodedSample:
         images, messages = conversation_of(sample)
+        videos = videos_of(sample)
         ids, assistant = self.chat.encode(messages)
+        media = ()
+        if self.media is not None:
+            ids, assistant, group = self.media.expand(ids, assistant, images, videos, sample.__key__)
+            # A text-only conversation has no group: nothing for the vision tower.
+            images, media = ([group], group.media) if group.media else ([], [])
+        elif videos:
+            raise ValueError("the sample has a video, which this model does not take")
         labels = np.append(ids[1:], self.pad_token_id)
         # Position t is trained when the token it predicts (t + 1) is the assistant's.
         loss_mask = np.append(assistant[1:], False)
@@ -131,11 +153,13 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
         labels[-1], loss_mask[-1] = self.pad_token_id, False
         if not loss_mask.any():
             raise ValueError(f"no answer token fits in the sequence length {self.layout.max_length}")
-        return self.layout.sample(sample, ids, labels, loss_mask, images, truncated)
+        return self.layout.sample(sample, ids, labels, loss_mask, images, truncated, media)
 
     @stateless
     def postencode_sample(self, sample: EncodedSample) -> EncodedSample:
-        if sample.images:
+        if sample.images and self.media is not None:
+            sample.images = [tile for group in sample.images for tile in self.media.tiles(group)]
+        elif sample.images:
             sample.images = list(self.images(sample.images))
         return sample
 

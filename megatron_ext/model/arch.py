@@ -95,6 +95,14 @@ class LlavaArch:
         keep_cls = self.vision.class_token and not self.drop_class_token
         return self.vision.num_patches + int(keep_cls)
 
+    @property
+    def smallest_image_positions(self) -> int:
+        """Fewest language-model positions an image takes: LLaVA-1.5's `img_seq_len`; a tiled
+        model's image at least one tile's features and its newline (OneVision's image among several)."""
+        if self.tiling is None:
+            return self.img_seq_len
+        return (self.vision.image_size // self.vision.patch_size) ** 2 + 1
+
     def parallel_problems(self, tp: int, pp: int) -> list[str]:
         """Every reason this model cannot be split `tp` x `pp` ways (empty when it can)."""
         t, v = self.text, self.vision

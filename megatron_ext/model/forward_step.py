@@ -39,6 +39,10 @@ def _zero_from_trained_encoder(llava) -> torch.Tensor:
     """
     trained = [p for module in (llava.vision_model, llava.vision_projection) if module is not None
                for p in module.parameters() if p.requires_grad]
+    # A tiled LLaVA's row newline is applied to image features only.
+    newline = getattr(llava, "image_newline", None)
+    if newline is not None and newline.requires_grad:
+        trained.append(newline)
     return sum((p.sum() for p in trained), torch.zeros(())) * 0.0
 
 

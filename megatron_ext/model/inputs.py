@@ -34,6 +34,7 @@ class ModelInputs:
     backend: str  # resolved: te | sdpa | local
     dtype: torch.dtype  # compute dtype: images are cast to it (the ViT's weights have it)
     device: torch.device
+    tiled: bool = False  # a tiled LLaVA: the batch's media_layout goes to its forward
 
     @classmethod
     def for_model(cls, arch, model, device: torch.device) -> "ModelInputs":
@@ -42,7 +43,7 @@ class ModelInputs:
 
         return cls(arch.image_token_index, arch.img_seq_len, model.language_model.max_sequence_length,
                    parallel_state.get_pipeline_model_parallel_world_size() > 1, model.attention_backend,
-                   model.config.params_dtype, device)
+                   model.config.params_dtype, device, tiled=arch.tiling is not None)
 
     def combined_length(self, input_ids: torch.Tensor) -> int:
         return combined_seq_len(input_ids, self.image_token_index, self.img_seq_len, self.seq_length,
@@ -58,6 +59,9 @@ class ModelInputs:
             "labels": self._to_device(batch["labels"]),
             "loss_mask": self._to_device(batch["loss_mask"]),
         }
+        if self.tiled:
+            # Read on the host (tiling.Media rows), so it stays there.
+            kwargs["media_layout"] = batch["media_layout"]
         packed = int(segment_ids.max()) > 1
         length = self.combined_length(input_ids)
         if self.backend != "local" and input_ids.shape[0] == 1:

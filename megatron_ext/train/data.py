@@ -24,7 +24,7 @@ def _encoder(plan: RunPlan) -> LlavaTaskEncoder:
     return LlavaTaskEncoder.for_model(
         str(plan.tokenizer_dir), plan.arch, seq_length=plan.seq_length, pad_token_id=plan.arch.pad_token_id,
         chat_template=cfg.chat_template, lang=cfg.lang, image_aspect=cfg.image_aspect, packing_seq_length=cfg.packing_seq_length,
-        alignment=plan.execution.alignment,
+        alignment=plan.execution.alignment, video_frames=cfg.video_frames, max_tiles=cfg.max_tiles_per_sequence,
     )
 
 

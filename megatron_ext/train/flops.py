@@ -24,14 +24,17 @@ def _transformer_flops(tokens: float, attention_pairs: float, layers: int, hidde
 
 def iteration_flops(arch: LlavaArch, *, positions: float, squared_lengths: float, images: float, lm_trained: bool,
                     vit_trained: bool) -> float:
-    """FLOPs of one optimizer step. `positions`: language-model positions holding samples (image
-    embeddings included, padding not); `squared_lengths`: the sum of L^2 over those samples."""
+    """FLOPs of one optimizer step. `images`: vision tower inputs (a tiled model's tiles and video
+    frames); `positions`: language-model positions holding samples (image embeddings included,
+    padding not); `squared_lengths`: the sum of L^2 over those samples."""
     t, v = arch.text, arch.vision
     image_tokens = v.num_patches + int(v.class_token)
     vit = _transformer_flops(images * image_tokens, images * image_tokens**2, v.num_layers, v.hidden_size,
                              v.ffn_hidden_size, v.num_attention_heads, v.num_attention_heads,
                              v.hidden_size // v.num_attention_heads, False)
-    projector = 2.0 * images * arch.img_seq_len * (v.hidden_size * t.hidden_size + t.hidden_size * t.hidden_size)
+    # The projector maps every tile's kept patches (a tiled model's features are rearranged after it).
+    tile_features = v.num_patches + int(v.class_token and not arch.drop_class_token)
+    projector = 2.0 * images * tile_features * (v.hidden_size * t.hidden_size + t.hidden_size * t.hidden_size)
     lm = _transformer_flops(positions, squared_lengths / 2, t.num_layers, t.hidden_size, t.ffn_hidden_size,
                             t.num_attention_heads, t.num_query_groups, t.kv_channels, True)
     logits = 2.0 * positions * t.hidden_size * t.padded_vocab_size

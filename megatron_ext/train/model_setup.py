@@ -43,7 +43,8 @@ class TrainingModel:
 
 def freeze_for_stage(model, plan: RunPlan) -> None:
     """Stage 1 trains the projector; stage 2 the projector and the LM; the ViT only with --unfreeze-vit.
-    With --lora-rank, the adapters (and the projector with --lora-train-projector) and nothing else."""
+    A tiled LLaVA's `image_newline` trains with the projector. With --lora-rank, the adapters (and
+    the projector with --lora-train-projector) and nothing else."""
     cfg = plan.config
     lora = lora_settings(cfg)
     if lora is not None:
@@ -52,6 +53,22 @@ def freeze_for_stage(model, plan: RunPlan) -> None:
         return
     model.freeze(freeze_language_model=cfg.freeze_lm, freeze_vision_model=not cfg.unfreeze_vit,
                  freeze_vision_projection=False)
+    # megatron-core's freeze() knows only its own modules; the newline is part of the projection.
+    if getattr(model, "image_newline", None) is not None:
+        model.image_newline.requires_grad_(True)
+
+
+def lr_overrides(config, plan: RunPlan) -> dict | None:
+    """megatron-core's per-parameter-group settings: its standard ones (no weight decay on biases
+    and norms), and with --vision-lr the vision tower's own peak learning rate."""
+    from megatron.core.optimizer import get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import ParamKey
+
+    cfg = plan.config
+    overrides = get_standard_config_overrides(config)
+    if cfg.vision_lr is not None:
+        overrides[ParamKey(name="*vision_model.*")] = {"max_lr": cfg.vision_lr, "min_lr": min(cfg.min_lr, cfg.vision_lr)}
+    return overrides
 
 
 def build_training_model(plan: RunPlan) -> TrainingModel:
@@ -84,15 +101,13 @@ def build_training_model(plan: RunPlan) -> TrainingModel:
 
     # Every rank gets an optimizer, also a pipeline stage whose layers are all frozen: megatron
     # reduces gradient statistics over the model-parallel group inside optimizer.step().
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-            clip_grad=cfg.clip_grad, bf16=plan.dtype == "bfloat16", params_dtype=DTYPES[plan.dtype],
-            use_distributed_optimizer=cfg.dist_optim, overlap_param_gather=plan.execution.overlap_param_gather,
-        ),
-        [ddp],
+    optimizer_config = OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad, bf16=plan.dtype == "bfloat16", params_dtype=DTYPES[plan.dtype],
+        use_distributed_optimizer=cfg.dist_optim, overlap_param_gather=plan.execution.overlap_param_gather,
     )
+    optimizer = get_megatron_optimizer(optimizer_config, [ddp], config_overrides=lr_overrides(optimizer_config, plan))
     config.grad_scale_func = optimizer.scale_loss
     warmup = int(cfg.lr_warmup_fraction * plan.train_iters)
     scheduler = OptimizerParamScheduler(

@@ -93,6 +93,8 @@ class TrainConfig:
     stage: int = opt(1, "1: train the projector (LM and ViT frozen); 2: train projector + LM (ViT frozen).", choices=[1, 2])
     freeze_lm: bool = opt(False, "Freeze the language model (implied by --stage 1).")
     unfreeze_vit: bool = opt(False, "Also train the vision tower.")
+    vision_lr: float | None = opt(None, "With --unfreeze-vit: the vision tower's peak learning rate (default: --lr), "
+                                        "decayed on the same schedule (LLaVA-OneVision trains its tower at 2e-6).")
     # --- LoRA ------------------------------------------------------------------------------
     lora_rank: int = opt(0, "LoRA adapter rank (0: no LoRA). Stage 2: the language model is frozen and adapters on "
                             "--lora-targets are trained; checkpoints then hold the adapters (and the projector with "
@@ -106,6 +108,12 @@ class TrainConfig:
     data_path: str | None = opt(None, "Prepared energon dataset directory or metadataset YAML (blend).")
     seq_length: int | None = opt(None, "Language-model sequence length incl. image embeddings (default: min(2048, model max)).")
     packing_seq_length: int | None = opt(None, "Pack several samples into sequences of this length.")
+    max_tiles_per_sequence: int | None = opt(None, "Most vision tower inputs (tiles, video frames; LLaVA-1.5: "
+                                                   "images) in one sequence: a sample with more is skipped and "
+                                                   "counted, packing closes a pack before it would pass the bound; a "
+                                                   "micro batch then holds at most --micro-batch-size x N.")
+    video_frames: int = opt(32, "Frames sampled uniformly (first and last included) from each video of a tiled "
+                                "model with videos (LLaVA-OneVision; 32 as its training recipes' frames_upbound).")
     num_workers: int = opt(2, "Data loader worker processes per rank.")
     lang: str = opt("en", "Main language; selects the default chat template.", choices=["en", "ja", "jp"])
     chat_template: str | None = opt(None, "Chat template: 'tokenizer' or a name from megatron_ext/data/chat_templates.")

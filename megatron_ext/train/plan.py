@@ -300,8 +300,15 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
         skip_ranges=skip_ranges,
         notes=(*token_notes, *length_notes),
     )
-    if plan.seq_length <= arch.img_seq_len:
-        raise UserError(f"--seq-length {plan.seq_length} leaves no room for text after {arch.img_seq_len} image embeddings")
+    if plan.seq_length <= arch.smallest_image_positions:
+        raise UserError(f"--seq-length {plan.seq_length} leaves no room for text after "
+                        f"{arch.smallest_image_positions} image embeddings")
+    if config.vision_lr is not None and not config.unfreeze_vit:
+        raise UserError("--vision-lr needs --unfreeze-vit (the vision tower is frozen otherwise)")
+    if config.video_frames < 1:
+        raise UserError(f"--video-frames must be >= 1, got {config.video_frames}")
+    if config.max_tiles_per_sequence is not None and config.max_tiles_per_sequence < 1:
+        raise UserError(f"--max-tiles-per-sequence must be >= 1, got {config.max_tiles_per_sequence}")
     if config.packing_seq_length and config.packing_seq_length > plan.seq_length:
         raise UserError(f"--packing-seq-length {config.packing_seq_length} exceeds --seq-length {plan.seq_length}")
     return plan

@@ -116,3 +116,17 @@ def test_the_example_blend_counts_once_its_paths_are_set(prepared, tmp_path):
     (tmp_path / "blend.yaml").write_text(yaml.safe_dump(config))
     counts = split_counts(tmp_path / "blend.yaml")
     assert [n for _, _, n in counts["train"].members] == [12, 3, 1] and counts["val"].samples == 12
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["llava_next_stage2", "onevision_single_image", "onevision_image_multi_video"])
+def test_the_tiled_recipes_blends_count_once_their_paths_are_set(prepared, tmp_path, name):
+    from tests.helpers import REPO_ROOT
+
+    config = yaml.safe_load((REPO_ROOT / f"configs/blends/{name}.yaml").read_text())
+    blend = config["splits"]["train"]["blend"]
+    for member in blend + [config["splits"]["val"]]:
+        member["path"] = str(prepared)
+    (tmp_path / "blend.yaml").write_text(yaml.safe_dump(config))
+    counts = split_counts(tmp_path / "blend.yaml")
+    assert [n for _, _, n in counts["train"].members] == [12] * len(blend) and counts["val"].samples == 12

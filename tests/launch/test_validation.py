@@ -75,6 +75,9 @@ CASES = {
     # Checked by the trainer's own plan, before anything starts.
     "seq length under the image": (["--", "--seq-length", "200"], 0,
                                    "--seq-length 200 leaves no room for text after 256 image embeddings"),
+    "vision lr of a frozen tower": (["--", "--vision-lr", "2e-6"], 0, "--vision-lr needs --unfreeze-vit"),
+    "no video frames": (["--", "--video-frames", "0"], 0, "--video-frames must be >= 1, got 0"),
+    "no tiles": (["--", "--max-tiles-per-sequence", "0"], 0, "--max-tiles-per-sequence must be >= 1, got 0"),
     "answers without evaluations": (["--", "--eval-generate-samples", "4"], 0,
                                     "--eval-generate-samples needs --eval-interval"),
 }

@@ -2,6 +2,8 @@
 
 Usage: torchrun --nproc-per-node N invariance_worker.py CHECKPOINT DATA OUT_JSON OPTIONS_JSON
 
+CHECKPOINT may be a tiled LLaVA (LLaVA-NeXT): its samples are then expanded and tiled.
+
 The trainer's own plan, model, optimizer and step (megatron DDP, per-token loss) run on fixed
 samples, so every layout sees the same global batch: data-parallel replica r takes samples r, r +
 DP, ... of it, as micro batches of --micro-batch-size samples, or packed into sequences of
@@ -50,8 +52,8 @@ def main():
     from megatron_ext.train.plan import make_plan
     from megatron_ext.train.step import train_step
 
-    config = TrainConfig(megatron_load_dir=checkpoint, data_path=data, stage=2, lr=1e-3, seq_length=SEQ,
-                         global_batch_size=GLOBAL_BATCH, train_iters=ITERS, num_workers=0, **options)
+    config = TrainConfig(megatron_load_dir=checkpoint, data_path=data, stage=2, lr=1e-3,
+                         global_batch_size=GLOBAL_BATCH, train_iters=ITERS, num_workers=0, **{"seq_length": SEQ, **options})
     plan = make_plan(config, int(os.environ["WORLD_SIZE"]), on_gpu=False)
     cfg = plan.config
     init_parallel(cfg.tp, cfg.pp, seed=cfg.seed, cp=cfg.cp)

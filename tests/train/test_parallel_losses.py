@@ -44,3 +44,22 @@ def test_layout_trains_like_one_process(tmp_path, megatron_clip, train_data, ref
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5, abs=1e-5)
     if "packed" in name:
         assert all(s["micro_batches"] < 4 for s in steps)  # samples really shared sequences
+
+
+def test_packed_anyres_samples_train_like_unpacked(tmp_path, llava_next_clip, train_data):
+    """LLaVA-NeXT: the same samples (anyres images, two images, text only) packed into one-row
+    micro batches at TP2 give the losses and gradient norms of unpacked two-sample micro batches."""
+    from megatron_ext.convert.to_megatron import convert
+
+    megatron_next = convert(llava_next_clip, tmp_path / "megatron", tp=1, pp=1)
+    seq = {"seq_length": 384}
+    (tmp_path / "unpacked").mkdir()
+    (tmp_path / "packed").mkdir()
+    unpacked = _steps(tmp_path / "unpacked", megatron_next, train_data, 1, {"micro_batch_size": 2, **seq})
+    packed = _steps(tmp_path / "packed", megatron_next, train_data, 2,
+                    {"tp": 2, "packing_seq_length": 384, "micro_batch_size": 1, **seq})
+    assert any(p["micro_batches"] < u["micro_batches"] for p, u in zip(packed, unpacked))
+    for got, expected in zip(packed, unpacked):
+        assert got["tokens"] == expected["tokens"]
+        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-5)
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5, abs=1e-5)

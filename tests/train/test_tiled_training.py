@@ -1,0 +1,151 @@
+"""Tiled LLaVAs (OneVision) trained on a prepared mix of anyres images, multi-image samples and
+videos: bad input is reported by reason when the dataset is prepared, an over-long sample is
+skipped and counted at train time, stage 1 (TP2) trains exactly the projector and the image
+newline, stage 2 (PP2, the tower unfrozen at --vision-lr 0) the language model too, the loss falls.
+
+Checked on the weights a user gets back: the checkpoints exported to HF, tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import json
+
+import av
+import numpy as np
+import pytest
+
+from megatron_ext.convert.compare import synthetic_image
+from tests.train.conftest import metrics, train, trainer_args
+from tests.train.test_stages import _changed_prefixes, _hf_tensors
+
+pytestmark = [pytest.mark.multiprocess]
+
+SEQ = 256
+
+
+def _video(path, frames: int = 6):
+    """A 64 x 48 video that brightens frame by frame."""
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=5)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(frames):
+            pixels = np.full((48, 64, 3), 30 * i + 20, np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def _turns(question: str, answer: str) -> list[dict]:
+    return [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
+
+
+@pytest.fixture(scope="module")
+def tiled_mix(tmp_path_factory):
+    """(prepared dataset, its build report): 12 good samples of every kind, 3 too long, 3 bad ones."""
+    from megatron_ext.data.build import build_energon_dataset
+
+    src = tmp_path_factory.mktemp("tiled_src")
+    sizes = [(83, 50), (50, 117), (70, 60), (60, 70), (120, 40), (40, 40)]
+    for i, size in enumerate(sizes):
+        synthetic_image(i, size).save(src / f"{i}.png")
+    _video(src / "clip.mp4")
+    (src / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(200))
+    records = []
+    for i in range(12):
+        kind = i % 4
+        if kind == 0:
+            records.append({"id": f"one{i}", "image": f"{i % 6}.png", "conversations": _turns("<image>\nWhat is it?", "Noise.")})
+        elif kind == 1:
+            records.append({"id": f"two{i}", "image": [f"{i % 6}.png", f"{(i + 1) % 6}.png"],
+                            "conversations": _turns("<image>\n<image>\nSame?", "No, different noise.")})
+        elif kind == 2:
+            # LLaVA-Video's JSON marks the video with <image>.
+            records.append({"id": f"video{i}", "video": "clip.mp4", "conversations": _turns("<image>\nWhat happens?", "It brightens.")})
+        else:
+            records.append({"id": f"text{i}", "conversations": _turns("Say hi.", "Hi.")})
+    records += [
+        {"id": "broken", "video": "broken.mp4", "conversations": _turns("<video>\nWhat happens?", "Nothing.")},
+        {"id": "markers", "image": "0.png", "conversations": _turns("<image>\n<image>\nTwo?", "One.")},
+        {"id": "missing", "video": "absent.mp4", "conversations": _turns("<video>\nWhat?", "Nothing.")},
+    ]
+    # Their image would start past the sequence length: skipped when trained on.
+    records += [{"id": f"long{i}", "image": "1.png", "conversations": _turns("lorem " * SEQ + "<image>", "Noise.")}
+                for i in range(3)]
+    (src / "mix.json").write_text(json.dumps(records))
+    out = tmp_path_factory.mktemp("tiled_data") / "energon"
+    report = build_energon_dataset(src / "mix.json", out, split_ratio="1,0,0", samples_per_shard=8, num_workers=0)
+    return out, report
+
+
+@pytest.fixture(scope="module")
+def megatron_onevision(tmp_path_factory, llava_onevision_siglip):
+    from megatron_ext.convert.to_megatron import convert
+
+    return convert(llava_onevision_siglip, tmp_path_factory.mktemp("megatron_onevision") / "ckpt", tp=1, pp=1)
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_is_reported_by_reason_when_prepared(tiled_mix):
+    _, report = tiled_mix
+    assert report.written == 15 and report.videos == 3 and report.multi_image == 3
+    assert report.skipped == {"video cannot be decoded": 1, "missing video file": 1,
+                              "number of <image> markers differs from the number of images": 1}
+    broken = next(s for s in report.skipped_samples if s["id"] == "broken")
+    assert "broken.mp4: cannot decode the video" in broken["detail"]
+
+
+def _loss_falls(save) -> list[float]:
+    losses = [record["loss"] for _, record in sorted(metrics(save).items())]
+    assert sum(losses[-2:]) < sum(losses[:2]), losses
+    return losses
+
+
+@pytest.mark.timeout(900)
+def test_stages_train_exactly_their_modules(tmp_path, llava_onevision_siglip, megatron_onevision, tiled_mix):
+    from megatron_ext.convert.to_hf import convert
+
+    data, _ = tiled_mix
+    original = _hf_tensors(llava_onevision_siglip)
+    common = dict(seq_length=SEQ, lr=1e-2, train_iters=8, video_frames=4,
+                  max_tiles_per_sequence=64)
+    stage1, stage2 = tmp_path / "stage1", tmp_path / "stage2"
+    train(2, *trainer_args(megatron_onevision, data, stage1, stage=1, tp=2, **common), timeout=400)
+    train(2, *trainer_args(megatron_onevision, data, stage2, stage=2, pp=2, unfreeze_vit=True, vision_lr=0.0,
+                           **common), timeout=400)
+
+    for save, expected in ((stage1, {"multi_modal_projector", "image_newline"}),
+                           (stage2, {"multi_modal_projector", "image_newline", "language_model"})):
+        _loss_falls(save)
+        # 32 samples drawn at random from 15: the over-long ones among them are skipped and counted.
+        assert max(r["skipped_samples"] for r in metrics(save).values()) >= 1
+        prefixes, changed = _changed_prefixes(original, _hf_tensors(convert(save, tmp_path / f"hf_{save.name}")))
+        assert prefixes == expected
+        assert changed == {n for n in original if n.split(".")[0] in expected}
+
+
+@pytest.mark.timeout(60)
+def test_vision_lr_is_the_towers_peak_learning_rate(tmp_path):
+    """megatron-core's parameter groups under --vision-lr: the tower's own max_lr; the rest --lr,
+    biases without weight decay as before (one process, a process group of one)."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+
+    from megatron_ext.train.model_setup import lr_overrides
+
+    model = torch.nn.Module()
+    model.vision_model, model.language_model = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    config = OptimizerConfig(lr=1e-5, min_lr=0.0, weight_decay=0.1)
+    plan = SimpleNamespace(config=SimpleNamespace(vision_lr=2e-6, min_lr=0.0))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        groups = _get_param_groups([model], config, lr_overrides(config, plan))
+    finally:
+        dist.destroy_process_group()
+    named = {id(p): name for name, p in model.named_parameters()}
+    got = {tuple(sorted(named[id(p)] for p in g["params"])): (g["max_lr"], g["wd_mult"]) for g in groups if g["params"]}
+    assert got == {("language_model.weight",): (1e-5, 1.0), ("language_model.bias",): (1e-5, 0.0),
+                   ("vision_model.weight",): (2e-6, 1.0), ("vision_model.bias",): (2e-6, 0.0)}
