@@ -13,7 +13,8 @@ import pytest
 
 from megatron_ext.convert.compare import synthetic_image
 from megatron_ext.eval.prompts import load_image, user_turn
-from tests.helpers import run_script, run_torchrun
+from tests.eval.lmms_tasks import write_tasks
+from tests.helpers import child_env, run_script, run_torchrun
 
 MAX_NEW_TOKENS = 10
 FRAMES = 4
@@ -125,3 +126,74 @@ def test_hf_checkpoint_generates_in_its_own_class(hf_dirs, references, media, tm
     run_script("eval/generate.py", "--hf-dir", hf_dirs["onevision"], "--input-jsonl", requests, "--output-jsonl",
                answers, "--max-new-tokens", MAX_NEW_TOKENS, "--video-frames", FRAMES, timeout=200)
     assert _answers(answers) == _expected(references["onevision"], lines)
+
+
+VQA_SUFFIX = "\nAnswer the question using a single word or phrase."
+STOP = "ASSISTANT:"  # the local tasks' stop string
+
+
+def _lmms_answers(out: Path, task: str) -> dict[int, str]:
+    (path,) = out.rglob(f"*_samples_{task}.jsonl")
+    return {r["doc_id"]: r["filtered_resps"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def _decoded(reference, tokens: list[int]) -> str:
+    """Decoded as lmms-eval's llava_hf decodes, cut at the task's stop string."""
+    return reference.processor.tokenizer.decode(tokens, skip_special_tokens=True).split(STOP)[0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_lmms_eval_answers_the_same_through_hf_and_megatron(hf_dirs, converted, references, media, tmp_path):
+    """LLaVA-NeXT images through lmms-eval's llava_hf and through megatron_llava at TP2; OneVision
+    videos through megatron_llava (llava_hf cannot load OneVision's processor without torchvision)."""
+    question = "What is shown?"
+    docs = {"tiny_vqa": [{"question_id": i, "image_path": str(media[key]), "question": question, "answers": ["a"] * 10}
+                         for i, key in enumerate(["wide", "tall"])],
+            "tiny_video": [{"question_id": 0, "video_path": str(media["video"]), "question": question,
+                            "answers": ["a"] * 10}]}
+    tasks = write_tasks(tmp_path / "tasks", docs, MAX_NEW_TOKENS)
+    env = child_env(HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+
+    hf_out, megatron_out, video_out = tmp_path / "hf", tmp_path / "megatron", tmp_path / "video"
+    common = ["--include-path", tasks, "--tasks"]
+    run_script("eval/benchmark.py", "--hf-dir", hf_dirs["next"], *common, "tiny_vqa", "--output-dir", hf_out, env=env,
+               timeout=240)
+    run_torchrun(2, "scripts/eval/benchmark.py", "--megatron-dir", converted["next"], "--tp", 2, *common, "tiny_vqa",
+                 "--output-dir", megatron_out, env=env, timeout=300)
+    run_script("eval/benchmark.py", "--megatron-dir", converted["onevision"], *common, "tiny_video", "--video-frames",
+               FRAMES, "--output-dir", video_out, env=env, timeout=240)
+
+    images = [load_image(media[key]).convert("RGB") for key in ("wide", "tall")]
+    expected = {i: _decoded(references["next"], references["next"].greedy(
+        [{"role": "user", "content": f"<image>\n{question}{VQA_SUFFIX}"}], [image], MAX_NEW_TOKENS))
+        for i, image in enumerate(images)}
+    assert _lmms_answers(hf_out, "tiny_vqa") == _lmms_answers(megatron_out, "tiny_vqa") == expected
+    assert expected[0] != expected[1]
+
+    from megatron_ext.eval.videos import load_video
+
+    onevision = references["onevision"]
+    video_answer = _decoded(onevision, onevision.greedy([{"role": "user", "content": f"<video>\n{question}{VQA_SUFFIX}"}],
+                                                        [], MAX_NEW_TOKENS, [load_video(media["video"], FRAMES)]))
+    assert video_answer.strip() and _lmms_answers(video_out, "tiny_video") == {0: video_answer}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_chat_about_an_anyres_image(converted, references, media):
+    """Two turns about an image cut into tiles, from the TP2 checkpoint run in one process."""
+    from tests.eval.test_chat import Terminal, _same_text
+
+    reference = references["next"]
+    term = Terminal("--megatron-dir", converted["next"], "--image", media["wide"], "--max-new-tokens", MAX_NEW_TOKENS)
+    try:
+        conversation, image = [{"role": "user", "content": f"<image>\n{PROMPT}"}], [load_image(media["wide"])]
+        for question in (PROMPT, "And then?"):
+            expected = reference.text(reference.greedy(conversation, image, MAX_NEW_TOKENS))
+            answer = term.answer(question)
+            assert expected and _same_text(answer, expected), (answer, expected)
+            conversation += [{"role": "assistant", "content": expected}, {"role": "user", "content": "And then?"}]
+        term.child.sendline("/exit")
+    finally:
+        term.child.close(force=True)
