@@ -197,3 +197,21 @@ def test_chat_about_an_anyres_image(converted, references, media):
         term.child.sendline("/exit")
     finally:
         term.child.close(force=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_evaluate_scores_the_answers_of_a_tiled_checkpoint(converted, references, train_data, tmp_path):
+    """evaluate.py on the TP2 LLaVA-NeXT checkpoint in one process: transformers' answers to the
+    split's samples; no loss yet (the trainer's task encoder does not cut tiles)."""
+    from megatron_ext.eval.samples import read_samples
+
+    out = tmp_path / "eval"
+    run_script("eval/evaluate.py", "--megatron-dir", converted["next"], "--data-path", train_data, "--output-dir", out,
+               "--fast-n", 3, "--max-new-tokens", MAX_NEW_TOKENS, timeout=240)
+    records = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    reference = references["next"]
+    expected = [reference.text(reference.greedy(s.messages, s.images, MAX_NEW_TOKENS))
+                for s in read_samples(train_data, "val", limit=3)]
+    assert [r["prediction"] for r in records] == expected
+    assert "loss" not in json.loads((out / "metrics.json").read_text())
