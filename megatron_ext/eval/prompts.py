@@ -43,7 +43,7 @@ def load_image(path: str | Path, flag: str = "--image"):
 def user_turn(text: str, num_images: int, num_videos: int = 0) -> dict:
     """A user message about `num_images` images and `num_videos` videos: where `text` puts its
     `<image>` / `<video>` markers, else each before the text (LLaVA's `<image>\\n question` layout,
-    videos first). A UserError when the markers are not one per image and one per video."""
+    the images, then the videos). A UserError when the markers are not one per image and one per video."""
     markers = text.count(VIDEO_MARKER)
     if markers == 0:
         text = f"{VIDEO_MARKER}\n" * num_videos + text
