@@ -144,7 +144,8 @@ def _log_scores(rows: list[dict], tensorboard_dir: str | None, wandb_project: st
 def run_benchmark(source, *, tasks: list[str], include_path: str | None, output_dir: str, force: bool,
                   limit: int | None, tp: int | None, pp: int | None, tensorboard_dir: str | None = None,
                   wandb_project: str | None = None, video_frames: int = DEFAULT_VIDEO_FRAMES) -> list[dict]:
-    """scripts/eval/benchmark.py: lmms-eval on `source` (an opened checkpoint), files in `output_dir`."""
+    """scripts/eval/benchmark.py: lmms-eval on `source` (an opened checkpoint), files in `output_dir`;
+    `video_frames`: frames per video on the Megatron path."""
     from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 
     if limit is not None and limit < 1:
@@ -161,8 +162,7 @@ def run_benchmark(source, *, tasks: list[str], include_path: str | None, output_
 
         model = model_name = "llava_hf"
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        model_args = (f"pretrained={source.path},device={device},device_map={device},dtype={source.dtype},"
-                      f"max_frames_num={video_frames}")
+        model_args = f"pretrained={source.path},device={device},device_map={device},dtype={source.dtype}"
         output_rank = True
     else:
         from megatron_ext.eval.lmms_model import MODEL_ID, MegatronLlava
