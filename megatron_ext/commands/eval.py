@@ -34,7 +34,7 @@ from megatron_ext.progress import quiet_option
 def generate(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, images, videos, video_frames, prompt,
              input_jsonl, output_jsonl, max_new_tokens, temperature, top_p, seed):
     """Answer prompts about images: greedy by default (--temperature 0), up to the end-of-turn token or
-    --max-new-tokens; one prompt is streamed to the terminal, --input-jsonl lines are {"image", "prompt", "id"}."""
+    --max-new-tokens; one prompt is streamed to the terminal, --input-jsonl lines are {"image", "video", "prompt", "id"}."""
     from megatron_ext.distributed import shutdown
     from megatron_ext.eval.batch import generate_answers
     from megatron_ext.eval.checkpoints import open_checkpoint

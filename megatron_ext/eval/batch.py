@@ -4,8 +4,8 @@ Input JSONL, one request a line: ``{"image": "cat.jpg", "prompt": "What is this?
 (`image` optional: one file or a list of files, relative paths taken from the JSONL file's folder;
 the prompt places them with `<image>` markers, else they go before it; `video` likewise, with
 `<video>` markers, for models that take videos (OneVision), each decoded to --video-frames frames;
-`id` optional, default the line number). Output JSONL: each request with `answer`, `finish_reason` and `token_ids` added,
-written under a temporary name and renamed when complete.
+`id` optional, default the line number). Output JSONL: each request with `answer`,
+`finish_reason` and `token_ids` added, written under a temporary name and renamed when complete.
 """
 
 from __future__ import annotations

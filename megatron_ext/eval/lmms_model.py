@@ -1,10 +1,11 @@
 """Our Megatron checkpoints as an lmms-eval model, so lmms-eval's own tasks and scorers grade them.
 
 `MegatronLlava` is a chat model in lmms-eval's sense: each request carries HF-structured messages
-(`{"type": "image"}`, `{"type": "video"}` and `{"type": "text"}` parts). They become the string form
-training renders (each image as `<image>\\n` before its text: the rule `chat_template.processor_template`
-gives HF processors; each video, a file decoded to `video_frames` frames, as `<video>\\n`), and the checkpoint's prompt encoder and Megatron generator answer them, at the
-checkpoint's TP x PP under torchrun. Data-parallel replicas split the requests and exchange the
+(`{"type": "image"}`, `{"type": "video"}` and `{"type": "text"}` parts). They become the string
+form training renders (each image as `<image>\\n` before its text: the rule
+`chat_template.processor_template` gives HF processors; each video, decoded to `video_frames`
+frames, as `<video>\\n`), and the checkpoint's prompt encoder and Megatron generator answer them,
+at the checkpoint's TP x PP under torchrun. Data-parallel replicas split the requests and exchange the
 answers, so lmms-eval itself runs as one process on every rank and sees every answer.
 
 Registered for lmms-eval's own CLI as `megatron_llava` (entry point `lmms_eval.models`).
