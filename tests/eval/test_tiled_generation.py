@@ -125,7 +125,12 @@ def test_hf_checkpoint_generates_in_its_own_class(hf_dirs, references, media, tm
     answers = tmp_path / "answers.jsonl"
     run_script("eval/generate.py", "--hf-dir", hf_dirs["onevision"], "--input-jsonl", requests, "--output-jsonl",
                answers, "--max-new-tokens", MAX_NEW_TOKENS, "--video-frames", FRAMES, timeout=200)
-    assert _answers(answers) == _expected(references["onevision"], lines)
+    expected = _expected(references["onevision"], lines)
+    assert _answers(answers) == expected
+    # One prompt about a video (--video), streamed.
+    streamed = run_script("eval/generate.py", "--hf-dir", hf_dirs["onevision"], "--video", media["video"], "--prompt",
+                          lines[3]["prompt"], "--max-new-tokens", MAX_NEW_TOKENS, "--video-frames", FRAMES, timeout=200)
+    assert streamed.stdout.strip() == references["onevision"].text(expected[3])
 
 
 VQA_SUFFIX = "\nAnswer the question using a single word or phrase."
