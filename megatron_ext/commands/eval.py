@@ -14,7 +14,7 @@ Hugging Face LLaVA checkpoint answers prompts, chats, is scored on a dataset spl
 import click
 
 from megatron_ext.errors import run_command
-from megatron_ext.eval.cli_options import checkpoint_options, make_sampling, sampling_options
+from megatron_ext.eval.cli_options import checkpoint_options, make_sampling, sampling_options, video_frames_option
 from megatron_ext.progress import quiet_option
 
 
@@ -23,14 +23,18 @@ from megatron_ext.progress import quiet_option
 @checkpoint_options
 @click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False),
               help="Image the prompt is about; repeat for several (placed by <image> in the prompt, else before it).")
+@click.option("--video", "videos", multiple=True, type=click.Path(dir_okay=False),
+              help="Video the prompt is about (LLaVA-OneVision); repeat for several (placed by <video>, else before the prompt).")
+@video_frames_option
 @click.option("--prompt", help="The question or instruction.")
-@click.option("--input-jsonl", type=click.Path(dir_okay=False), help="Batch mode: one {\"image\", \"prompt\"} per line.")
+@click.option("--input-jsonl", type=click.Path(dir_okay=False),
+              help="Batch mode: one {\"image\", \"video\", \"prompt\"} per line.")
 @click.option("--output-jsonl", type=click.Path(dir_okay=False), help="Write the answers here (default: stdout).")
 @sampling_options(default_max_new_tokens=128)
-def generate(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, images, prompt, input_jsonl, output_jsonl,
-             max_new_tokens, temperature, top_p, seed):
+def generate(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, images, videos, video_frames, prompt,
+             input_jsonl, output_jsonl, max_new_tokens, temperature, top_p, seed):
     """Answer prompts about images: greedy by default (--temperature 0), up to the end-of-turn token or
-    --max-new-tokens; one prompt is streamed to the terminal, --input-jsonl lines are {"image", "prompt", "id"}."""
+    --max-new-tokens; one prompt is streamed to the terminal, --input-jsonl lines are {"image", "video", "prompt", "id"}."""
     from megatron_ext.distributed import shutdown
     from megatron_ext.eval.batch import generate_answers
     from megatron_ext.eval.checkpoints import open_checkpoint
@@ -41,7 +45,7 @@ def generate(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, i
     source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype, image_aspect)
     try:
         generate_answers(source, options, tp=tp, pp=pp, images=images, prompt=prompt, input_jsonl=input_jsonl,
-                         output_jsonl=output_jsonl)
+                         output_jsonl=output_jsonl, videos=videos, video_frames=video_frames)
     finally:
         shutdown()
 
@@ -107,8 +111,9 @@ def evaluate(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, d
 @click.option("--force", is_flag=True, help="Replace a non-empty --output-dir.")
 @click.option("--tensorboard-dir", type=click.Path(file_okay=False), help="Also log the scores to TensorBoard here.")
 @click.option("--wandb-project", help="Also log the scores to this Weights & Biases project.")
+@video_frames_option
 def benchmark(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, tasks, include_path, limit, output_dir,
-              force, tensorboard_dir, wandb_project):
+              force, tensorboard_dir, wandb_project, video_frames):
     """Score a checkpoint on lmms-eval tasks (its prompts and scorers): lmms-eval's result files and
     per-sample logs plus OUT/summary.json, and a table. HF checkpoints run in lmms-eval's llava_hf model;
     Megatron ones directly, under torchrun at any TP x PP."""
@@ -121,7 +126,8 @@ def benchmark(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, 
     source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype, image_aspect)
     try:
         run_benchmark(source, tasks=[t for t in tasks.split(",") if t], include_path=include_path, output_dir=output_dir,
-                      force=force, limit=limit, tp=tp, pp=pp, tensorboard_dir=tensorboard_dir, wandb_project=wandb_project)
+                      force=force, limit=limit, tp=tp, pp=pp, tensorboard_dir=tensorboard_dir, wandb_project=wandb_project,
+                      video_frames=video_frames)
     finally:
         shutdown()
 

@@ -5,6 +5,7 @@ The pieces are reusable by generation/evaluation code:
 - `collapse_image_tokens`: HF's processor expands each `<image>` into one token per image
   embedding, megatron-core's LLaVAModel expects one token per image and expands it itself
   (tiled models keep HF's tokens: each is one position);
+- `model_input_ids`: HF-style ids as the Megatron model takes them (collapsed or not);
 - `megatron_media`: the images of an HF processor batch as the Megatron model takes them (for
   tiled models each image's tiles and the media layout);
 - `megatron_logits`: full-vocabulary logits of a TP/PP-split model, gathered over TP and sent
@@ -54,6 +55,12 @@ def collapse_image_tokens(input_ids: torch.Tensor, image_token_index: int) -> to
     if len({len(row) for row in rows}) != 1:
         raise ValueError("rows of the batch collapse to different lengths; pad them after collapsing instead")
     return torch.stack(rows)
+
+
+def model_input_ids(input_ids: torch.Tensor, image_token_index: int, img_seq_len: int) -> torch.Tensor:
+    """HF-style `input_ids` (every image expanded) as the Megatron model takes them: as they are
+    when each image token is one position (tiled models), else each image's run collapsed."""
+    return input_ids if img_seq_len == 1 else collapse_image_tokens(input_ids, image_token_index)
 
 
 def megatron_media(arch, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -106,8 +113,7 @@ def megatron_logits(model, images: torch.Tensor, input_ids: torch.Tensor, img_se
 
     image_token_index = model.image_token_index
     device = next(model.parameters()).device
-    # With one position per image token (tiled models) the tokens are already the model's.
-    ids = input_ids if img_seq_len == 1 else collapse_image_tokens(input_ids, image_token_index)
+    ids = model_input_ids(input_ids, image_token_index, img_seq_len)
     num_images = int((ids[0] == image_token_index).sum())
     seq_length = combined_length(ids.shape[1], num_images, img_seq_len)
     max_length = model.language_model.max_sequence_length

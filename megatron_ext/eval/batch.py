@@ -2,9 +2,10 @@
 
 Input JSONL, one request a line: ``{"image": "cat.jpg", "prompt": "What is this?", "id": "any"}``
 (`image` optional: one file or a list of files, relative paths taken from the JSONL file's folder;
-the prompt places them with `<image>` markers, else they go before it; `id` optional, default the
-line number). Output JSONL: each request with `answer`, `finish_reason` and `token_ids` added,
-written under a temporary name and renamed when complete.
+the prompt places them with `<image>` markers, else they go before it; `video` likewise, with
+`<video>` markers, for models that take videos (OneVision), each decoded to --video-frames frames;
+`id` optional, default the line number). Output JSONL: each request with `answer`,
+`finish_reason` and `token_ids` added, written under a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from megatron_ext.eval.checkpoints import ModelSource
 from megatron_ext.eval.generation import Generation, Generator
 from megatron_ext.eval.prompts import EncodedPrompt, load_image, user_turn
 from megatron_ext.eval.sampling import SamplingOptions
+from megatron_ext.eval.videos import DEFAULT_VIDEO_FRAMES, load_video
 from megatron_ext.fsutil import write_jsonl
 from megatron_ext.progress import progress
 
@@ -29,14 +31,26 @@ class Request:
     prompt: EncodedPrompt
 
 
-def encode_request(source: ModelSource, prompt: str, images: list, options: SamplingOptions) -> EncodedPrompt:
-    """One user turn about the images, checked to fit in the context."""
-    encoded = source.encoder.encode([user_turn(prompt, len(images))], images)
+def encode_request(source: ModelSource, prompt: str, images: list, options: SamplingOptions,
+                   videos: list = ()) -> EncodedPrompt:
+    """One user turn about the images and videos, checked to fit in the context."""
+    encoded = source.encoder.encode([user_turn(prompt, len(images), len(videos))], images, videos)
     source.check_fits(encoded, options)
     return encoded
 
 
-def read_requests(path: str | Path, source: ModelSource, options: SamplingOptions,
+def video_files(record: dict) -> list[str]:
+    """A record's `"video"`: absent, one file name, or a list of them."""
+    video = record.get("video")
+    if video in (None, "", []):
+        return []
+    files = [video] if isinstance(video, str) else video
+    if not isinstance(files, list) or not all(isinstance(name, str) and name for name in files):
+        raise UserError("'video' must be a file name or a list of file names")
+    return files
+
+
+def read_requests(path: str | Path, source: ModelSource, options: SamplingOptions, video_frames: int,
                   flag: str = "--input-jsonl") -> list[Request]:
     path = Path(path).expanduser()
     if not path.is_file():
@@ -51,14 +65,17 @@ def read_requests(path: str | Path, source: ModelSource, options: SamplingOption
         except json.JSONDecodeError as exc:
             raise UserError(f"{where} is not JSON ({exc})") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise UserError(f"{where} needs a \"prompt\" string (and optionally \"image\" and \"id\")")
+            raise UserError(f"{where} needs a \"prompt\" string (and optionally \"image\", \"video\" and \"id\")")
         try:
-            files = image_files(record)
+            files, videos = image_files(record), video_files(record)
         except BadConversation as exc:
             raise UserError(f"{where}: {exc.detail}") from None
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}") from None
         images = [load_image(path.parent / f, f"{where}: image") for f in files]
+        videos = [load_video(path.parent / f, video_frames, f"{where}: video") for f in videos]
         try:
-            encoded = encode_request(source, record["prompt"], images, options)
+            encoded = encode_request(source, record["prompt"], images, options, videos)
         except UserError as exc:
             raise UserError(f"{where}: {exc}") from None
         requests.append(Request({"id": number, **record}, encoded))
@@ -79,7 +96,8 @@ def answer_all(generator: Generator, requests: list[Request], options: SamplingO
 
 
 def generate_answers(source: ModelSource, options: SamplingOptions, *, tp: int | None, pp: int | None,
-                     images: tuple[str, ...], prompt: str | None, input_jsonl: str | None, output_jsonl: str | None) -> None:
+                     images: tuple[str, ...], prompt: str | None, input_jsonl: str | None, output_jsonl: str | None,
+                     videos: tuple[str, ...] = (), video_frames: int = DEFAULT_VIDEO_FRAMES) -> None:
     """scripts/eval/generate.py: one prompt (streamed to the terminal) or a JSONL batch."""
     import sys
 
@@ -88,12 +106,16 @@ def generate_answers(source: ModelSource, options: SamplingOptions, *, tp: int |
     if (prompt is None) == (input_jsonl is None):
         raise UserError("give either --prompt (with --image) or --input-jsonl")
     if input_jsonl:
-        if images:
-            raise UserError("--image goes with --prompt; in --input-jsonl every line names its own images")
-        requests = read_requests(input_jsonl, source, options)
+        if images or videos:
+            raise UserError("--image and --video go with --prompt; in --input-jsonl every line names its own")
+        requests = read_requests(input_jsonl, source, options, video_frames)
     else:
         record = {"id": 1, "image": images[0] if len(images) == 1 else list(images) or None, "prompt": prompt}
-        requests = [Request(record, encode_request(source, prompt, [load_image(i) for i in images], options))]
+        if videos:
+            record["video"] = videos[0] if len(videos) == 1 else list(videos)
+        encoded = encode_request(source, prompt, [load_image(i) for i in images], options,
+                                 [load_video(v, video_frames) for v in videos])
+        requests = [Request(record, encoded)]
     generator = source.generator(tp, pp)
     if prompt is not None:
         streamer = TextStreamer(source.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)

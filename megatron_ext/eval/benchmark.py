@@ -21,6 +21,7 @@ from pathlib import Path
 
 from megatron_ext.environ import environ_set
 from megatron_ext.errors import UserError
+from megatron_ext.eval.videos import DEFAULT_VIDEO_FRAMES
 
 SUMMARY_FILE = "summary.json"
 EVAL_EXTRA = "pip install 'megatron-ext[eval]'"
@@ -142,8 +143,9 @@ def _log_scores(rows: list[dict], tensorboard_dir: str | None, wandb_project: st
 
 def run_benchmark(source, *, tasks: list[str], include_path: str | None, output_dir: str, force: bool,
                   limit: int | None, tp: int | None, pp: int | None, tensorboard_dir: str | None = None,
-                  wandb_project: str | None = None) -> list[dict]:
-    """scripts/eval/benchmark.py: lmms-eval on `source` (an opened checkpoint), files in `output_dir`."""
+                  wandb_project: str | None = None, video_frames: int = DEFAULT_VIDEO_FRAMES) -> list[dict]:
+    """scripts/eval/benchmark.py: lmms-eval on `source` (an opened checkpoint), files in `output_dir`;
+    `video_frames`: frames per video on the Megatron path."""
     from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 
     if limit is not None and limit < 1:
@@ -165,7 +167,7 @@ def run_benchmark(source, *, tasks: list[str], include_path: str | None, output_
     else:
         from megatron_ext.eval.lmms_model import MODEL_ID, MegatronLlava
 
-        model = MegatronLlava(encoder=source.encoder, generator=source.generator(tp, pp))
+        model = MegatronLlava(encoder=source.encoder, generator=source.generator(tp, pp), video_frames=video_frames)
         model_args = f"pretrained={source.path}"  # names the run in lmms-eval's results
         output_rank = model.generator.is_output_rank
         model_name = MODEL_ID

@@ -127,9 +127,10 @@ def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template:
     one a trained snapshot was trained with, else the tokenizer's own (else its text family's or the English default).
     The image aspect mode likewise: given, else as trained, else crop.
     `dtype`: the compute dtype (`backends.compute_dtype`), whatever the checkpoint stores."""
-    from megatron_ext import families, hf_loading
+    from megatron_ext import families
     from megatron_ext.data.chat_template import resolve_chat_template
-    from megatron_ext.families import read_llava
+    from megatron_ext.families import llava_kind, read_llava
+    from megatron_ext.hf.processors import load_processor
 
     if (megatron_dir is None) == (hf_dir is None):
         raise UserError(f"give exactly one of {MEGATRON_FLAG} and {HF_FLAG}")
@@ -144,7 +145,7 @@ def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template:
     else:
         hf_config, processor_dir = _open_hf(path), path
     arch = read_llava(hf_config)
-    processor = hf_loading.load_processor(str(processor_dir), flag)
+    processor = load_processor(processor_dir, flag, llava_kind(hf_config))
     trained = _trained_options(snapshot)
     name, template = resolve_chat_template(chat_template or trained.get("chat_template"), trained.get("lang", "en"),
                                            processor.tokenizer, family_default=families.of(arch).text.chat_template)

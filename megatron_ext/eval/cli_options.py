@@ -6,6 +6,7 @@ import click
 
 from megatron_ext.data.image_aspects import IMAGE_ASPECTS
 from megatron_ext.eval.sampling import SamplingOptions
+from megatron_ext.eval.videos import DEFAULT_VIDEO_FRAMES
 from megatron_ext.model.backends import COMPUTE_DTYPES
 
 
@@ -23,6 +24,11 @@ def checkpoint_options(func):
     ]):
         func = decorator(func)
     return func
+
+
+video_frames_option = click.option(
+    "--video-frames", type=click.IntRange(min=1), default=DEFAULT_VIDEO_FRAMES, show_default=True,
+    help="Frames sampled uniformly from each video (LLaVA-OneVision; in benchmark.py, on the Megatron path).")
 
 
 def sampling_options(default_max_new_tokens: int):

@@ -61,12 +61,13 @@ class TrainerPrompts:
     """How the trainer's evaluations prompt its model: its processor, chat template and aspect mode."""
 
     def __init__(self, plan):
-        from megatron_ext import families, hf_loading
+        from megatron_ext import families
         from megatron_ext.data.chat_template import resolve_chat_template
         from megatron_ext.eval.prompts import stop_token_ids
+        from megatron_ext.hf.processors import load_processor
 
         cfg = plan.config
-        self.processor = hf_loading.load_processor(str(plan.tokenizer_dir), "--tokenizer-load-dir")
+        self.processor = load_processor(plan.tokenizer_dir, "--tokenizer-load-dir", families.llava_kind(plan.hf_config))
         _, template = resolve_chat_template(cfg.chat_template, cfg.lang, self.processor.tokenizer,
                                             family_default=families.of(plan.arch).text.chat_template)
         self.encoder = PromptEncoder(self.processor, template, cfg.image_aspect)
@@ -159,7 +160,11 @@ def run_evaluation(source: ModelSource, options: SamplingOptions, *, data_path: 
     generator = source.generator(tp, pp)
     result = {"checkpoint": str(source.path), "format": source.kind, "data_path": str(data_path), "split": split,
               "samples": len(samples), "chat_template": source.template_name, "max_new_tokens": options.max_new_tokens}
-    if source.kind == "megatron":
+    if source.kind == "megatron" and source.snapshot.arch.tiling is not None:
+        # The trainer's task encoder does not cut images into tiles yet, so it cannot give this loss.
+        log.warning("loss and perplexity are not computed for LLaVA-NeXT / OneVision checkpoints yet; "
+                    "the answers are scored")
+    elif source.kind == "megatron":
         length = seq_length or _trained_seq_length(source) or source.context_length
         loss, tokens = megatron_loss(generator.model, source, str(data_path), split, fast_n, length)
         result.update(loss=loss, perplexity=math.exp(loss) if math.isfinite(loss) else float("nan"), loss_tokens=tokens)

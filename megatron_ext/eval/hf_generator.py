@@ -1,4 +1,5 @@
-"""Generation from a Hugging Face LLaVA checkpoint with transformers' own `generate` (KV cache)."""
+"""Generation from a Hugging Face LLaVA checkpoint (the transformers class of its kind: LLaVA-1.5,
+LLaVA-NeXT, OneVision) with transformers' own `generate` (KV cache)."""
 
 from __future__ import annotations
 
@@ -20,19 +21,22 @@ class HFGenerator(Generator):
 
     @classmethod
     def load(cls, hf_dir: str | Path, processor, dtype: str, flag: str = "--hf-dir") -> "HFGenerator":
-        from transformers import LlavaForConditionalGeneration
+        import transformers
 
         from megatron_ext import hf_loading
+        from megatron_ext.families import llava_kind
         from megatron_ext.model.provider import DTYPES
 
-        model = hf_loading.load_pretrained(LlavaForConditionalGeneration, str(hf_dir), flag, dtype=DTYPES[dtype])
+        model_class = getattr(transformers, llava_kind(hf_loading.load_config(str(hf_dir), flag)).model_class)
+        model = hf_loading.load_pretrained(model_class, str(hf_dir), flag, dtype=DTYPES[dtype])
         return cls(model, processor)
 
     def _new_tokens(self, prompt: EncodedPrompt, options: SamplingOptions, budget: int, streamer) -> list[int]:
         if not options.greedy:
             # transformers samples from the global generator.
             torch.manual_seed(options.seed)
-        extra = {} if prompt.pixel_values is None else {"pixel_values": prompt.pixel_values.to(self.model.dtype)}
+        extra = {name: value.to(self.model.dtype) if value.is_floating_point() else value
+                 for name, value in prompt.media.items()}
         with torch.no_grad():
             output = self.model.generate(
                 input_ids=prompt.input_ids,

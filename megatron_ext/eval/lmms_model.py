@@ -1,10 +1,11 @@
 """Our Megatron checkpoints as an lmms-eval model, so lmms-eval's own tasks and scorers grade them.
 
 `MegatronLlava` is a chat model in lmms-eval's sense: each request carries HF-structured messages
-(`{"type": "image"}` and `{"type": "text"}` parts). They become the string form training renders
-(each image as `<image>\\n` before its text: the rule `chat_template.processor_template` gives HF
-processors), and the checkpoint's prompt encoder and Megatron generator answer them, at the
-checkpoint's TP x PP under torchrun. Data-parallel replicas split the requests and exchange the
+(`{"type": "image"}`, `{"type": "video"}` and `{"type": "text"}` parts). They become the string
+form training renders (each image as `<image>\\n` before its text: the rule
+`chat_template.processor_template` gives HF processors; each video, decoded to `video_frames`
+frames, as `<video>\\n`), and the checkpoint's prompt encoder and Megatron generator answer them,
+at the checkpoint's TP x PP under torchrun. Data-parallel replicas split the requests and exchange the
 answers, so lmms-eval itself runs as one process on every rank and sees every answer.
 
 Registered for lmms-eval's own CLI as `megatron_llava` (entry point `lmms_eval.models`).
@@ -19,6 +20,7 @@ from lmms_eval.models.registry_v2 import ModelManifest
 from megatron_ext.data.conversation import IMAGE_MARKER
 from megatron_ext.eval.prompts import load_image
 from megatron_ext.eval.sampling import SamplingOptions
+from megatron_ext.eval.videos import DEFAULT_VIDEO_FRAMES, VIDEO_MARKER, load_video
 
 MODEL_ID = "megatron_llava"
 MANIFEST = ModelManifest(model_id=MODEL_ID, chat_class_path=f"{__name__}.MegatronLlava")
@@ -26,21 +28,25 @@ MANIFEST = ModelManifest(model_id=MODEL_ID, chat_class_path=f"{__name__}.Megatro
 DEFAULT_MAX_NEW_TOKENS = 1024
 
 
-def as_training_messages(messages: list[dict]) -> tuple[list[dict], list]:
-    """(messages with string contents, their images in order) from HF-structured messages."""
-    converted, images = [], []
+def as_training_messages(messages: list[dict], video_frames: int = DEFAULT_VIDEO_FRAMES) -> tuple[list[dict], list, list]:
+    """(messages with string contents, their images in order, their videos' frames in order) from
+    HF-structured messages."""
+    converted, images, videos = [], [], []
     for message in messages:
         text = ""
         for part in message["content"]:
             if part["type"] == "image":
                 text += f"{IMAGE_MARKER}\n"
                 images.append(load_image(part["url"], "image") if isinstance(part["url"], str) else part["url"])
+            elif part["type"] == "video":
+                text += f"{VIDEO_MARKER}\n"
+                videos.append(load_video(part["url"], video_frames, "video"))
             elif part["type"] == "text":
                 text += part["text"]
             else:
                 raise ValueError(f"{part['type']} inputs are not supported by LLaVA checkpoints")
         converted.append({"role": message["role"], "content": text})
-    return converted, images
+    return converted, images, videos
 
 
 def sampling_options(gen_kwargs: dict) -> SamplingOptions:
@@ -66,7 +72,7 @@ class MegatronLlava(lmms):
 
     def __init__(self, megatron_dir: str | None = None, tp: int | None = None, pp: int | None = None,
                  dtype: str = "auto", chat_template: str | None = None, image_aspect: str | None = None,
-                 encoder=None, generator=None, **unused):
+                 encoder=None, generator=None, video_frames: int = DEFAULT_VIDEO_FRAMES, **unused):
         super().__init__()
         from megatron_ext.errors import UserError
         from megatron_ext.eval.checkpoints import open_checkpoint, world_size
@@ -80,6 +86,7 @@ class MegatronLlava(lmms):
             encoder, generator = source.encoder, source.generator(tp and int(tp), pp and int(pp))
         self.encoder = encoder
         self.generator = generator
+        self.video_frames = int(video_frames)
 
     def generate_until(self, requests) -> list[GenerationResult]:
         from megatron_ext.distributed import split_over_data_parallel
@@ -88,8 +95,10 @@ class MegatronLlava(lmms):
 
     def _answer(self, request) -> GenerationResult:
         _, doc_to_messages, gen_kwargs, doc_id, task, split = request.args
-        messages, images = as_training_messages(doc_to_messages(self.task_dict[task][split][doc_id]))
-        generation = self.generator.generate(self.encoder.encode(messages, images), sampling_options(gen_kwargs))
+        messages, images, videos = as_training_messages(doc_to_messages(self.task_dict[task][split][doc_id]),
+                                                        self.video_frames)
+        prompt = self.encoder.encode(messages, images, videos)
+        generation = self.generator.generate(prompt, sampling_options(gen_kwargs))
         # Decoded as lmms-eval's llava_hf decodes (no stripping), so both paths record the same text.
         text = self.generator.processor.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
         return GenerationResult(text=cut_at_stops(text, gen_kwargs.get("until")),

@@ -6,7 +6,8 @@ megatron-core's `StaticInferenceContext` (batch 1: megatron-core 0.16's LLaVAMod
 one sequence per KV-cached pass). Both passes go through megatron-core's pipeline schedule, so
 pipeline stages exchange exactly the positions of this step; after the prefill every rank records
 the image embeddings in the context, as megatron-core's VLM inference wrapper does, so later passes
-skip the vision tower on every stage.
+skip the vision tower on every stage. The prompt's media reach the model as compare's
+`megatron_media` gives them (a tiled model's tiles with their media layout).
 
 Collective: every rank of the model-parallel group calls `generate` with the same prompt. Full
 vocabulary logits (padded rows dropped) exist on the last pipeline stage, which picks the token and
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.convert.compare import collapse_image_tokens
+from megatron_ext.convert.compare import megatron_media, model_input_ids
 from megatron_ext.eval.generation import Generator
 from megatron_ext.eval.prompts import EncodedPrompt
 from megatron_ext.eval.sampling import SamplingOptions, TokenChooser
@@ -46,8 +47,10 @@ class MegatronGenerator(Generator):
     def _new_tokens(self, prompt: EncodedPrompt, options: SamplingOptions, budget: int, streamer) -> list[int]:
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        ids = collapse_image_tokens(prompt.input_ids, self.arch.image_token_index).to(self.device)
-        images = self._images(prompt.pixel_values)
+        ids = model_input_ids(prompt.input_ids, self.arch.image_token_index, self.arch.img_seq_len).to(self.device)
+        images, layout = megatron_media(self.arch, {"input_ids": prompt.input_ids, **prompt.media})
+        images = images.to(self.device, self.model.config.params_dtype)
+        media = {} if layout is None else {"media_layout": layout.to(self.device)}
         context = StaticInferenceContext(max_batch_size=1, max_sequence_length=prompt.length + budget)
         chooser = TokenChooser(options)
         seen = prompt.input_ids
@@ -58,9 +61,9 @@ class MegatronGenerator(Generator):
         self.model.eval()
         try:
             with torch.no_grad():
-                logits = self._forward(images, ids, context, prompt.length)
+                logits = self._forward(images, ids, context, prompt.length, media)
                 if images.shape[0]:
-                    context.key_value_memory_dict[_IMAGE_TOKENS_KEY] = images.shape[0] * self.arch.img_seq_len
+                    context.key_value_memory_dict[_IMAGE_TOKENS_KEY] = self._embedding_positions(prompt)
                 context.sequence_len_offset += prompt.length
                 while True:
                     token = self._choose(chooser, seen, logits)
@@ -70,7 +73,7 @@ class MegatronGenerator(Generator):
                         streamer.put(torch.tensor([token]))
                     if token in self.stop_ids or len(new) == budget:
                         break
-                    logits = self._forward(images[:0], torch.tensor([[token]], device=self.device), context, 1)
+                    logits = self._forward(images[:0], torch.tensor([[token]], device=self.device), context, 1, {})
                     context.sequence_len_offset += 1
         finally:
             self.model.train(was_training)
@@ -78,20 +81,20 @@ class MegatronGenerator(Generator):
                 streamer.end()
         return new
 
-    def _images(self, pixel_values: torch.Tensor | None) -> torch.Tensor:
-        vision = self.arch.vision
-        if pixel_values is None:
-            pixel_values = torch.zeros(0, 3, vision.image_size, vision.image_size)
-        return pixel_values.to(self.device, self.model.config.params_dtype)
+    def _embedding_positions(self, prompt: EncodedPrompt) -> int:
+        """Positions of the prompt that image and video embeddings take (one per token, HF layout)."""
+        tiling = self.arch.tiling
+        tokens = [self.arch.image_token_index] + ([tiling.video_token_index] if tiling and tiling.video_token_index is not None else [])
+        return int(torch.isin(prompt.input_ids, torch.tensor(tokens)).sum())
 
-    def _forward(self, images: torch.Tensor, ids: torch.Tensor, context, length: int) -> torch.Tensor | None:
+    def _forward(self, images: torch.Tensor, ids: torch.Tensor, context, length: int, media: dict) -> torch.Tensor | None:
         """Next-token logits [1, vocab] (float32) on the last pipeline stage, None elsewhere."""
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, module):
             output, _ = module(images=images, input_ids=next(data_iterator), position_ids=None, attention_mask=None,
-                               inference_context=context, runtime_gather_output=True)
+                               inference_context=context, runtime_gather_output=True, **media)
             return output, None
 
         outputs = get_forward_backward_func()(

@@ -4,7 +4,9 @@ Messages follow the data pipeline's convention (`megatron_ext.data.conversation`
 with a literal `<image>` where each image goes. They are rendered with the same chat template the
 trainer uses (`megatron_ext.data.chat_template`), tokenized as the task encoder tokenizes (special
 tokens added unless the text starts with the BOS: `chat_template.needs_special_tokens`), and passed through the
-checkpoint's HF processor, which expands every `<image>` into one token per image embedding.
+checkpoint's HF processor, which expands every `<image>` (and OneVision's `<video>`, `eval/videos.py`)
+into one token per embedding. A prompt's images are one sample's: OneVision's processor makes each
+image one tile when there are several, as its training did.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from megatron_ext.data.chat_template import needs_special_tokens
 from megatron_ext.data.conversation import IMAGE_MARKER, BadConversation, place_images
 from megatron_ext.data.images import fit_aspect
 from megatron_ext.errors import UserError
+from megatron_ext.eval.videos import VIDEO_MARKER, with_frame_processor
 
 
 def load_image(path: str | Path, flag: str = "--image"):
@@ -37,9 +40,16 @@ def load_image(path: str | Path, flag: str = "--image"):
         raise UserError(f"{flag} {path} cannot be opened as an image ({reason})") from None
 
 
-def user_turn(text: str, num_images: int) -> dict:
-    """A user message about `num_images` images: where `text` puts its `<image>` markers, else each
-    before the text (LLaVA's `<image>\\n question` layout). A UserError when the markers are not one per image."""
+def user_turn(text: str, num_images: int, num_videos: int = 0) -> dict:
+    """A user message about `num_images` images and `num_videos` videos: where `text` puts its
+    `<image>` / `<video>` markers, else each before the text (LLaVA's `<image>\\n question` layout,
+    the images, then the videos). A UserError when the markers are not one per image and one per video."""
+    markers = text.count(VIDEO_MARKER)
+    if markers == 0:
+        text = f"{VIDEO_MARKER}\n" * num_videos + text
+    elif markers != num_videos:
+        raise UserError(f"the prompt has {markers} {VIDEO_MARKER} markers for {num_videos} videos: "
+                        f"give one {VIDEO_MARKER} per video, or none")
     try:
         return place_images([{"role": "user", "content": text}], num_images)[0]
     except BadConversation as exc:
@@ -56,8 +66,10 @@ def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
 
 @dataclass(frozen=True)
 class EncodedPrompt:
-    input_ids: torch.Tensor  # [1, S] long, every image expanded to img_seq_len image tokens (HF layout)
-    pixel_values: torch.Tensor | None  # [n_images, 3, H, W] float, None without images
+    input_ids: torch.Tensor  # [1, S] long, every image and video expanded to one token per embedding (HF layout)
+    # The processor's other model inputs (pixel_values, image_sizes, batch_num_images,
+    # pixel_values_videos), as the HF model takes them; empty without images and videos.
+    media: dict[str, torch.Tensor]
 
     @property
     def length(self) -> int:
@@ -69,7 +81,7 @@ class PromptEncoder:
     """Renders conversations with one chat template and encodes them with the checkpoint's processor."""
 
     def __init__(self, processor, template: str, image_aspect: str = "crop"):
-        self.processor = processor
+        self.processor = with_frame_processor(processor)
         self.image_aspect = image_aspect
         self.tokenizer = processor.tokenizer
         self.template = template
@@ -79,12 +91,21 @@ class PromptEncoder:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
                                                   add_generation_prompt=True)
 
-    def encode(self, messages: list[dict], images: list) -> EncodedPrompt:
-        markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
-        if markers != len(images):
-            raise ValueError(f"{markers} {IMAGE_MARKER} markers for {len(images)} images")
+    def encode(self, messages: list[dict], images: list, videos: list = ()) -> EncodedPrompt:
+        """`videos`: uint8 frames [n, H, W, 3] each (`videos.load_video`)."""
+        for marker, media in ((IMAGE_MARKER, images), (VIDEO_MARKER, videos)):
+            markers = sum(m["content"].count(marker) for m in messages)
+            if markers != len(media):
+                raise ValueError(f"{markers} {marker} markers for {len(media)} media")
+        if videos and getattr(self.processor, "video_token", None) is None:
+            raise UserError("this model takes no videos (LLaVA-OneVision does)")
         images = [fit_aspect(image, self.processor.image_processor, self.image_aspect) for image in images]
         text = self.render(messages)
-        batch = self.processor(images=images or None, text=text, return_tensors="pt",
-                               add_special_tokens=needs_special_tokens(self.tokenizer, text))
-        return EncodedPrompt(batch["input_ids"], batch.get("pixel_values") if images else None)
+        media = {}
+        if images:
+            media["images"] = [images]
+        if videos:
+            media["videos"] = list(videos)
+        batch = self.processor(text=text, return_tensors="pt", add_special_tokens=needs_special_tokens(self.tokenizer, text),
+                               **media)
+        return EncodedPrompt(batch["input_ids"], {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")})

@@ -41,9 +41,10 @@ def processor_class(kind):
     return ImagesOnly
 
 
-def load_processor(hf_dir: str | Path, flag: str):
-    """The processor of the HF LLaVA in `hf_dir`, as `processor_class` builds it."""
+def load_processor(hf_dir: str | Path, flag: str, kind=None):
+    """The processor in `hf_dir`, as `processor_class` builds it for `kind` (default: the kind of
+    the HF LLaVA there; a Megatron checkpoint's tokenizer/ directory has no config to say it)."""
     from megatron_ext.families import llava_kind
 
-    kind = llava_kind(hf_loading.load_config(str(hf_dir), flag))
+    kind = kind or llava_kind(hf_loading.load_config(str(hf_dir), flag))
     return hf_loading.load_with(processor_class(kind).from_pretrained, "processor", str(hf_dir), flag)
