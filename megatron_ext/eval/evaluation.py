@@ -160,11 +160,7 @@ def run_evaluation(source: ModelSource, options: SamplingOptions, *, data_path: 
     generator = source.generator(tp, pp)
     result = {"checkpoint": str(source.path), "format": source.kind, "data_path": str(data_path), "split": split,
               "samples": len(samples), "chat_template": source.template_name, "max_new_tokens": options.max_new_tokens}
-    if source.kind == "megatron" and source.snapshot.arch.tiling is not None:
-        # The trainer's task encoder does not cut images into tiles yet, so it cannot give this loss.
-        log.warning("loss and perplexity are not computed for LLaVA-NeXT / OneVision checkpoints yet; "
-                    "the answers are scored")
-    elif source.kind == "megatron":
+    if source.kind == "megatron":
         length = seq_length or _trained_seq_length(source) or source.context_length
         loss, tokens = megatron_loss(generator.model, source, str(data_path), split, fast_n, length)
         result.update(loss=loss, perplexity=math.exp(loss) if math.isfinite(loss) else float("nan"), loss_tokens=tokens)
