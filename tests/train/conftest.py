@@ -9,19 +9,37 @@ from pathlib import Path
 from tests.helpers import REPO_ROOT, run_torchrun
 
 
-def trainer_args(checkpoint: Path, data: Path, save_dir: Path, **options) -> list[str]:
-    """Command-line options of a small, fast run; `options` override them (True = flag)."""
-    values = {"megatron_load_dir": checkpoint, "data_path": data, "save": True, "save_dir": save_dir,
-              "micro_batch_size": 2, "global_batch_size": 4, "seq_length": 128, "num_workers": 0,
-              "train_iters": 3, "stage": 2, "lr": 1e-3, **options}
+def _small_run(checkpoint: Path, data: Path, save_dir: Path, **options) -> dict:
+    return {"megatron_load_dir": checkpoint, "data_path": data, "save": True, "save_dir": save_dir,
+            "micro_batch_size": 2, "global_batch_size": 4, "seq_length": 128, "num_workers": 0,
+            "train_iters": 3, "stage": 2, "lr": 1e-3, **options}
+
+
+def _flags(values: dict, flag_of) -> list[str]:
     args = []
     for name, value in values.items():
-        flag = "--" + name.replace("_", "-")
         if value is True:
-            args.append(flag)
+            args.append(flag_of(name))
         elif value is not None and value is not False:
-            args += [flag, str(value)]
+            args += [flag_of(name), str(value)]
     return args
+
+
+def trainer_args(checkpoint: Path, data: Path, save_dir: Path, **options) -> list[str]:
+    """Command-line options of a small, fast run; `options` override them (True = flag)."""
+    return _flags(_small_run(checkpoint, data, save_dir, **options), lambda name: "--" + name.replace("_", "-"))
+
+
+def launcher_args(gpus: int, checkpoint: Path, data: Path, save_dir: Path, **options) -> list[str]:
+    """scripts/train/run.py's arguments for the same run on `gpus` processes: its own flags before
+    `--`, the trainer's other options after it."""
+    from megatron_ext.launch.flags import TRAINER_FLAGS
+
+    values = _small_run(checkpoint, data, save_dir, **options)
+    own = {name: value for name, value in values.items() if name in TRAINER_FLAGS}
+    rest = {name: value for name, value in values.items() if name not in TRAINER_FLAGS}
+    return ["-g", str(gpus), *_flags(own, lambda name: TRAINER_FLAGS[name].name), "--",
+            *_flags(rest, lambda name: "--" + name.replace("_", "-"))]
 
 
 def run_py(checkpoint: Path, data: Path, save: Path, iters: int) -> list[str]:

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from megatron_ext.convert.compare import synthetic_image
-from tests.train.conftest import metrics, train, trainer_args
+from tests.helpers import run_script
+from tests.train.conftest import launcher_args, metrics
 from tests.train.test_stages import _changed_prefixes, _hf_tensors
 
 pytestmark = [pytest.mark.multiprocess]
@@ -110,9 +111,10 @@ def test_stages_train_exactly_their_modules(tmp_path, llava_onevision_siglip, me
     common = dict(seq_length=SEQ, lr=1e-2, train_iters=8, video_frames=4,
                   max_tiles_per_sequence=64)
     stage1, stage2 = tmp_path / "stage1", tmp_path / "stage2"
-    train(2, *trainer_args(megatron_onevision, data, stage1, stage=1, tp=2, **common), timeout=400)
-    train(2, *trainer_args(megatron_onevision, data, stage2, stage=2, pp=2, unfreeze_vit=True, vision_lr=0.0,
-                           **common), timeout=400)
+    # Through the launcher, as a user runs it.
+    run_script("train/run.py", *launcher_args(2, megatron_onevision, data, stage1, stage=1, tp=2, **common), timeout=400)
+    run_script("train/run.py", *launcher_args(2, megatron_onevision, data, stage2, stage=2, pp=2, unfreeze_vit=True,
+                                              vision_lr=0.0, **common), timeout=400)
 
     for save, expected in ((stage1, {"multi_modal_projector", "image_newline"}),
                            (stage2, {"multi_modal_projector", "image_newline", "language_model"})):
