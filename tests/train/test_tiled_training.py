@@ -16,7 +16,7 @@ import pytest
 
 from megatron_ext.convert.compare import synthetic_image
 from tests.helpers import run_script
-from tests.train.conftest import launcher_args, metrics
+from tests.train.conftest import launcher_args, metrics, trainer_args
 from tests.train.test_stages import _changed_prefixes, _hf_tensors
 
 pytestmark = [pytest.mark.multiprocess]
@@ -151,3 +151,23 @@ def test_vision_lr_is_the_towers_peak_learning_rate(tmp_path):
     got = {tuple(sorted(named[id(p)] for p in g["params"])): (g["max_lr"], g["wd_mult"]) for g in groups if g["params"]}
     assert got == {("language_model.weight",): (1e-5, 1.0), ("language_model.bias",): (1e-5, 0.0),
                    ("vision_model.weight",): (2e-6, 1.0), ("vision_model.bias",): (2e-6, 0.0)}
+
+
+@pytest.mark.timeout(300)
+def test_tiled_iterations_keep_host_and_device_apart(tmp_path, megatron_onevision, tiled_mix):
+    """The GPU rehearsal (tests/train/gpu_rehearsal.py) on a tiled model, packed: its tiles, media
+    layout, newline and expanded image tokens never put a host tensor beside a device one."""
+    import math
+
+    from megatron_ext.checkpoint import layout
+    from tests.train.test_gpu_rehearsal import rehearse
+
+    data, _ = tiled_mix
+    save = tmp_path / "run"
+    rehearse(tmp_path, "scripts/train/pretrain_llava.py",
+             *trainer_args(megatron_onevision, data, save, seq_length=SEQ, packing_seq_length=SEQ, micro_batch_size=1,
+                           global_batch_size=2, train_iters=2, dtype="bfloat16", video_frames=4,
+                           max_tiles_per_sequence=64))
+    records = metrics(save)
+    assert sorted(records) == [1, 2] and all(r["update"] and math.isfinite(r["loss"]) for r in records.values())
+    assert layout.find_snapshot(save).iteration == 2
