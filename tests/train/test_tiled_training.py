@@ -126,6 +126,36 @@ def test_stages_train_exactly_their_modules(tmp_path, llava_onevision_siglip, me
         assert changed == {n for n in original if n.split(".")[0] in expected}
 
 
+@pytest.mark.timeout(600)
+def test_llava_next_stage2_at_tp2_through_run_py(tmp_path, llava_next_clip):
+    """LLaVA-NeXT on anyres single- and two-image samples: stage 2 at TP2 through run.py trains the
+    projector, the image newline and the language model, the tower stays bit-identical, loss falls."""
+    from megatron_ext.convert.to_hf import convert
+    from megatron_ext.convert.to_megatron import convert as to_megatron
+    from megatron_ext.data.build import build_energon_dataset
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, size in enumerate([(83, 50), (50, 117), (70, 60)]):
+        synthetic_image(i, size).save(src / f"{i}.png")
+    records = [{"id": f"one{i}", "image": f"{i}.png", "conversations": _turns("<image>\nWhat is it?", "Noise.")}
+               for i in range(3)]
+    records.append({"id": "two", "image": ["0.png", "1.png"], "conversations": _turns("<image>\n<image>\nSame?", "No.")})
+    (src / "next.json").write_text(json.dumps(records))
+    data = build_energon_dataset(src / "next.json", tmp_path / "energon", split_ratio="1,0,0", samples_per_shard=8,
+                                 num_workers=0).output_dir
+    megatron = to_megatron(llava_next_clip, tmp_path / "megatron", tp=2, pp=1)
+    save = tmp_path / "stage2"
+    run_script("train/run.py", *launcher_args(2, megatron, data, save, stage=2, tp=2, seq_length=512, lr=1e-2,
+                                              train_iters=6), timeout=400)
+    _loss_falls(save)
+    expected = {"multi_modal_projector", "image_newline", "language_model"}
+    original = _hf_tensors(llava_next_clip)
+    prefixes, changed = _changed_prefixes(original, _hf_tensors(convert(save, tmp_path / "hf")))
+    assert prefixes == expected
+    assert changed == {n for n in original if n.split(".")[0] in expected}
+
+
 @pytest.mark.timeout(60)
 def test_vision_lr_is_the_towers_peak_learning_rate(tmp_path):
     """megatron-core's parameter groups under --vision-lr: the tower's own max_lr; the rest --lr,
