@@ -30,6 +30,21 @@ def test_config_gives_layer_scale_the_last_layer_and_no_class_token(llava_intern
     assert table["vision_model.position_embeddings.weight"].rule.hf_shape == (1, 17, 32)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "local"])
+def test_the_family_puts_a_layer_scale_on_both_residual_branches(llava_internvit, llava_clip, backend):
+    """InternViT's hook adds the layer scale to megatron-core's ViT layer; CLIP's leaves it as it is."""
+    from megatron_ext.model.provider import ModelOptions, transformer_configs
+    from megatron_ext.model.specs import llava_specs
+
+    for hf_dir, step in ((llava_internvit, "LayerScale"), (llava_clip, None)):
+        arch = families.read_llava(json.loads((hf_dir / "config.json").read_text()))
+        language = transformer_configs(arch, families.of(arch), ModelOptions(), backend, tp=1, pp=1)[0]
+        spec = families.of(arch).vision.vision_spec(arch.vision, llava_specs(backend, language).vision, backend)
+        outputs = (spec.submodules.self_attention.submodules.linear_proj, spec.submodules.mlp.submodules.linear_fc2)
+        assert [layer.__name__ for layer in outputs] == [f"RowParallelLinearWith{step}" if step else
+                                                         "RowParallelLinear"] * 2
+
+
 @pytest.mark.parametrize("field,value,what", [
     ("use_qk_norm", True, r"use_qk_norm=true \(InternViT-6B's RMSNorm on q and k\)"),
     ("norm_type", "rms_norm", r"norm_type 'rms_norm' \(InternViT-6B's\)"),
