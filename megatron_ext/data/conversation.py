@@ -57,26 +57,26 @@ def check_answers(messages: list[dict]) -> None:
         raise BadConversation(EMPTY_ANSWER)
 
 
+def _file_names(record: dict, key: str) -> list[str]:
+    """A record's `key`: absent, one file name, or a list of them."""
+    value = record.get(key)
+    if value in (None, "", []):
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(name, str) and name for name in value):
+        return value
+    raise BadConversation(MALFORMED, f"'{key}' must be a file name or a list of file names")
+
+
 def image_files(record: dict) -> list[str]:
     """A record's `"image"`: absent (no image), one file name, or a list of them (LLaVA-Interleave)."""
-    image = record.get("image")
-    if image in (None, "", []):
-        return []
-    if isinstance(image, str):
-        return [image]
-    if isinstance(image, list) and all(isinstance(name, str) and name for name in image):
-        return image
-    raise BadConversation(MALFORMED, "'image' must be a file name or a list of file names")
+    return _file_names(record, "image")
 
 
 def video_files(record: dict) -> list[str]:
-    """A record's `"video"` (LLaVA-OneVision / LLaVA-Video): absent, or one file name."""
-    video = record.get("video")
-    if video in (None, ""):
-        return []
-    if isinstance(video, str):
-        return [video]
-    raise BadConversation(MALFORMED, "'video' must be one file name")
+    """A record's `"video"` (LLaVA-OneVision / LLaVA-Video): absent, one file name, or a list of them."""
+    return _file_names(record, "video")
 
 
 def video_marked_as_image(messages: list[dict], turns, num_images: int):

@@ -125,6 +125,8 @@ def shard_sample(kind: str, image_root: Path, item: tuple[int, object]) -> Shard
     try:
         messages, turns = _messages(kind, record)
         files, video_names = image_files(record), video_files(record)
+        if len(video_names) > 1:  # a shard sample holds one video part
+            raise BadConversation(MALFORMED, "'video' must be one file name")
         if video_names:
             messages, turns = video_marked_as_image(messages, turns, len(files))
         place_videos(place_images(messages, len(files)), len(video_names))

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext.data.conversation import BadConversation, image_files
+from megatron_ext.data.conversation import BadConversation, image_files, video_files
 from megatron_ext.errors import UserError
 from megatron_ext.eval.checkpoints import ModelSource
 from megatron_ext.eval.generation import Generation, Generator
@@ -39,17 +39,6 @@ def encode_request(source: ModelSource, prompt: str, images: list, options: Samp
     return encoded
 
 
-def video_files(record: dict) -> list[str]:
-    """A record's `"video"`: absent, one file name, or a list of them."""
-    video = record.get("video")
-    if video in (None, "", []):
-        return []
-    files = [video] if isinstance(video, str) else video
-    if not isinstance(files, list) or not all(isinstance(name, str) and name for name in files):
-        raise UserError("'video' must be a file name or a list of file names")
-    return files
-
-
 def read_requests(path: str | Path, source: ModelSource, options: SamplingOptions, video_frames: int,
                   flag: str = "--input-jsonl") -> list[Request]:
     path = Path(path).expanduser()
@@ -70,8 +59,6 @@ def read_requests(path: str | Path, source: ModelSource, options: SamplingOption
             files, videos = image_files(record), video_files(record)
         except BadConversation as exc:
             raise UserError(f"{where}: {exc.detail}") from None
-        except UserError as exc:
-            raise UserError(f"{where}: {exc}") from None
         images = [load_image(path.parent / f, f"{where}: image") for f in files]
         videos = [load_video(path.parent / f, video_frames, f"{where}: video") for f in videos]
         try:
