@@ -9,8 +9,9 @@ marking where each image goes.
 
 from __future__ import annotations
 
-IMAGE_MARKER = "<image>"
-VIDEO_MARKER = "<video>"
+from megatron_ext.families.llava import IMAGE_TOKEN as IMAGE_MARKER
+from megatron_ext.families.llava import VIDEO_TOKEN as VIDEO_MARKER
+
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 # Reasons a sample cannot be trained on (the builder's report groups skipped samples by these).

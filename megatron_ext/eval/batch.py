@@ -20,7 +20,8 @@ from megatron_ext.eval.checkpoints import ModelSource
 from megatron_ext.eval.generation import Generation, Generator
 from megatron_ext.eval.prompts import EncodedPrompt, load_image, user_turn
 from megatron_ext.eval.sampling import SamplingOptions
-from megatron_ext.eval.videos import DEFAULT_VIDEO_FRAMES, load_video
+from megatron_ext.eval.videos import load_video
+from megatron_ext.families.llava import DEFAULT_VIDEO_FRAMES
 from megatron_ext.fsutil import write_jsonl
 from megatron_ext.progress import progress
 

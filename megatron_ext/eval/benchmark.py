@@ -21,7 +21,7 @@ from pathlib import Path
 
 from megatron_ext.environ import environ_set
 from megatron_ext.errors import UserError
-from megatron_ext.eval.videos import DEFAULT_VIDEO_FRAMES
+from megatron_ext.families.llava import DEFAULT_VIDEO_FRAMES
 
 SUMMARY_FILE = "summary.json"
 EVAL_EXTRA = "pip install 'megatron-ext[eval]'"

@@ -6,7 +6,7 @@ import click
 
 from megatron_ext.data.image_aspects import IMAGE_ASPECTS
 from megatron_ext.eval.sampling import SamplingOptions
-from megatron_ext.eval.videos import DEFAULT_VIDEO_FRAMES
+from megatron_ext.families.llava import DEFAULT_VIDEO_FRAMES
 from megatron_ext.model.backends import COMPUTE_DTYPES
 
 

@@ -20,7 +20,8 @@ from lmms_eval.models.registry_v2 import ModelManifest
 from megatron_ext.data.conversation import IMAGE_MARKER
 from megatron_ext.eval.prompts import load_image
 from megatron_ext.eval.sampling import SamplingOptions
-from megatron_ext.eval.videos import DEFAULT_VIDEO_FRAMES, VIDEO_MARKER, load_video
+from megatron_ext.eval.videos import load_video
+from megatron_ext.families.llava import DEFAULT_VIDEO_FRAMES, VIDEO_TOKEN
 
 MODEL_ID = "megatron_llava"
 MANIFEST = ModelManifest(model_id=MODEL_ID, chat_class_path=f"{__name__}.MegatronLlava")
@@ -39,7 +40,7 @@ def as_training_messages(messages: list[dict], video_frames: int = DEFAULT_VIDEO
                 text += f"{IMAGE_MARKER}\n"
                 images.append(load_image(part["url"], "image") if isinstance(part["url"], str) else part["url"])
             elif part["type"] == "video":
-                text += f"{VIDEO_MARKER}\n"
+                text += f"{VIDEO_TOKEN}\n"
                 videos.append(load_video(part["url"], video_frames, "video"))
             elif part["type"] == "text":
                 text += part["text"]

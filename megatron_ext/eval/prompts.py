@@ -20,7 +20,8 @@ from megatron_ext.data.chat_template import needs_special_tokens
 from megatron_ext.data.conversation import IMAGE_MARKER, BadConversation, place_images
 from megatron_ext.data.images import fit_aspect
 from megatron_ext.errors import UserError
-from megatron_ext.eval.videos import VIDEO_MARKER, with_frame_processor
+from megatron_ext.eval.videos import with_frame_processor
+from megatron_ext.families.llava import VIDEO_TOKEN as VIDEO_MARKER
 
 
 def load_image(path: str | Path, flag: str = "--image"):

@@ -12,10 +12,6 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-VIDEO_MARKER = "<video>"
-# Frames sampled from a video unless --video-frames says otherwise: lmms-eval's llava_hf default.
-DEFAULT_VIDEO_FRAMES = 32
-
 
 def load_video(video, frames: int, flag: str = "--video"):
     """uint8 RGB frames [n, H, W, 3], `frames` of them sampled uniformly from `video` (a file, or

@@ -18,6 +18,9 @@ from megatron_ext.model.arch import LlavaArch, TilingArch
 
 IMAGE_TOKEN = "<image>"
 VIDEO_TOKEN = "<video>"
+# Frames a video is sampled to unless --video-frames says otherwise: LLaVA-OneVision's training
+# recipes' frames_upbound, and lmms-eval's llava_hf default.
+DEFAULT_VIDEO_FRAMES = 32
 
 
 @dataclass(frozen=True)

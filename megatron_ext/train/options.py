@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_ext.data.image_aspects import IMAGE_ASPECTS
+from megatron_ext.families.llava import DEFAULT_VIDEO_FRAMES
 from megatron_ext.model.backends import ATTENTION_BACKENDS, COMPUTE_DTYPES
 
 
@@ -112,8 +113,9 @@ class TrainConfig:
                                                    "images) in one sequence: a sample with more is skipped and "
                                                    "counted, packing closes a pack before it would pass the bound; a "
                                                    "micro batch then holds at most --micro-batch-size x N.")
-    video_frames: int = opt(32, "Frames sampled uniformly (first and last included) from each video of a tiled "
-                                "model with videos (LLaVA-OneVision; 32 as its training recipes' frames_upbound).")
+    video_frames: int = opt(DEFAULT_VIDEO_FRAMES, "Frames sampled uniformly (first and last included) from each video "
+                                                  "of a tiled model with videos (LLaVA-OneVision; 32 as its training "
+                                                  "recipes' frames_upbound).")
     num_workers: int = opt(2, "Data loader worker processes per rank.")
     lang: str = opt("en", "Main language; selects the default chat template.", choices=["en", "ja", "jp"])
     chat_template: str | None = opt(None, "Chat template: 'tokenizer' or a name from megatron_ext/data/chat_templates.")

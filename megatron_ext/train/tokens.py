@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 from megatron_ext.errors import UserError
+from megatron_ext.families.llava import IMAGE_TOKEN
 
-IMAGE_TOKEN = "<image>"  # = megatron_ext.hf.build_llava.IMAGE_TOKEN (that module imports torch)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
