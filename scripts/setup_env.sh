@@ -17,4 +17,9 @@ python3 -m venv .venv
 if .venv/bin/pip show --quiet torchvision 2>/dev/null && ! .venv/bin/python -c 'import torchvision' 2>/dev/null; then
   .venv/bin/pip uninstall --quiet --yes torchvision
 fi
+# The tests compare with transformers' torchvision-backend processors (OneVision's video processor):
+# they import this copy, outside site-packages, in a child process (tests/hf_reference says how).
+if [[ -n "$extras" ]]; then
+  .venv/bin/pip install --quiet --no-deps --upgrade --target .venv/torchvision-reference torchvision==0.28.0
+fi
 echo "environment ready: .venv ($(.venv/bin/python -c 'import torch, megatron.core; print("torch", torch.__version__, "megatron-core", megatron.core.__version__)'))"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_ext.data.conversation import IMAGE_MARKER
+from megatron_ext.data.conversation import IMAGE_MARKER, VIDEO_MARKER
 from megatron_ext.errors import UserError
 
 # Package data (pyproject.toml), so an installed copy has them as a checkout does.
@@ -38,9 +38,10 @@ _PROBE = [
 # Where HF checkpoints keep the chat template of their tokenizer and processor (one file for both).
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # Put in front of a template written for a processor: HF's structured message content, which
-# lmms-eval, vLLM and `processor.apply_chat_template` send ({"type": "image"} and {"type": "text"}
-# parts), becomes the string training renders (each image as "<image>\n", then the text), and
-# the template that follows renders it. String contents pass through unchanged.
+# lmms-eval, vLLM and `processor.apply_chat_template` send ({"type": "image"}, {"type": "video"} and
+# {"type": "text"} parts), becomes the string training renders (the parts in their order, each image
+# as "<image>\n", each video as "<video>\n"), and the template that follows renders it. String
+# contents pass through unchanged.
 _STRUCTURED_TO_TEXT = (
     "{#- megatron_ext: structured content as training renders it -#}\n"
     "{%- set _converted = namespace(messages=[]) -%}\n"
@@ -51,6 +52,7 @@ _STRUCTURED_TO_TEXT = (
     "{%- set _text = namespace(value='') -%}\n"
     "{%- for _part in _message['content'] -%}\n"
     "{%- if _part['type'] == 'image' -%}{%- set _text.value = _text.value + '" + IMAGE_MARKER + "\\n' -%}\n"
+    "{%- elif _part['type'] == 'video' -%}{%- set _text.value = _text.value + '" + VIDEO_MARKER + "\\n' -%}\n"
     "{%- elif _part['type'] == 'text' -%}{%- set _text.value = _text.value + _part['text'] -%}{%- endif -%}\n"
     "{%- endfor -%}\n"
     "{%- set _converted.messages = _converted.messages + [{'role': _message['role'], 'content': _text.value}] -%}\n"

@@ -12,6 +12,7 @@ with fewer than N frames gives all its frames, as lmms-eval's PyAV loader does.
 from __future__ import annotations
 
 import io
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ import torch
 from PIL import Image
 
 from megatron_ext.data.images import rgb
-from megatron_ext.data.pixels import PixelTable
+from megatron_ext.data.pixels import FusedNormalize
 from megatron_ext.errors import UserError
 
 
@@ -82,27 +83,49 @@ def _decode(video, indices: list[int]) -> tuple[list[np.ndarray], int]:
 
 
 class VideoPreprocessor:
-    """Callable: uint8 frames [n, H, W, 3] -> float32 pixel_values [n, 3, height, width].
-
-    LlavaOnevisionVideoProcessor's steps (transformers 5.x): RGB, each frame resized to `size`
-    (height, width; aspect ratio not kept) with the processor's filter, rescaled and normalized. It
-    runs them in torchvision, which this project does not install; here the resize is PIL's, the
-    resize every PIL-backend processor uses. Compared (tests/data/test_video.py): each frame equals,
-    torch.equal, the base tile `LlavaOnevisionImageProcessorPil` computes for it as an image, which
-    is the same squash to the vision size, rescale and normalize. How far torchvision's resize is
-    from PIL's on these frames is not measured here (no torchvision); transformers' two backends
-    differ the same way for images.
+    """Callable: uint8 frames [n, H, W, 3] -> float32 pixel_values [n, 3, height, width], bit for
+    bit what LlavaOnevisionVideoProcessor (transformers 5.x, on CPU) computes: each frame resized to
+    `size` (height, width; aspect ratio not kept) by torch's interpolate on the uint8 frames, with
+    antialiasing, as torchvision's `resize` calls it, then rescaled and normalized in one float32
+    step (`FusedNormalize`). torchvision itself is not needed (the project does not install it).
     `processor` is the video processor, or the image processor: both carry these settings.
     """
 
     def __init__(self, processor):
         self.size = (int(processor.size.height), int(processor.size.width))
-        resample = processor.resample if processor.resample is not None else Image.Resampling.BILINEAR
-        self.resample = int(resample)
-        self.pixels = PixelTable.of(processor)
+        self.resize = _frame_resize(processor.resample)
+        self.normalize = FusedNormalize(processor)
 
     def __call__(self, frames: np.ndarray) -> torch.Tensor:
-        height, width = self.size
-        resized = [np.asarray(Image.fromarray(f).resize((width, height), resample=self.resample, reducing_gap=None))
-                   for f in frames]
-        return self.pixels(np.stack(resized))
+        # A channels-last view: interpolate gives the values of HF's contiguous copy, without the copy.
+        frames = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+        if tuple(frames.shape[-2:]) != self.size:
+            frames = self.resize(frames, self.size)
+        return self.normalize(frames)
+
+
+def _frame_resize(resample):
+    """torchvision's `resize` of a uint8 [n, 3, H, W] tensor on CPU for a PIL resample filter (HF
+    maps the filter to torchvision's mode): bilinear and bicubic with antialiasing, on the uint8
+    values where torchvision does so (bicubic always, bilinear with AVX2/AVX512 or on ARM), else in
+    float32, rounded back to uint8."""
+    import torch.nn.functional as F
+
+    resample = int(resample) if resample is not None else int(Image.Resampling.BILINEAR)
+    if resample == Image.Resampling.NEAREST:
+        return lambda frames, size: F.interpolate(frames, size=size, mode="nearest-exact")
+    modes = {int(Image.Resampling.BILINEAR): "bilinear", int(Image.Resampling.BICUBIC): "bicubic"}
+    if resample not in modes:
+        raise UserError(f"the video processor's resample filter {Image.Resampling(resample).name} is not supported for "
+                        "videos; set \"resample\" to 2 (bilinear) or 3 (bicubic) in the checkpoint's processor_config.json")
+    mode = modes[resample]
+    native = (mode == "bicubic" or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+              or platform.machine() in ("aarch64", "arm64"))
+
+    def resize(frames: torch.Tensor, size) -> torch.Tensor:
+        if native:
+            return F.interpolate(frames, size=size, mode=mode, align_corners=False, antialias=True)
+        resized = F.interpolate(frames.float(), size=size, mode=mode, align_corners=False, antialias=True)
+        return resized.round_().to(torch.uint8)
+
+    return resize

@@ -2,9 +2,9 @@
 (`data.video.read_frames`), their pixel values computed as training computes them
 (`data.video.VideoPreprocessor`), each `<video>` expanded by the checkpoint's own HF processor.
 
-transformers' video processors need torchvision, which this project does not install, and would
-resize the frames differently from training anyway; so the processor gets `FrameProcessor` in
-their place and still expands every `<video>` itself (its `replace_video_token`).
+transformers' video processors need torchvision, which this project does not install; so the
+processor gets `FrameProcessor` in their place (the same pixel values, bit for bit, on CPU) and
+still expands every `<video>` itself (its `replace_video_token`).
 """
 
 from __future__ import annotations

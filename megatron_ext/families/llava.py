@@ -37,7 +37,11 @@ class LlavaKind:
     select_strategy: str
     # Default grids in tiles (rows, columns), as the published models' pinpoints; empty: not tiled.
     grid_units: tuple[tuple[int, int], ...] = ()
-    video: bool = False
+    video_processor_class: str | None = None  # None: the kind takes no videos
+
+    @property
+    def video(self) -> bool:
+        return self.video_processor_class is not None
 
     @property
     def tiled(self) -> bool:
@@ -85,7 +89,8 @@ KINDS = {kind.model_type: kind for kind in (
               grid_units=((1, 2), (2, 1), (2, 2), (3, 1), (1, 3))),
     OnevisionKind("llava_onevision", "llava-onevision", "LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration",
                   "LlavaOnevisionProcessor", "LlavaOnevisionImageProcessorPil", feature_layer=-1, select_strategy="full",
-                  grid_units=tuple((rows, cols) for rows in range(1, 7) for cols in range(1, 7)), video=True),
+                  grid_units=tuple((rows, cols) for rows in range(1, 7) for cols in range(1, 7)),
+                  video_processor_class="LlavaOnevisionVideoProcessor"),
 )}
 
 

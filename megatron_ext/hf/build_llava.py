@@ -12,7 +12,8 @@ What it does, in order:
    fresh `image_newline`);
 4. resizes the embedding and LM head to the tokenizer (to a multiple of 128 with vocab padding);
 5. writes model, tokenizer and processor (tiled models: the anyres image processor with the
-   tower's settings and the grid) through a temporary directory.
+   tower's settings and the grid; OneVision: a video processor with the tower's frame settings)
+   through a temporary directory.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from megatron_ext.errors import UserError
 from megatron_ext.families import llava_kinds, vision_tower
 from megatron_ext.families.llava import IMAGE_TOKEN
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
-from megatron_ext.hf.processors import processor_class
+from megatron_ext.hf.processors import build_processor, save_processor
 from megatron_ext.model.arch import VOCAB_MULTIPLE
 
 log = logging.getLogger(__name__)
@@ -196,9 +197,8 @@ def build_llava(
     llava.generation_config.eos_token_id = tokenizer.eos_token_id
     llava.generation_config.bos_token_id = tokenizer.bos_token_id
 
-    processor = processor_class(kind)(
-        image_processor=_anyres_image_processor(kind, image_processor, pinpoints) if kind.tiled else image_processor,
-        tokenizer=tokenizer,
+    processor = build_processor(
+        kind, _anyres_image_processor(kind, image_processor, pinpoints) if kind.tiled else image_processor, tokenizer,
         **kind.processor_fields(tower_arch.patch_size, num_patches, tower.extra_tokens, tower.select_strategy, anyres_max),
         # Wrapped so that HF's structured messages render as training renders them (lmms-eval, vLLM).
         chat_template=processor_template(tokenizer.chat_template, tokenizer) if tokenizer.chat_template else None,
@@ -206,7 +206,7 @@ def build_llava(
 
     with atomic_output_dir(save_dir) as tmp:
         llava.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
+        save_processor(processor, kind, tmp)
     log.info(
         "wrote %s (%s): vocab %d (tokenizer %d), <image>=%d, <pad>=%d, vision %s, feature layer %d (%s)",
         save_dir, kind.model_class, llava.config.text_config.vocab_size, len(tokenizer), image_token_id, pad_token_id,

@@ -1,17 +1,25 @@
-"""The HF processor of a LLaVA architecture (`families.llava_kinds()`), built and loaded where
-transformers cannot build all of it.
+"""The HF processor of a LLaVA architecture (`families.llava_kinds()`), built, saved and loaded
+where transformers cannot build all of it.
 
 transformers builds video processors only with torchvision; without it a OneVision processor is
-made (and loaded) without one, under its own class name, so that it takes images and text, and a
-machine with torchvision loads the saved directory as the full class.
+made (and loaded) without one, under its own class name, so that it takes images and text, and its
+video processor's settings are written beside it as the full class writes them: a machine with
+torchvision loads the saved directory as the full class.
 """
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from pathlib import Path
 
 from megatron_ext import hf_loading
+from megatron_ext.fsutil import atomic_write_text
+
+# A video processor's settings taken from the image processor: OneVision's published checkpoints
+# resize, rescale and normalize frames as their image processors do the base tile.
+_VIDEO_FIELDS = ("size", "do_convert_rgb", "do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize",
+                 "image_mean", "image_std")
 
 
 def _torchvision_available() -> bool:
@@ -39,6 +47,36 @@ def processor_class(kind):
     # Saved under the name a machine with torchvision loads.
     ImagesOnly.__name__ = ImagesOnly.__qualname__ = full.__name__
     return ImagesOnly
+
+
+def video_processor(kind, image_processor):
+    """`kind`'s video processor with `image_processor`'s frame settings. Taken from its module:
+    without torchvision, transformers' top-level name for it is a placeholder; the class itself
+    is built and saved (only its preprocessing runs torchvision)."""
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{kind.model_type}.video_processing_{kind.model_type}")
+    settings = image_processor.to_dict()
+    return getattr(module, kind.video_processor_class)(
+        **{key: settings[key] for key in _VIDEO_FIELDS if settings.get(key) is not None})
+
+
+def build_processor(kind, image_processor, tokenizer, **fields):
+    """`kind`'s processor of these parts, with its video processor where torchvision is installed."""
+    if kind.video and _torchvision_available():
+        fields["video_processor"] = video_processor(kind, image_processor)
+    return processor_class(kind)(image_processor=image_processor, tokenizer=tokenizer, **fields)
+
+
+def save_processor(processor, kind, directory: str | Path) -> None:
+    """`processor.save_pretrained(directory)`; without torchvision, with the video processor
+    written as the full class writes it."""
+    processor.save_pretrained(directory)
+    if kind.video and not hasattr(processor, "video_processor"):
+        path = Path(directory) / "processor_config.json"
+        config = json.loads(path.read_text())
+        config["video_processor"] = json.loads(video_processor(kind, processor.image_processor).to_json_string())
+        atomic_write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def load_processor(hf_dir: str | Path, flag: str, kind=None):

@@ -47,14 +47,17 @@ def _samples(name: str, hf_dir: Path) -> dict[str, dict]:
 
 
 def _video(processor) -> dict:
-    """A 4-frame video as OneVision's video processor gives it (frames of one tile) and a prompt with
-    its tokens expanded as its processor expands them (transformers' video processors need torchvision)."""
+    """A 4-frame video as OneVision's video processor gives it (`VideoPreprocessor`, equal to it:
+    tests/data/test_video.py) and a prompt with its tokens expanded as its processor expands them."""
     import math
 
-    from megatron_ext.convert.compare import synthetic_image
+    import numpy as np
 
-    frames = [synthetic_image(10 + i, (60, 60)) for i in range(FRAMES)]
-    pixels = processor.image_processor(images=[frames], return_tensors="pt")["pixel_values"][:, 0]
+    from megatron_ext.convert.compare import synthetic_image
+    from megatron_ext.data.video import VideoPreprocessor
+
+    frames = np.stack([np.asarray(synthetic_image(10 + i, (60, 60))) for i in range(FRAMES)])
+    pixels = VideoPreprocessor(processor.image_processor)(frames)
     side = math.isqrt(processor.num_image_tokens)
     tokens = processor.video_token * (FRAMES * math.ceil(side / 2) ** 2 + 1)
     text = _chat(processor, [{"type": "text", "text": tokens + "\n" + PROMPT}])
@@ -112,6 +115,9 @@ def test_exported_model_and_processor_load_in_transformers_as_their_class(conver
     assert ours.image_processor.to_dict() == theirs.image_processor.to_dict()
     assert ours.tokenizer(PROMPT)["input_ids"] == theirs.tokenizer(PROMPT)["input_ids"]
     assert ours.chat_template == theirs.chat_template
+    saved = [json.loads((d / "processor_config.json").read_text()) for d in (exported, hf_dirs[name])]
+    assert saved[0].get("video_processor") == saved[1].get("video_processor")
+    assert ("video_processor" in saved[0]) == (name == "onevision")
 
 
 def _samples_of(out: Path, name: str) -> list[str]:

@@ -30,9 +30,9 @@ def llava_next(image_processor) -> LlavaNextProcessor:
                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
 
 
-class PilVideoProcessor(LlavaOnevisionVideoProcessor):
-    """OneVision's video processor with its torchvision steps replaced by VideoPreprocessor's: the
-    HF processor then counts `<video>` positions from frames this project can compute."""
+class FrameVideoProcessor(LlavaOnevisionVideoProcessor):
+    """OneVision's video processor with its torchvision steps replaced by VideoPreprocessor's (the
+    same values: tests/data/test_video.py), which run without torchvision."""
 
     def preprocess(self, videos, **kwargs):
         import torch
@@ -53,7 +53,7 @@ def onevision(image_processor, num_image_tokens: int) -> LlavaOnevisionProcessor
     """As llava-hf/llava-onevision checkpoints configure it: every SigLIP feature kept, anyres_max_9."""
     side = image_processor.size.height
     return _OnevisionProcessor(image_processor=image_processor, tokenizer=tokenizer(),
-                               video_processor=PilVideoProcessor(size={"height": side, "width": side}),
+                               video_processor=FrameVideoProcessor(size={"height": side, "width": side}),
                                num_image_tokens=num_image_tokens, vision_feature_select_strategy="full",
                                vision_aspect_ratio="anyres_max_9")
 
@@ -62,7 +62,7 @@ def with_video(processor) -> LlavaOnevisionProcessor:
     """A loaded OneVision processor (images only without torchvision) with a video processor of its
     image processor's settings, as llava-hf's OneVision checkpoints configure both."""
     image_processor = processor.image_processor
-    video_processor = PilVideoProcessor(size={"height": image_processor.size.height, "width": image_processor.size.width},
+    video_processor = FrameVideoProcessor(size={"height": image_processor.size.height, "width": image_processor.size.width},
                                         image_mean=image_processor.image_mean, image_std=image_processor.image_std,
                                         resample=image_processor.resample)
     return _OnevisionProcessor(image_processor=image_processor, tokenizer=processor.tokenizer,

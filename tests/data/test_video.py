@@ -90,16 +90,45 @@ def test_missing_video_file(tmp_path):
         read_frames(tmp_path / "absent.mp4", 4)
 
 
-def test_frames_equal_onevisions_base_tile():
-    """A frame's pixel_values are the base tile OneVision's PIL image processor makes of it as an image."""
-    image_processor = LlavaOnevisionImageProcessorPil(size={"height": 56, "width": 56},
-                                                      image_grid_pinpoints=[[56, 112], [112, 56], [112, 112]])
-    frames = np.stack([np.asarray(_photo(90, 60, seed=i)) for i in range(3)])
-    got = VideoPreprocessor(hf_processors.PilVideoProcessor(size={"height": 56, "width": 56}))(frames)
-    assert got.dtype == torch.float32 and got.shape == (3, 3, 56, 56)
-    for frame, pixel_values in zip(frames, got):
-        base_tile = image_processor(images=[Image.fromarray(frame)], return_tensors="pt")["pixel_values"][0, 0]
-        assert torch.equal(pixel_values, base_tile)
+# (settings, frame sizes (height, width), cpu capability): SigLIP's and CLIP's published settings,
+# each resize filter (bilinear on the uint8 values with AVX2, in float32 without), rescale or
+# normalize alone, and frames already at the size (no resize).
+SETTINGS = {
+    "siglip 384 bicubic": ({"size": {"height": 384, "width": 384}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}, [(480, 640)], None),
+    "clip 56 bicubic": ({"size": {"height": 56, "width": 56}}, [(60, 90), (24, 32), (56, 56)], None),
+    "bilinear": ({"size": {"height": 40, "width": 72}, "resample": 2}, [(60, 90), (24, 32)], None),
+    "bilinear without avx": ({"size": {"height": 40, "width": 72}, "resample": 2}, [(60, 90)], "DEFAULT"),
+    "nearest": ({"size": {"height": 56, "width": 56}, "resample": 0}, [(60, 90)], None),
+    "rescale only": ({"size": {"height": 56, "width": 56}, "do_normalize": False}, [(60, 90)], None),
+    "normalize only": ({"size": {"height": 56, "width": 56}, "do_rescale": False}, [(60, 90)], None),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_frames_equal_transformers_video_processor(tmp_path, monkeypatch):
+    """VideoPreprocessor gives LlavaOnevisionVideoProcessor's pixel_values_videos bit for bit
+    (transformers with torchvision, in a child: tests/hf_reference)."""
+    from tests import hf_reference
+
+    videos = {name: [np.stack([np.asarray(_photo(w, h, seed=10 * i + j)) for j in range(3)]) for i, (h, w) in enumerate(sizes)]
+              for name, (_, sizes, _) in SETTINGS.items()}
+    for name, (settings, _, capability) in SETTINGS.items():
+        expected = hf_reference.call("video_processor", tmp_path / name.replace(" ", "-"), settings=settings,
+                                     videos=videos[name], cpu_capability=capability)["pixel_values_videos"]
+        with monkeypatch.context() as patch:
+            if capability is not None:
+                patch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+            preprocess = VideoPreprocessor(hf_processors.FrameVideoProcessor(**settings))
+        for frames, want in zip(videos[name], expected, strict=True):
+            got = preprocess(frames)
+            assert got.dtype == torch.float32 and got.shape == want.shape and got.is_contiguous(), name
+            assert torch.equal(got, want), name
+
+
+def test_a_resize_filter_transformers_maps_elsewhere_is_one_line():
+    with pytest.raises(UserError, match="^the video processor's resample filter LANCZOS is not supported for videos; set"):
+        VideoPreprocessor(hf_processors.FrameVideoProcessor(resample=Image.Resampling.LANCZOS))
 
 
 def test_video_count_equals_the_hf_processor(tmp_path):

@@ -230,3 +230,57 @@ def test_image_grid_pinpoints_are_given_as_sizes_that_are_multiples_of_the_tile(
                        image_grid_pinpoints=[[56, 112], [112, 56]])
     assert json.loads((path / "config.json").read_text())["image_grid_pinpoints"] == [[56, 112], [112, 56]]
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_onevision_directory_loads_in_transformers_with_its_video_processor(llava_onevision_siglip, tmp_path):
+    """With torchvision (a child: tests/hf_reference), AutoProcessor loads a built OneVision as the
+    full class, video processor included, renders HF's structured image + video messages, and gives
+    the ids and pixel values this project's prompt encoder gives without torchvision (images: both
+    with transformers' PIL backend)."""
+    from megatron_ext.convert.compare import synthetic_image
+    from megatron_ext.eval.prompts import PromptEncoder
+    from megatron_ext.hf.processors import load_processor
+    from tests import hf_reference
+
+    ours = load_processor(llava_onevision_siglip, "--hf-dir")
+    assert not hasattr(ours, "video_processor")
+    image = synthetic_image(0, (83, 50))
+    video = np.stack([np.asarray(synthetic_image(10 + i, (90, 60))) for i in range(3)])
+    structured = [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    hf = hf_reference.call("saved_processor", tmp_path, hf_dir=str(llava_onevision_siglip), messages=structured,
+                           images=[image], videos=[video])
+    assert (hf["class"], hf["image_processor"], hf["video_processor"]) == (
+        "LlavaOnevisionProcessor", "LlavaOnevisionImageProcessor", "LlavaOnevisionVideoProcessor")
+    settings = ours.image_processor.to_dict()
+    for key in ("resample", "rescale_factor", "image_mean", "image_std"):
+        assert hf["video_settings"][key] == settings[key], key
+    assert hf["video_settings"]["size"]["height"] == hf["video_settings"]["size"]["width"] == 56
+    as_trained = [{"role": "user", "content": "<image>\n<video>\nWhat happens?"}]
+    encoded = PromptEncoder(ours, ours.chat_template).encode(as_trained, [image], [video])
+    assert hf["text"] == ours.tokenizer.apply_chat_template(as_trained, chat_template=ours.chat_template, tokenize=False,
+                                                            add_generation_prompt=True)
+    assert torch.equal(hf["input_ids"], encoded.input_ids)
+    # 3 frames of 4 x 4 SigLIP features pooled to 2 x 2, then one newline.
+    assert int((encoded.input_ids == ours.tokenizer.convert_tokens_to_ids("<video>")).sum()) == 3 * 4 + 1
+    assert sorted(encoded.media) == sorted(k for k in hf if k in ("pixel_values", "image_sizes", "batch_num_images",
+                                                                 "pixel_values_videos"))
+    for key, value in encoded.media.items():
+        assert torch.equal(torch.as_tensor(hf[key]), torch.as_tensor(value)), key
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_onevision_processor_saved_with_and_without_torchvision_is_the_same(llava_onevision_siglip, tiny_qwen2_tied,
+                                                                            tiny_hf, tmp_path):
+    """Where torchvision is installed build-llava saves transformers' own video processor; without,
+    the same settings under the same key."""
+    from tests import hf_reference
+
+    with_torchvision = hf_reference.call("build_llava", tmp_path / "child", save_dir=str(tmp_path / "hf"),
+                                         text_model=str(tiny_qwen2_tied), vision_model=str(tiny_hf["vision-siglip"]),
+                                         arch="llava-onevision", anyres_max=2)
+    without = json.loads((llava_onevision_siglip / "processor_config.json").read_text())
+    assert with_torchvision == without
+    assert without["video_processor"]["video_processor_type"] == "LlavaOnevisionVideoProcessor"

@@ -1,0 +1,35 @@
+"""transformers' torchvision-backend processors (OneVision's video processor among them), run in a
+child process for the tests and benchmarks to compare with.
+
+PyPI's torchvision is built against CUDA torch: beside this project's CPU torch its compiled ops
+do not load, and importing it fails where it registers fake kernels for two of them (`nms`,
+`qnms`). Everything transformers' processors call is torchvision's Python over torch's own
+kernels (`interpolate`, arithmetic), so the child declares those two op schemas (never called)
+before importing it. `scripts/setup_env.sh --dev` keeps torchvision outside site-packages
+(`.venv/torchvision-reference`), so that transformers in every other process runs without it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.helpers import child_env, run_python
+
+TORCHVISION_DIR = Path(sys.prefix) / "torchvision-reference"
+WORKER = Path(__file__).with_name("worker.py")
+
+
+def call(task: str, work: Path, timeout: float = 240, **arguments):
+    """The result of worker.py's `task` on `arguments` (tensors, arrays, paths, plain values)."""
+    if not (TORCHVISION_DIR / "torchvision").is_dir():
+        raise AssertionError(f"no torchvision at {TORCHVISION_DIR}: run `bash scripts/setup_env.sh --dev`")
+    work.mkdir(parents=True, exist_ok=True)
+    request, result = work / f"{task}-request.pt", work / f"{task}-result.pt"
+    torch.save({"task": task, **arguments}, request)
+    env = child_env(PYTHONPATH=os.pathsep.join([str(TORCHVISION_DIR), str(WORKER.parents[2])]))
+    run_python(WORKER, request, result, timeout=timeout, env=env)
+    return torch.load(result, weights_only=False)

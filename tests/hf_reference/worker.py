@@ -1,0 +1,70 @@
+"""python worker.py REQUEST.pt RESULT.pt: one task of tests/hf_reference, with torchvision (see there)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+_schemas = torch.library.Library("torchvision", "DEF")
+for _op in ("nms", "qnms"):
+    _schemas.define(f"{_op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+
+import torchvision  # noqa: E402,F401  (after the schemas it registers fake kernels for)
+import transformers  # noqa: E402
+
+
+def video_processor(settings: dict, videos: list, cpu_capability: str | None = None) -> dict:
+    """OneVision's video processor of `settings` on uint8 [n, H, W, 3] videos."""
+    if cpu_capability is not None:
+        torch.backends.cpu.get_cpu_capability = lambda: cpu_capability
+    processor = transformers.LlavaOnevisionVideoProcessor(**settings)
+    return {"pixel_values_videos": [processor(videos=[v], return_tensors="pt")["pixel_values_videos"][0] for v in videos]}
+
+
+def saved_processor(hf_dir: str, messages: list, images: list, videos: list) -> dict:
+    """What `AutoProcessor.from_pretrained(hf_dir)` is and gives for a chat about images and videos,
+    with the images through the PIL-backend image processor, as this project's images are (with
+    torchvision, transformers picks the torchvision one, whose resize differs by a few levels)."""
+    processor = transformers.AutoProcessor.from_pretrained(hf_dir)
+    loaded = {"class": type(processor).__name__, "image_processor": type(processor.image_processor).__name__,
+              "video_processor": type(processor.video_processor).__name__,
+              "video_settings": processor.video_processor.to_dict()}
+    processor.image_processor = transformers.AutoImageProcessor.from_pretrained(hf_dir, backend="pil")
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    batch = processor(text=text, images=images or None, videos=videos or None, return_tensors="pt")
+    return {**loaded, "text": text, **batch}
+
+
+def build_llava(save_dir: str, **options) -> dict:
+    """The processor_config.json `megatron_ext.hf.build_llava` writes where torchvision is installed."""
+    import json
+    from pathlib import Path
+
+    from megatron_ext.hf.build_llava import build_llava as build
+
+    return json.loads((Path(build(save_dir, **options)) / "processor_config.json").read_text())
+
+
+def video_rates(settings: dict, frames, rounds: int, repeats: int) -> dict[str, list[float]]:
+    """Samples per CPU-second of OneVision's video processor and of megatron_ext's VideoPreprocessor
+    on the same frames, rounds interleaved (bench/data_bench.py)."""
+    from bench.data_bench import _per_cpu_second
+    from megatron_ext.data.video import VideoPreprocessor
+
+    processor = transformers.LlavaOnevisionVideoProcessor(**settings)
+    ours = VideoPreprocessor(processor)
+    assert torch.equal(ours(frames), processor(videos=[frames], return_tensors="pt")["pixel_values_videos"][0])
+    steps = {"hf": lambda: processor(videos=[frames], return_tensors="pt"), "ours": lambda: ours(frames)}
+    rates = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            rates[name].append(_per_cpu_second(step, repeats))
+    return rates
+
+
+if __name__ == "__main__":
+    request = torch.load(sys.argv[1], weights_only=False)
+    task = {"video_processor": video_processor, "saved_processor": saved_processor, "build_llava": build_llava,
+            "video_rates": video_rates}[request.pop("task")]
+    torch.save(task(**request), sys.argv[2])
