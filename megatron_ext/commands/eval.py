@@ -3,7 +3,7 @@ Hugging Face LLaVA checkpoint answers prompts, chats, is scored on a dataset spl
 
     megatron-ext-generate --megatron-dir D --image cat.jpg --prompt "What is this?"
     megatron-ext-generate --hf-dir D --input-jsonl requests.jsonl --output-jsonl answers.jsonl
-    megatron-ext-chat --megatron-dir D --image cat.jpg
+    megatron-ext-chat --megatron-dir D --image cat.jpg   (or --video clip.mp4)
     megatron-ext-evaluate --megatron-dir D --data-path DATA --output-dir OUT [--split test] [--fast-n 50]
     megatron-ext-benchmark --hf-dir D --tasks textvqa_val,scienceqa_img --output-dir OUT [--limit 100]
     torchrun --nproc-per-node 2 -m megatron_ext.commands.eval generate --megatron-dir D --tp 2 ...
@@ -53,20 +53,27 @@ def generate(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, i
 @click.command("chat")
 @checkpoint_options
 @click.option("--image", type=click.Path(dir_okay=False), help="Image to talk about (or /image PATH later).")
+@click.option("--video", type=click.Path(dir_okay=False),
+              help="Video to talk about instead (LLaVA-OneVision; or /video PATH later).")
+@video_frames_option
 @sampling_options(default_max_new_tokens=256)
-def chat(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, image, max_new_tokens, temperature, top_p, seed):
-    """Chat about an image in the terminal: /image PATH switches to another image (new conversation),
-    /reset forgets the conversation, /exit quits."""
+def chat(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, image, video, video_frames, max_new_tokens,
+         temperature, top_p, seed):
+    """Chat about an image or a video in the terminal: /image PATH or /video PATH switches to another
+    (new conversation), /reset forgets the conversation, /exit quits."""
     from megatron_ext.distributed import shutdown
+    from megatron_ext.errors import UserError
     from megatron_ext.eval.chat import run_chat
     from megatron_ext.eval.checkpoints import open_checkpoint
     from megatron_ext.logs import setup_logging
 
+    if image and video:  # before the checkpoint opens: refused at once
+        raise UserError("give --image or --video, not both: a conversation is about one image or one video")
     setup_logging()
     options = make_sampling(max_new_tokens, temperature, top_p, seed)
     source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype, image_aspect)
     try:
-        run_chat(source, options, tp=tp, pp=pp, image=image)
+        run_chat(source, options, tp=tp, pp=pp, image=image, video=video, video_frames=video_frames)
     finally:
         shutdown()
 

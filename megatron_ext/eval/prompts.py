@@ -92,14 +92,19 @@ class PromptEncoder:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
                                                   add_generation_prompt=True)
 
+    def check_takes_videos(self) -> None:
+        """A one-line UserError unless the model takes videos (its processor has a video token)."""
+        if getattr(self.processor, "video_token", None) is None:
+            raise UserError("this model takes no videos (LLaVA-OneVision does)")
+
     def encode(self, messages: list[dict], images: list, videos: list = ()) -> EncodedPrompt:
         """`videos`: uint8 frames [n, H, W, 3] each (`videos.load_video`)."""
         for marker, media in ((IMAGE_MARKER, images), (VIDEO_MARKER, videos)):
             markers = sum(m["content"].count(marker) for m in messages)
             if markers != len(media):
                 raise ValueError(f"{markers} {marker} markers for {len(media)} media")
-        if videos and getattr(self.processor, "video_token", None) is None:
-            raise UserError("this model takes no videos (LLaVA-OneVision does)")
+        if videos:
+            self.check_takes_videos()
         images = [fit_aspect(image, self.processor.image_processor, self.image_aspect) for image in images]
         text = self.render(messages)
         media = {}

@@ -1,19 +1,23 @@
-"""scripts/eval/chat.py driven in a pseudo-terminal: two turns about an image from a Megatron
-checkpoint, each answer equal to transformers' greedy answer to the same conversation; /image,
-/reset and /exit."""
+"""scripts/eval/chat.py driven in a pseudo-terminal: two turns about an image, and about a video
+(OneVision), from a Megatron checkpoint, each answer equal to transformers' greedy answer to the
+same conversation; /image, /video, /reset and /exit; one-line refusals that leave the session going."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pexpect
 import pytest
 
 from megatron_ext.data.conversation import IMAGE_MARKER
 from megatron_ext.eval.chat import ASSISTANT_PREFIX, USER_PROMPT
-from tests.helpers import REPO_ROOT, child_env
+from megatron_ext.families.llava import VIDEO_TOKEN
+from tests.helpers import REPO_ROOT, child_env, run_script
 
 MAX_NEW_TOKENS = 8
+FRAMES = 4
+NO_VIDEOS = "error: this model takes no videos (LLaVA-OneVision does)"
 
 
 class Terminal:
@@ -45,16 +49,16 @@ def _same_text(a: str, b: str) -> bool:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_two_turns_about_an_image_then_reset_image_and_exit(megatron_clip, images, hf_reference):
+def test_two_turns_about_an_image_then_reset_image_and_exit(megatron_clip, images, video_file, hf_reference):
     term = Terminal("--megatron-dir", megatron_clip, "--image", images[0], "--max-new-tokens", MAX_NEW_TOKENS)
     try:
-        _converse(term, images, hf_reference)
+        _converse(term, images, video_file, hf_reference)
     finally:
         term.child.close(force=True)  # the chat (a session leader in its pty) does not outlive the test
     assert term.child.exitstatus == 0
 
 
-def _converse(term, images, hf_reference):
+def _converse(term, images, video_file, hf_reference):
     from megatron_ext.eval.prompts import load_image
 
     assert f"about {images[0]}" in term.banner and "/image PATH" in term.banner
@@ -77,6 +81,8 @@ def _converse(term, images, hf_reference):
     assert _same_text(term.answer(first_q), expected_first)
 
     assert term.ask(f"/image {images[1]}") == f"(new conversation about {images[1]})"
+    # LLaVA-1.5 refuses a video in one line and the conversation goes on: the next answer is about images[1].
+    assert term.ask(f"/video {video_file}") == NO_VIDEOS
     expected_other = hf_reference.text(hf_reference.greedy(
         [{"role": "user", "content": f"{IMAGE_MARKER}\n{first_q}"}], [load_image(images[1])], MAX_NEW_TOKENS))
     assert _same_text(term.answer(first_q), expected_other)
@@ -86,3 +92,71 @@ def _converse(term, images, hf_reference):
 
     term.child.sendline("/exit")
     term.child.expect_exact(pexpect.EOF)
+
+
+@pytest.fixture(scope="module")
+def megatron_onevision(tmp_path_factory, onevision_small_features) -> Path:
+    """The OneVision whose answers depend on its media, converted to Megatron (TP1 x PP1)."""
+    from megatron_ext.convert.to_megatron import convert
+
+    return convert(onevision_small_features, tmp_path_factory.mktemp("megatron_onevision") / "ckpt", tp=1, pp=1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_conversations_about_a_video_and_an_image(megatron_onevision, onevision_small_features, video_file, images,
+                                                  tmp_path):
+    from megatron_ext.eval.prompts import load_image
+    from megatron_ext.eval.videos import load_video
+    from tests.eval.conftest import HFReference
+
+    reference = HFReference(onevision_small_features)
+    video = [load_video(video_file, FRAMES)]
+    question, follow_up = "What is in this picture?", "And then?"  # the tiny model's answers differ by media
+    first = [{"role": "user", "content": f"{VIDEO_TOKEN}\n{question}"}]
+    expected_first = reference.text(reference.greedy(first, [], MAX_NEW_TOKENS, video))
+    # The second turn sees the first question and answer (the video only in the first user turn).
+    second = first + [{"role": "assistant", "content": expected_first}, {"role": "user", "content": follow_up}]
+    expected_second = reference.text(reference.greedy(second, [], MAX_NEW_TOKENS, video))
+    expected_image = reference.text(reference.greedy(
+        [{"role": "user", "content": f"{IMAGE_MARKER}\n{question}"}], [load_image(images[1])], MAX_NEW_TOKENS))
+    assert expected_first and expected_second and expected_image and expected_image != expected_first
+
+    garbage = tmp_path / "garbage.mp4"
+    garbage.write_bytes(b"not a video")
+    term = Terminal("--megatron-dir", megatron_onevision, "--video", video_file, "--video-frames", FRAMES,
+                    "--max-new-tokens", MAX_NEW_TOKENS)
+    try:
+        assert f"about {video_file}" in term.banner and "/video PATH" in term.banner
+        assert _same_text(term.answer(question), expected_first)
+        assert _same_text(term.answer(follow_up), expected_second)
+
+        # /image drops the video: the conversation is about the image alone.
+        assert term.ask(f"/image {images[1]}") == f"(new conversation about {images[1]})"
+        assert _same_text(term.answer(question), expected_image)
+
+        # A bad path or an undecodable file is one line, and the image conversation stays.
+        missing = term.ask("/video /no/such.mkv")
+        assert missing.startswith("error: /video /no/such.mkv") and "\n" not in missing, missing
+        undecodable = term.ask(f"/video {garbage}")
+        assert undecodable.startswith(f"error: /video {garbage}: cannot decode") and "\n" not in undecodable
+        assert term.ask("/video") == "error: /video needs a path: /video PATH"
+
+        # /video starts a new conversation about the video alone: the first answer again.
+        assert term.ask(f"/video {video_file}") == f"(new conversation about {video_file})"
+        assert _same_text(term.answer(question), expected_first)
+
+        term.child.sendline("/exit")
+        term.child.expect_exact(pexpect.EOF)
+    finally:
+        term.child.close(force=True)
+    assert term.child.exitstatus == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_image_and_video_together_are_refused_in_one_line(megatron_clip, images, video_file):
+    proc = run_script("eval/chat.py", "--megatron-dir", megatron_clip, "--image", images[0], "--video", video_file,
+                      check=False, timeout=100)
+    assert proc.returncode == 2
+    assert proc.stderr == "error: give --image or --video, not both: a conversation is about one image or one video\n"

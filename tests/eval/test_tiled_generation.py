@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from megatron_ext.convert.compare import synthetic_image
@@ -23,39 +22,19 @@ TWO_IMAGES = "Compare <image> with <image>."
 
 
 @pytest.fixture(scope="module")
-def media(tmp_path_factory) -> dict[str, Path]:
+def media(tmp_path_factory, video_file) -> dict[str, Path]:
     """A wide and a tall image (grids of different shapes) and an 8-frame lossless video."""
-    import av
-
     folder = tmp_path_factory.mktemp("tiled_media")
-    paths = {"wide": folder / "wide.png", "tall": folder / "tall.png", "video": folder / "clip.mkv"}
+    paths = {"wide": folder / "wide.png", "tall": folder / "tall.png", "video": video_file}
     synthetic_image(0, (83, 50)).save(paths["wide"])
     synthetic_image(1, (50, 117)).save(paths["tall"])
-    with av.open(str(paths["video"]), "w") as container:
-        stream = container.add_stream("ffv1", rate=8)
-        stream.width, stream.height, stream.pix_fmt = 64, 48, "bgr0"
-        for i in range(8):
-            frame = np.asarray(synthetic_image(20 + i, (64, 48)))
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
     return paths
 
 
 @pytest.fixture(scope="module")
-def hf_dirs(llava_next_clip, llava_onevision_siglip, tmp_path_factory) -> dict[str, Path]:
-    """The tiny LLaVA-NeXT, and the tiny OneVision with its projector's output scaled down: at full
-    scale its image features swamp the tiny text model, which then answers every image alike."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    onevision = tmp_path_factory.mktemp("onevision_small_features") / "hf"
-    shutil.copytree(llava_onevision_siglip, onevision)
-    weights = load_file(onevision / "model.safetensors")
-    for name in ("multi_modal_projector.linear_2.weight", "multi_modal_projector.linear_2.bias", "image_newline"):
-        weights[name] = weights[name] * 0.002
-    save_file(weights, onevision / "model.safetensors", metadata={"format": "pt"})
-    return {"next": llava_next_clip, "onevision": onevision}
+def hf_dirs(llava_next_clip, onevision_small_features) -> dict[str, Path]:
+    """The tiny LLaVA-NeXT, and the tiny OneVision whose answers depend on its media."""
+    return {"next": llava_next_clip, "onevision": onevision_small_features}
 
 
 @pytest.fixture(scope="module")
