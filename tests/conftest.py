@@ -162,6 +162,26 @@ def llava_onevision_siglip(tmp_path_factory, tiny_qwen2_tied, tiny_hf) -> Path:
 
 
 @pytest.fixture(scope="session")
+def megatron_onevision(tmp_path_factory, llava_onevision_siglip) -> Path:
+    """The llava_onevision_siglip fixture converted to a Megatron checkpoint (TP1 x PP1)."""
+    from megatron_ext.convert.to_megatron import convert
+
+    return convert(llava_onevision_siglip, tmp_path_factory.mktemp("megatron_onevision") / "ckpt", tp=1, pp=1)
+
+
+@pytest.fixture(scope="session")
+def tiled_mix(tmp_path_factory):
+    """(prepared dataset, its build report) of tests/tiled_data.py's OneVision mix."""
+    from megatron_ext.data.build import build_energon_dataset
+    from tests.tiled_data import write_mix_json
+
+    mix = write_mix_json(tmp_path_factory.mktemp("tiled_src"))
+    out = tmp_path_factory.mktemp("tiled_data") / "energon"
+    report = build_energon_dataset(mix, out, split_ratio="1,0,0", samples_per_shard=8, num_workers=0)
+    return out, report
+
+
+@pytest.fixture(scope="session")
 def llava_padded(tmp_path_factory, tiny_hf) -> Path:
     """LLaVA built with --vocab-size-padding (vocab 768, a multiple of 128)."""
     return _build(tmp_path_factory, "llava_padded", tiny_hf["text"], tiny_hf["vision-clip"], padding=True)

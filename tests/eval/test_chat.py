@@ -95,16 +95,16 @@ def _converse(term, images, video_file, hf_reference):
 
 
 @pytest.fixture(scope="module")
-def megatron_onevision(tmp_path_factory, onevision_small_features) -> Path:
+def megatron_onevision_small(tmp_path_factory, onevision_small_features) -> Path:
     """The OneVision whose answers depend on its media, converted to Megatron (TP1 x PP1)."""
     from megatron_ext.convert.to_megatron import convert
 
-    return convert(onevision_small_features, tmp_path_factory.mktemp("megatron_onevision") / "ckpt", tp=1, pp=1)
+    return convert(onevision_small_features, tmp_path_factory.mktemp("megatron_onevision_small") / "ckpt", tp=1, pp=1)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_conversations_about_a_video_and_an_image(megatron_onevision, onevision_small_features, video_file, images,
+def test_conversations_about_a_video_and_an_image(megatron_onevision_small, onevision_small_features, video_file, images,
                                                   tmp_path):
     from megatron_ext.eval.prompts import load_image
     from megatron_ext.eval.videos import load_video
@@ -124,7 +124,7 @@ def test_conversations_about_a_video_and_an_image(megatron_onevision, onevision_
 
     garbage = tmp_path / "garbage.mp4"
     garbage.write_bytes(b"not a video")
-    term = Terminal("--megatron-dir", megatron_onevision, "--video", video_file, "--video-frames", FRAMES,
+    term = Terminal("--megatron-dir", megatron_onevision_small, "--video", video_file, "--video-frames", FRAMES,
                     "--max-new-tokens", MAX_NEW_TOKENS)
     try:
         assert f"about {video_file}" in term.banner and "/video PATH" in term.banner

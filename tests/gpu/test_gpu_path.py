@@ -11,6 +11,7 @@ Engine is missing. On a GPU machine: `bash scripts/gpu_check.sh`."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from megatron_ext.model.backends import te_available
 from tests.helpers import child_env, run_torchrun
 from tests.model.test_attention import _attention, _reference
 from tests.model.test_backends import WORKER, _max_diff
+from tests.tiled_data import SEQ as TILED_SEQ
 from tests.train.conftest import metrics, trainer_args
 from tests.train.test_gpu_rehearsal import REHEARSAL
 
@@ -74,22 +76,50 @@ def test_te_equals_sdpa(tmp_path, megatron_clip):
         assert _max_diff(losses[f"te/{layout}"], losses[f"sdpa/{layout}"]) <= 2e-3, layout
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("where", RUNS)
-@pytest.mark.parametrize("options", [
+TRAINING_OPTIONS = [
     dict(attention_backend="sdpa"),
     pytest.param(dict(attention_backend="te"), marks=needs_te),
     pytest.param(dict(attention_backend="te", fp8=True), marks=needs_te),
-], ids=["sdpa-bf16", "te-bf16", "te-fp8"])
+]
+TRAINING_IDS = ["sdpa-bf16", "te-bf16", "te-fp8"]
+
+
+def _three_steps_ran(save: Path) -> None:
+    records = metrics(save)
+    assert sorted(records) == [1, 2, 3]
+    assert all(r["update"] and math.isfinite(r["loss"]) and r["memory_gb"] > 0 for r in records.values())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("where", RUNS)
+@pytest.mark.parametrize("options", TRAINING_OPTIONS, ids=TRAINING_IDS)
 def test_packed_bf16_training_steps(tmp_path, megatron_clip, train_data, where, options):
     save = tmp_path / "run"
     _torchrun(where, "scripts/train/pretrain_llava.py",
               *trainer_args(megatron_clip, train_data, save, micro_batch_size=1, global_batch_size=2, train_iters=3,
                             packing_seq_length=128, dtype="bfloat16", **options))
-    records = metrics(save)
-    assert sorted(records) == [1, 2, 3]
-    assert all(r["update"] and r["loss"] == r["loss"] and r["memory_gb"] > 0 for r in records.values())
+    _three_steps_ran(save)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("where", RUNS)
+@pytest.mark.parametrize("options", [*TRAINING_OPTIONS, dict(attention_backend="local")], ids=[*TRAINING_IDS, "local-bf16"])
+def test_tiled_packed_bf16_training_steps(tmp_path, megatron_onevision, tiled_mix, where, options):
+    """OneVision packed on anyres images, multi-image samples and a video: its tiles, media layout,
+    newline and expanded image tokens never put a host tensor beside a device one (rehearsal), with
+    every attention backend, and its bf16 / FP8 steps run on a GPU."""
+    from megatron_ext.checkpoint import layout
+
+    data, _ = tiled_mix
+    save = tmp_path / "run"
+    _torchrun(where, "scripts/train/pretrain_llava.py",
+              *trainer_args(megatron_onevision, data, save, seq_length=TILED_SEQ, packing_seq_length=TILED_SEQ,
+                            micro_batch_size=1, global_batch_size=2, train_iters=3, dtype="bfloat16", video_frames=4,
+                            max_tiles_per_sequence=64, **options))
+    _three_steps_ran(save)
+    assert layout.find_snapshot(save).iteration == 3
 
 
 def _counting(monkeypatch) -> dict:

@@ -10,81 +10,15 @@ from __future__ import annotations
 
 import json
 
-import av
-import numpy as np
 import pytest
 
 from megatron_ext.convert.compare import synthetic_image
 from tests.helpers import run_script
-from tests.train.conftest import launcher_args, metrics, trainer_args
+from tests.tiled_data import SEQ, turns
+from tests.train.conftest import launcher_args, metrics
 from tests.train.test_stages import _changed_prefixes, _hf_tensors
 
 pytestmark = [pytest.mark.multiprocess]
-
-SEQ = 256
-
-
-def _video(path, frames: int = 6):
-    """A 64 x 48 video that brightens frame by frame."""
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("mpeg4", rate=5)
-        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
-        for i in range(frames):
-            pixels = np.full((48, 64, 3), 30 * i + 20, np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-
-
-def _turns(question: str, answer: str) -> list[dict]:
-    return [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
-
-
-@pytest.fixture(scope="module")
-def tiled_mix(tmp_path_factory):
-    """(prepared dataset, its build report): 12 good samples of every kind, 3 too long, 3 bad ones."""
-    from megatron_ext.data.build import build_energon_dataset
-
-    src = tmp_path_factory.mktemp("tiled_src")
-    sizes = [(83, 50), (50, 117), (70, 60), (60, 70), (120, 40), (40, 40)]
-    for i, size in enumerate(sizes):
-        synthetic_image(i, size).save(src / f"{i}.png")
-    _video(src / "clip.mp4")
-    (src / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(200))
-    records = []
-    for i in range(12):
-        kind = i % 4
-        if kind == 0:
-            records.append({"id": f"one{i}", "image": f"{i % 6}.png", "conversations": _turns("<image>\nWhat is it?", "Noise.")})
-        elif kind == 1:
-            records.append({"id": f"two{i}", "image": [f"{i % 6}.png", f"{(i + 1) % 6}.png"],
-                            "conversations": _turns("<image>\n<image>\nSame?", "No, different noise.")})
-        elif kind == 2:
-            # LLaVA-Video's JSON marks the video with <image>.
-            records.append({"id": f"video{i}", "video": "clip.mp4", "conversations": _turns("<image>\nWhat happens?", "It brightens.")})
-        else:
-            records.append({"id": f"text{i}", "conversations": _turns("Say hi.", "Hi.")})
-    records += [
-        {"id": "broken", "video": "broken.mp4", "conversations": _turns("<video>\nWhat happens?", "Nothing.")},
-        {"id": "markers", "image": "0.png", "conversations": _turns("<image>\n<image>\nTwo?", "One.")},
-        {"id": "missing", "video": "absent.mp4", "conversations": _turns("<video>\nWhat?", "Nothing.")},
-    ]
-    # Their image would start past the sequence length: skipped when trained on.
-    records += [{"id": f"long{i}", "image": "1.png", "conversations": _turns("lorem " * SEQ + "<image>", "Noise.")}
-                for i in range(3)]
-    (src / "mix.json").write_text(json.dumps(records))
-    out = tmp_path_factory.mktemp("tiled_data") / "energon"
-    report = build_energon_dataset(src / "mix.json", out, split_ratio="1,0,0", samples_per_shard=8, num_workers=0)
-    return out, report
-
-
-@pytest.fixture(scope="module")
-def megatron_onevision(tmp_path_factory, llava_onevision_siglip):
-    from megatron_ext.convert.to_megatron import convert
-
-    return convert(llava_onevision_siglip, tmp_path_factory.mktemp("megatron_onevision") / "ckpt", tp=1, pp=1)
-
 
 @pytest.mark.timeout(120)
 def test_bad_input_is_reported_by_reason_when_prepared(tiled_mix):
@@ -138,9 +72,9 @@ def test_llava_next_stage2_at_tp2_through_run_py(tmp_path, llava_next_clip):
     src.mkdir()
     for i, size in enumerate([(83, 50), (50, 117), (70, 60)]):
         synthetic_image(i, size).save(src / f"{i}.png")
-    records = [{"id": f"one{i}", "image": f"{i}.png", "conversations": _turns("<image>\nWhat is it?", "Noise.")}
+    records = [{"id": f"one{i}", "image": f"{i}.png", "conversations": turns("<image>\nWhat is it?", "Noise.")}
                for i in range(3)]
-    records.append({"id": "two", "image": ["0.png", "1.png"], "conversations": _turns("<image>\n<image>\nSame?", "No.")})
+    records.append({"id": "two", "image": ["0.png", "1.png"], "conversations": turns("<image>\n<image>\nSame?", "No.")})
     (src / "next.json").write_text(json.dumps(records))
     data = build_energon_dataset(src / "next.json", tmp_path / "energon", split_ratio="1,0,0", samples_per_shard=8,
                                  num_workers=0).output_dir
@@ -181,23 +115,3 @@ def test_vision_lr_is_the_towers_peak_learning_rate(tmp_path):
     got = {tuple(sorted(named[id(p)] for p in g["params"])): (g["max_lr"], g["wd_mult"]) for g in groups if g["params"]}
     assert got == {("language_model.weight",): (1e-5, 1.0), ("language_model.bias",): (1e-5, 0.0),
                    ("vision_model.weight",): (2e-6, 1.0), ("vision_model.bias",): (2e-6, 0.0)}
-
-
-@pytest.mark.timeout(300)
-def test_tiled_iterations_keep_host_and_device_apart(tmp_path, megatron_onevision, tiled_mix):
-    """The GPU rehearsal (tests/train/gpu_rehearsal.py) on a tiled model, packed: its tiles, media
-    layout, newline and expanded image tokens never put a host tensor beside a device one."""
-    import math
-
-    from megatron_ext.checkpoint import layout
-    from tests.train.test_gpu_rehearsal import rehearse
-
-    data, _ = tiled_mix
-    save = tmp_path / "run"
-    rehearse(tmp_path, "scripts/train/pretrain_llava.py",
-             *trainer_args(megatron_onevision, data, save, seq_length=SEQ, packing_seq_length=SEQ, micro_batch_size=1,
-                           global_batch_size=2, train_iters=2, dtype="bfloat16", video_frames=4,
-                           max_tiles_per_sequence=64))
-    records = metrics(save)
-    assert sorted(records) == [1, 2] and all(r["update"] and math.isfinite(r["loss"]) for r in records.values())
-    assert layout.find_snapshot(save).iteration == 2
