@@ -20,19 +20,21 @@ import torch
 class PixelTable:
     """Callable: uint8 [..., H, W, 3] array -> float32 [..., 3, H, W] tensor, rescaled and normalized."""
 
-    def __init__(self, table: np.ndarray):
+    def __init__(self, scale: float | None, mean=None, std=None):
+        values = np.arange(256, dtype=np.float64)
+        values = (values * scale).astype(np.float32) if scale is not None else values.astype(np.float32)
+        table = np.broadcast_to(values, (3, 256))
+        if mean is not None:
+            mean, std = (np.broadcast_to(np.asarray(v, dtype=np.float32), 3) for v in (mean, std))
+            table = (table - mean[:, None]) / std[:, None]
         self.table = np.ascontiguousarray(table, dtype=np.float32)
 
     @classmethod
     def of(cls, processor) -> PixelTable:
         """The table of a PIL-backend processor's rescale and normalize settings."""
-        values = np.arange(256, dtype=np.float64)
-        values = (values * processor.rescale_factor).astype(np.float32) if processor.do_rescale else values.astype(np.float32)
-        table = np.broadcast_to(values, (3, 256))
-        if processor.do_normalize:
-            mean, std = (np.broadcast_to(np.asarray(v, dtype=np.float32), 3) for v in (processor.image_mean, processor.image_std))
-            table = (table - mean[:, None]) / std[:, None]
-        return cls(table)
+        return cls(processor.rescale_factor if processor.do_rescale else None,
+                   processor.image_mean if processor.do_normalize else None,
+                   processor.image_std if processor.do_normalize else None)
 
     def __call__(self, pixels: np.ndarray) -> torch.Tensor:
         channels_first = np.ascontiguousarray(np.moveaxis(pixels, -1, -3))
@@ -48,13 +50,14 @@ class FusedNormalize:
     torch's vectorized two passes)."""
 
     def __init__(self, processor):
-        self.scale = processor.rescale_factor if processor.do_rescale else None
-        self.mean = self.std = None
+        self.mean = self.std = self.scale = None
         if processor.do_normalize:
             mean, std = (torch.tensor(v, dtype=torch.float32) for v in (processor.image_mean, processor.image_std))
-            if self.scale is not None:
-                mean, std, self.scale = mean * (1.0 / self.scale), std * (1.0 / self.scale), None
+            if processor.do_rescale:  # folded into mean and std, by HF's very operations
+                mean, std = (v * (1.0 / processor.rescale_factor) for v in (mean, std))
             self.mean, self.std = (v.view(-1, 1, 1) if v.ndim == 1 else v for v in (mean, std))
+        elif processor.do_rescale:
+            self.scale = processor.rescale_factor
 
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         values = pixels.to(torch.float32, memory_format=torch.contiguous_format)
