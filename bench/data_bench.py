@@ -349,6 +349,10 @@ def hf_video_rates(work: Path, decoded, rounds: int, repeats: int) -> dict[str, 
     torchvision (tests/hf_reference)."""
     from tests import hf_reference
 
+    if not (hf_reference.TORCHVISION_DIR / "torchvision").is_dir():
+        print(f"no torchvision at {hf_reference.TORCHVISION_DIR} (scripts/setup_env.sh --dev puts it there): "
+              "HF's video processor is not measured")
+        return {}
     rates = hf_reference.call("video_rates", work / "hf-video", timeout=1200, settings={}, frames=decoded,
                               rounds=rounds, repeats=repeats)
     return {"8 decoded frames -> 8 x 384: HF LlavaOnevisionVideoProcessor (torchvision, child process)": rates["hf"],
