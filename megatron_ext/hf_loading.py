@@ -47,9 +47,12 @@ def load_tokenizer(source: str, flag: str):
 
 
 def load_image_processor(source: str, flag: str):
+    """The PIL-backend image processor, the one the data path reproduces bit for bit; where
+    torchvision is installed transformers would pick its torchvision one, whose resize differs by
+    a few levels."""
     from transformers import AutoImageProcessor
 
-    return _load("image processor", AutoImageProcessor.from_pretrained, source, flag)
+    return _load("image processor", AutoImageProcessor.from_pretrained, source, flag, backend="pil")
 
 
 def load_processor(source: str, flag: str):

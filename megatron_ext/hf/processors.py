@@ -85,4 +85,7 @@ def load_processor(hf_dir: str | Path, flag: str, kind=None):
     from megatron_ext.families import llava_kind
 
     kind = kind or llava_kind(hf_loading.load_config(str(hf_dir), flag))
-    return hf_loading.load_with(processor_class(kind).from_pretrained, "processor", str(hf_dir), flag)
+    processor = hf_loading.load_with(processor_class(kind).from_pretrained, "processor", str(hf_dir), flag)
+    if _torchvision_available():  # images as training preprocesses them (`hf_loading.load_image_processor`)
+        processor.image_processor = hf_loading.load_image_processor(str(hf_dir), flag)
+    return processor

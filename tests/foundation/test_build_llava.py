@@ -284,3 +284,22 @@ def test_onevision_processor_saved_with_and_without_torchvision_is_the_same(llav
     without = json.loads((llava_onevision_siglip / "processor_config.json").read_text())
     assert with_torchvision == without
     assert without["video_processor"]["video_processor_type"] == "LlavaOnevisionVideoProcessor"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fixture", ["llava_clip", "llava_onevision_siglip"])
+def test_where_torchvision_is_installed_our_processor_keeps_the_pil_images(request, fixture, tmp_path):
+    """transformers would load the torchvision-backend image processor there (its resize differs
+    from the PIL one by a few levels); ours keeps the PIL one the data path reproduces: the same
+    pixel values with and without torchvision."""
+    from megatron_ext.convert.compare import synthetic_image
+    from megatron_ext.hf.processors import load_processor
+    from tests import hf_reference
+
+    path = request.getfixturevalue(fixture)
+    images = [synthetic_image(0, (83, 50)), synthetic_image(1, (50, 117))]
+    with_torchvision = hf_reference.call("our_processor", tmp_path, hf_dir=str(path), images=images)
+    without = load_processor(path, "--hf-dir").image_processor
+    assert with_torchvision["image_processor"] == type(without).__name__ and type(without).__name__.endswith("Pil")
+    assert torch.equal(with_torchvision["pixel_values"], without(images=images, return_tensors="pt")["pixel_values"])

@@ -46,6 +46,15 @@ def build_llava(save_dir: str, **options) -> dict:
     return json.loads((Path(build(save_dir, **options)) / "processor_config.json").read_text())
 
 
+def our_processor(hf_dir: str, images: list) -> dict:
+    """What `megatron_ext.hf.processors.load_processor` gives where torchvision is installed."""
+    from megatron_ext.hf.processors import load_processor
+
+    processor = load_processor(hf_dir, "--hf-dir")
+    return {"image_processor": type(processor.image_processor).__name__,
+            "pixel_values": processor.image_processor(images=images, return_tensors="pt")["pixel_values"]}
+
+
 def video_rates(settings: dict, frames, rounds: int, repeats: int) -> dict[str, list[float]]:
     """Samples per CPU-second of OneVision's video processor and of megatron_ext's VideoPreprocessor
     on the same frames, rounds interleaved (bench/data_bench.py)."""
@@ -66,5 +75,5 @@ def video_rates(settings: dict, frames, rounds: int, repeats: int) -> dict[str, 
 if __name__ == "__main__":
     request = torch.load(sys.argv[1], weights_only=False)
     task = {"video_processor": video_processor, "saved_processor": saved_processor, "build_llava": build_llava,
-            "video_rates": video_rates}[request.pop("task")]
+            "our_processor": our_processor, "video_rates": video_rates}[request.pop("task")]
     torch.save(task(**request), sys.argv[2])
