@@ -272,18 +272,23 @@ def test_onevision_directory_loads_in_transformers_with_its_video_processor(llav
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_onevision_processor_saved_with_and_without_torchvision_is_the_same(llava_onevision_siglip, tiny_qwen2_tied,
-                                                                            tiny_hf, tmp_path):
-    """Where torchvision is installed build-llava saves transformers' own video processor; without,
-    the same settings under the same key."""
+@pytest.mark.parametrize("fixture,text,vision,options", [
+    ("llava_clip", "text", "vision-clip", {}),
+    ("llava_onevision_siglip", "qwen2", "vision-siglip", {"arch": "llava-onevision", "anyres_max": 2}),
+])
+def test_processor_saved_with_and_without_torchvision_is_the_same(request, fixture, text, vision, options, tiny_hf,
+                                                                  tiny_qwen2_tied, tmp_path):
+    """Where torchvision is installed build-llava saves transformers' own video processor
+    (OneVision); without, the same processor_config.json."""
     from tests import hf_reference
 
+    text_model = tiny_qwen2_tied if text == "qwen2" else tiny_hf[text]
     with_torchvision = hf_reference.call("build_llava", tmp_path / "child", save_dir=str(tmp_path / "hf"),
-                                         text_model=str(tiny_qwen2_tied), vision_model=str(tiny_hf["vision-siglip"]),
-                                         arch="llava-onevision", anyres_max=2)
-    without = json.loads((llava_onevision_siglip / "processor_config.json").read_text())
+                                         text_model=str(text_model), vision_model=str(tiny_hf[vision]), **options)
+    without = json.loads((request.getfixturevalue(fixture) / "processor_config.json").read_text())
     assert with_torchvision == without
-    assert without["video_processor"]["video_processor_type"] == "LlavaOnevisionVideoProcessor"
+    assert without.get("video_processor", {}).get("video_processor_type") == (
+        "LlavaOnevisionVideoProcessor" if options else None)
 
 
 @pytest.mark.multiprocess
