@@ -13,6 +13,9 @@ for _op in ("nms", "qnms"):
 import torchvision  # noqa: E402,F401  (after the schemas it registers fake kernels for)
 import transformers  # noqa: E402
 
+# Every task compares with transformers as it runs where torchvision is installed.
+assert transformers.utils.is_torchvision_available(), "transformers does not see torchvision"
+
 
 def video_processor(settings: dict, videos: list, cpu_capability: str | None = None) -> dict:
     """OneVision's video processor of `settings` on uint8 [n, H, W, 3] videos."""
