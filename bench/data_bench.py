@@ -349,7 +349,7 @@ def hf_video_rates(work: Path, decoded, rounds: int, repeats: int) -> dict[str, 
     torchvision (tests/hf_reference)."""
     from tests import hf_reference
 
-    if not (hf_reference.TORCHVISION_DIR / "torchvision").is_dir():
+    if not hf_reference.available():
         print(f"no torchvision at {hf_reference.TORCHVISION_DIR} (scripts/setup_env.sh --dev puts it there): "
               "HF's video processor is not measured")
         return {}

@@ -23,9 +23,13 @@ TORCHVISION_DIR = Path(sys.prefix) / "torchvision-reference"
 WORKER = Path(__file__).with_name("worker.py")
 
 
+def available() -> bool:
+    return (TORCHVISION_DIR / "torchvision").is_dir()
+
+
 def call(task: str, work: Path, timeout: float = 240, **arguments):
     """The result of worker.py's `task` on `arguments` (tensors, arrays, paths, plain values)."""
-    if not (TORCHVISION_DIR / "torchvision").is_dir():
+    if not available():
         raise AssertionError(f"no torchvision at {TORCHVISION_DIR}: run `bash scripts/setup_env.sh --dev`")
     work.mkdir(parents=True, exist_ok=True)
     request, result = work / f"{task}-request.pt", work / f"{task}-result.pt"

@@ -16,10 +16,14 @@ from tests.train.conftest import run_py
 DOUBLE = Path(__file__).with_name("rank_failure")  # its sitecustomize makes rank FAIL_IN_RANK fail
 
 
-def _failing_env(failure: str, tmp_path: Path) -> dict[str, str]:
-    """TMPDIR: run.py keeps the output of a failed run in a temporary directory, here the test's."""
+def _failing_run(failure: str, tmp_path: Path, checkpoint: Path, data: Path) -> tuple[subprocess.CompletedProcess, str]:
+    """(run.py's result, its stdout + stderr) for 2 ranks, rank 1 failing with `failure`. TMPDIR: run.py
+    keeps the output of a failed run in a temporary directory, here the test's."""
     path = os.pathsep.join(p for p in (str(DOUBLE), os.environ.get("PYTHONPATH")) if p)
-    return child_env(PYTHONPATH=path, FAIL_IN_RANK="1", FAILURE=failure, TMPDIR=str(tmp_path))
+    env = child_env(PYTHONPATH=path, FAIL_IN_RANK="1", FAILURE=failure, TMPDIR=str(tmp_path))
+    result = run(run_py(checkpoint, data, tmp_path / "run", 2), env=env, timeout=180, check=False)
+    assert result.returncode != 0
+    return result, result.stdout + result.stderr
 
 
 def _error_lines(text: str) -> list[str]:
@@ -29,10 +33,7 @@ def _error_lines(text: str) -> list[str]:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_a_user_error_in_rank_1_is_one_line(tmp_path, megatron_clip, train_data):
-    result = run(run_py(megatron_clip, train_data, tmp_path / "run", 2), env=_failing_env("user", tmp_path), timeout=180,
-                 check=False)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
+    result, output = _failing_run("user", tmp_path, megatron_clip, train_data)
     assert "Traceback" not in output and "ChildFailedError" not in output, output
     (line,) = _error_lines(result.stderr)
     message, log = line.split(" (rank 1; the run's whole output: ")
@@ -45,10 +46,7 @@ def test_a_user_error_in_rank_1_is_one_line(tmp_path, megatron_clip, train_data)
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_a_bug_in_rank_1_shows_its_traceback_once(tmp_path, megatron_clip, train_data):
-    result = run(run_py(megatron_clip, train_data, tmp_path / "run", 2), env=_failing_env("bug", tmp_path), timeout=180,
-                 check=False)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
+    result, output = _failing_run("bug", tmp_path, megatron_clip, train_data)
     assert output.count("Traceback (most recent call last)") == 1, output
     assert 'in _fail\n    raise RuntimeError("injected failure while building the trainer")' in result.stderr
     (line,) = _error_lines(result.stderr)
