@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing.process
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -159,6 +161,19 @@ def llava_onevision_siglip(tmp_path_factory, tiny_qwen2_tied, tiny_hf) -> Path:
 
     return build_llava(tmp_path_factory.mktemp("llava_onevision_siglip") / "hf", str(tiny_qwen2_tied),
                        str(tiny_hf["vision-siglip"]), arch="llava-onevision", anyres_max=2)
+
+
+@pytest.fixture(scope="session")
+def onevision_own_video_settings(tmp_path_factory, llava_onevision_siglip) -> Path:
+    """llava_onevision_siglip whose video processor resizes and normalizes frames unlike its image
+    processor does the tiles (bilinear, other mean and std)."""
+    hf_dir = tmp_path_factory.mktemp("onevision_own_video_settings") / "hf"
+    shutil.copytree(llava_onevision_siglip, hf_dir)
+    path = hf_dir / "processor_config.json"
+    config = json.loads(path.read_text())
+    config["video_processor"].update(resample=2, image_mean=[0.25, 0.5, 0.75], image_std=[0.2, 0.3, 0.4])
+    path.write_text(json.dumps(config, indent=2))
+    return hf_dir
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,7 @@ from megatron_ext.data.images import ImagePreprocessor
 from megatron_ext.data.shard_format import ImageModeKeepingDecoder, conversation_of, videos_of
 from megatron_ext.data.tiled_media import TiledMedia
 from megatron_ext.errors import UserError
+from megatron_ext.hf.processors import load_frame_settings
 from megatron_ext.model.sequence_alignment import SequenceAlignment
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,11 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
         image_processor = hf_loading.load_image_processor(str(tokenizer_dir), "--tokenizer-load-dir")
         # A tiled model's images are tiled as its processor tiles them (`--image-aspect` does not apply).
         self.images = ImagePreprocessor(image_processor, image_aspect) if tiled_model is None else None
-        self.media = None if tiled_model is None else TiledMedia(image_processor, tokenizer, tiled_model, video_frames)
+        self.media = None
+        if tiled_model is not None:
+            takes_videos = tiled_model.tiling.video_token_index is not None
+            frames = load_frame_settings(tokenizer_dir, "--tokenizer-load-dir") if takes_videos else None
+            self.media = TiledMedia(image_processor, tokenizer, tiled_model, video_frames, frames)
         self.template_name, template = resolve_chat_template(chat_template, lang, tokenizer,
                                                                     family_default=family_template)
         self.chat = ChatTokenizer(tokenizer, template, image_token_index)

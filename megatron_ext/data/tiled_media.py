@@ -39,7 +39,9 @@ class MediaGroup:
 
 
 class TiledMedia:
-    def __init__(self, image_processor, tokenizer, arch, video_frames: int):
+    def __init__(self, image_processor, tokenizer, arch, video_frames: int, frame_settings=None):
+        """`frame_settings`: the video processor's (`hf.processors.load_frame_settings`), for a model
+        that takes videos."""
         self.anyres = AnyresPreprocessor(image_processor)
         tile = arch.vision.image_size
         self.layout = FeatureLayout(arch.tiling, tile, tile // arch.vision.patch_size,
@@ -52,7 +54,7 @@ class TiledMedia:
             if tokenizer.convert_tokens_to_ids(VIDEO_MARKER) != self.video_token:
                 raise UserError(f"the tokenizer's {VIDEO_MARKER} token is {tokenizer.convert_tokens_to_ids(VIDEO_MARKER)}, "
                                 f"the model's video token is {self.video_token}; use the tokenizer saved with the checkpoint")
-            self.video = VideoPreprocessor(image_processor)
+            self.video = VideoPreprocessor(frame_settings)
 
     def expand(self, ids: np.ndarray, assistant: np.ndarray, images: list, videos: list, name: str):
         """(ids, assistant mask, MediaGroup) with every image and video token expanded to its

@@ -3,10 +3,10 @@
 Messages follow the data pipeline's convention (`megatron_ext.data.conversation`): string contents
 with a literal `<image>` where each image goes. They are rendered with the same chat template the
 trainer uses (`megatron_ext.data.chat_template`), tokenized as the task encoder tokenizes (special
-tokens added unless the text starts with the BOS: `chat_template.needs_special_tokens`), and passed through the
-checkpoint's HF processor, which expands every `<image>` (and OneVision's `<video>`, `eval/videos.py`)
-into one token per embedding. A prompt's images are one sample's: OneVision's processor makes each
-image one tile when there are several, as its training did.
+tokens added unless the text starts with the BOS: `chat_template.needs_special_tokens`), and
+passed through the checkpoint's HF processor (`hf.processors.load_processor`), which expands every
+`<image>` (and OneVision's `<video>`) into one token per embedding. A prompt's images are one
+sample's: OneVision's processor makes each image one tile when there are several, as its training did.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from megatron_ext.data.chat_template import needs_special_tokens
 from megatron_ext.data.conversation import IMAGE_MARKER, BadConversation, place_images
 from megatron_ext.data.images import fit_aspect
 from megatron_ext.errors import UserError
-from megatron_ext.eval.videos import with_frame_processor
 from megatron_ext.families.llava import VIDEO_TOKEN as VIDEO_MARKER
 
 
@@ -82,7 +81,7 @@ class PromptEncoder:
     """Renders conversations with one chat template and encodes them with the checkpoint's processor."""
 
     def __init__(self, processor, template: str, image_aspect: str = "crop"):
-        self.processor = with_frame_processor(processor)
+        self.processor = processor
         self.image_aspect = image_aspect
         self.tokenizer = processor.tokenizer
         self.template = template

@@ -4,7 +4,9 @@ where transformers cannot build all of it.
 transformers builds video processors only with torchvision; without it a OneVision processor is
 made (and loaded) without one, under its own class name, so that it takes images and text, and its
 video processor's settings are written beside it as the full class writes them: a machine with
-torchvision loads the saved directory as the full class.
+torchvision loads the saved directory as the full class. A loaded processor preprocesses as
+training does, with or without torchvision: images with transformers' PIL backend, videos with
+`FrameProcessor` (the saved video processor's settings, `data.video.VideoPreprocessor`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from functools import cache
 from pathlib import Path
 
 from megatron_ext import hf_loading
+from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_write_text
 
 # A video processor's settings taken from the image processor: OneVision's published checkpoints
@@ -49,16 +52,43 @@ def processor_class(kind):
     return ImagesOnly
 
 
-def video_processor(kind, image_processor):
-    """`kind`'s video processor with `image_processor`'s frame settings. Taken from its module:
-    without torchvision, transformers' top-level name for it is a placeholder; the class itself
-    is built and saved (only its preprocessing runs torchvision)."""
+def _video_processor_class(kind):
+    """`kind`'s video processor class, from its module: without torchvision, transformers'
+    top-level name for it is a placeholder; the class itself is built, saved and loaded (only its
+    preprocessing runs torchvision)."""
     import importlib
 
     module = importlib.import_module(f"transformers.models.{kind.model_type}.video_processing_{kind.model_type}")
+    return getattr(module, kind.video_processor_class)
+
+
+def video_processor(kind, image_processor):
+    """`kind`'s video processor with `image_processor`'s frame settings."""
     settings = image_processor.to_dict()
-    return getattr(module, kind.video_processor_class)(
-        **{key: settings[key] for key in _VIDEO_FIELDS if settings.get(key) is not None})
+    return _video_processor_class(kind)(**{key: settings[key] for key in _VIDEO_FIELDS if settings.get(key) is not None})
+
+
+def load_frame_settings(source: str | Path, flag: str):
+    """What a video's frames are preprocessed with (size, resample, rescale, normalize): the video
+    processor `source` saves, found as transformers finds it (processor_config.json's
+    `video_processor`, else video_preprocessor_config.json, else preprocessor_config.json) and
+    built by its class; `source`'s image processor where it saves none (a directory transformers
+    itself could not load a video processor from)."""
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    from megatron_ext.families import llava_kinds
+
+    try:
+        saved, _ = BaseVideoProcessor.get_video_processor_dict(str(source))
+    except OSError:
+        saved = {}
+    name = saved.get("video_processor_type")
+    if name is None:
+        return hf_loading.load_image_processor(str(source), flag)
+    classes = {kind.video_processor_class: kind for kind in llava_kinds().values() if kind.video}
+    if name not in classes:
+        raise UserError(f"{flag} {source}: its video processor {name} is not supported (supported: {', '.join(classes)})")
+    return _video_processor_class(classes[name]).from_dict(saved)
 
 
 def build_processor(kind, image_processor, tokenizer, **fields):
@@ -88,4 +118,19 @@ def load_processor(hf_dir: str | Path, flag: str, kind=None):
     processor = hf_loading.load_with(processor_class(kind).from_pretrained, "processor", str(hf_dir), flag)
     if _torchvision_available():  # images as training preprocesses them (`hf_loading.load_image_processor`)
         processor.image_processor = hf_loading.load_image_processor(str(hf_dir), flag)
+    if kind.video:
+        processor.video_processor = FrameProcessor(load_frame_settings(hf_dir, flag))
     return processor
+
+
+class FrameProcessor:
+    """A processor's video processor that preprocesses frames as training does (bit for bit what
+    transformers' gives, without torchvision): uint8 frames [n, H, W, 3] per video."""
+
+    def __init__(self, settings):
+        from megatron_ext.data.video import VideoPreprocessor
+
+        self.preprocess = VideoPreprocessor(settings)
+
+    def __call__(self, videos, **unused) -> dict:
+        return {"pixel_values_videos": [self.preprocess(frames) for frames in videos]}

@@ -47,21 +47,15 @@ def _samples(name: str, hf_dir: Path) -> dict[str, dict]:
 
 
 def _video(processor) -> dict:
-    """A 4-frame video as OneVision's video processor gives it (`VideoPreprocessor`, equal to it:
-    tests/data/test_video.py) and a prompt with its tokens expanded as its processor expands them."""
-    import math
-
+    """A 4-frame video and a prompt about it, through the checkpoint's processor (its frames equal
+    transformers' video processor's: tests/data/test_video.py)."""
     import numpy as np
 
     from megatron_ext.convert.compare import synthetic_image
-    from megatron_ext.data.video import VideoPreprocessor
 
     frames = np.stack([np.asarray(synthetic_image(10 + i, (60, 60))) for i in range(FRAMES)])
-    pixels = VideoPreprocessor(processor.image_processor)(frames)
-    side = math.isqrt(processor.num_image_tokens)
-    tokens = processor.video_token * (FRAMES * math.ceil(side / 2) ** 2 + 1)
-    text = _chat(processor, [{"type": "text", "text": tokens + "\n" + PROMPT}])
-    return {**processor.tokenizer(text, return_tensors="pt"), "pixel_values_videos": pixels[None]}
+    text = _chat(processor, [{"type": "video"}, {"type": "text", "text": PROMPT}])
+    return processor(videos=[frames], text=text, return_tensors="pt")
 
 
 @pytest.fixture(scope="module")

@@ -58,14 +58,11 @@ def onevision(image_processor, num_image_tokens: int) -> LlavaOnevisionProcessor
                                vision_aspect_ratio="anyres_max_9")
 
 
-def with_video(processor) -> LlavaOnevisionProcessor:
-    """A loaded OneVision processor (images only without torchvision) with a video processor of its
-    image processor's settings, as llava-hf's OneVision checkpoints configure both."""
-    image_processor = processor.image_processor
-    video_processor = FrameVideoProcessor(size={"height": image_processor.size.height, "width": image_processor.size.width},
-                                        image_mean=image_processor.image_mean, image_std=image_processor.image_std,
-                                        resample=image_processor.resample)
-    return _OnevisionProcessor(image_processor=image_processor, tokenizer=processor.tokenizer,
-                               video_processor=video_processor, num_image_tokens=processor.num_image_tokens,
+def with_video(processor, hf_dir) -> LlavaOnevisionProcessor:
+    """A loaded OneVision processor with the video processor `hf_dir` saves (found and built by
+    transformers, its torchvision steps VideoPreprocessor's)."""
+    return _OnevisionProcessor(image_processor=processor.image_processor, tokenizer=processor.tokenizer,
+                               video_processor=FrameVideoProcessor.from_pretrained(hf_dir),
+                               num_image_tokens=processor.num_image_tokens,
                                vision_feature_select_strategy=processor.vision_feature_select_strategy,
                                vision_aspect_ratio=processor.vision_aspect_ratio)

@@ -13,6 +13,7 @@ from megatron_ext.convert.compare import synthetic_image
 from megatron_ext.data.chat_template import needs_special_tokens
 from megatron_ext.data.shard_format import ConversationSample
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
+from megatron_ext.data.video import VideoPreprocessor
 from megatron_ext.families import read_llava
 from megatron_ext.hf.processors import load_processor
 from megatron_ext.model.tiling import IMAGE, VIDEO
@@ -63,19 +64,24 @@ def test_two_images_equal_the_hf_processor(request, fixture):
     assert not encoded.loss_mask[image].any() and encoded.loss_mask.sum() > 0
 
 
-def test_a_video_equals_the_hf_processor(llava_onevision_siglip):
-    encoder = _encoder(llava_onevision_siglip, video_frames=4)
+@pytest.mark.parametrize("fixture", ["llava_onevision_siglip", "onevision_own_video_settings"])
+def test_a_video_equals_the_hf_processor(request, fixture):
+    hf_dir = request.getfixturevalue(fixture)
+    encoder = _encoder(hf_dir, video_frames=4)
     frames = [np.asarray(synthetic_image(10 + i, (60, 60))) for i in range(6)]
     sample = _sample("<video>\nWhat happens?", videos=[frames])
     encoded = _encode(encoder, sample)
     # Frames 0, 1, 3 and 5 of 6, first and last included.
     picked = np.stack([frames[i] for i in (0, 1, 3, 5)])
-    processor = hf_processors.with_video(load_processor(llava_onevision_siglip, "--hf-dir"))
-    expected = _hf(processor, encoder, sample, videos=[picked])
+    processor = load_processor(hf_dir, "--hf-dir")
+    expected = _hf(hf_processors.with_video(processor, hf_dir), encoder, sample, videos=[picked])
 
     assert torch.equal(encoded.input_ids, expected["input_ids"][0])
     assert encoded.media == [(VIDEO, 4, 0, 0)]
     assert torch.equal(torch.stack(encoded.images), expected["pixel_values_videos"][0])
+    # The frames are the video processor's, not the image processor's (they differ in the second).
+    as_images = VideoPreprocessor(processor.image_processor)(picked)
+    assert torch.equal(as_images, expected["pixel_values_videos"][0]) == (fixture == "llava_onevision_siglip")
     video = encoded.input_ids == encoder.media.video_token
     # 4 x 2 x 2 pooled features (SigLIP 4x4 per tile) and a newline.
     assert int(video.sum()) == 17 and not encoded.loss_mask[video].any()

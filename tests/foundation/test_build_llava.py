@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -234,28 +235,30 @@ def test_image_grid_pinpoints_are_given_as_sizes_that_are_multiples_of_the_tile(
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_onevision_directory_loads_in_transformers_with_its_video_processor(llava_onevision_siglip, tmp_path):
+@pytest.mark.parametrize("fixture", ["llava_onevision_siglip", "onevision_own_video_settings"])
+def test_onevision_directory_loads_in_transformers_with_its_video_processor(request, fixture, tmp_path):
     """With torchvision (a child: tests/hf_reference), AutoProcessor loads a built OneVision as the
     full class, video processor included, renders HF's structured image + video messages, and gives
     the ids and pixel values this project's prompt encoder gives without torchvision (images: both
-    with transformers' PIL backend)."""
+    with transformers' PIL backend), also where the video processor's settings are not the image
+    processor's."""
     from megatron_ext.convert.compare import synthetic_image
     from megatron_ext.eval.prompts import PromptEncoder
-    from megatron_ext.hf.processors import load_processor
+    from megatron_ext.hf.processors import FrameProcessor, load_processor
     from tests import hf_reference
 
-    ours = load_processor(llava_onevision_siglip, "--hf-dir")
-    assert not hasattr(ours, "video_processor")
+    hf_dir = request.getfixturevalue(fixture)
+    ours = load_processor(hf_dir, "--hf-dir")
+    assert isinstance(ours.video_processor, FrameProcessor)
     image = synthetic_image(0, (83, 50))
     video = np.stack([np.asarray(synthetic_image(10 + i, (90, 60))) for i in range(3)])
     structured = [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "What happens?"}]}]
-    hf = hf_reference.call("saved_processor", tmp_path, hf_dir=str(llava_onevision_siglip), messages=structured,
+    hf = hf_reference.call("saved_processor", tmp_path, hf_dir=str(hf_dir), messages=structured,
                            images=[image], videos=[video])
     assert (hf["class"], hf["image_processor"], hf["video_processor"]) == (
         "LlavaOnevisionProcessor", "LlavaOnevisionImageProcessor", "LlavaOnevisionVideoProcessor")
-    settings = ours.image_processor.to_dict()
-    for key in ("resample", "rescale_factor", "image_mean", "image_std"):
-        assert hf["video_settings"][key] == settings[key], key
+    saved = json.loads((hf_dir / "processor_config.json").read_text())["video_processor"]
+    assert (hf["video_settings"]["resample"], list(hf["video_settings"]["image_mean"])) == (saved["resample"], saved["image_mean"])
     assert hf["video_settings"]["size"]["height"] == hf["video_settings"]["size"]["width"] == 56
     as_trained = [{"role": "user", "content": "<image>\n<video>\nWhat happens?"}]
     encoded = PromptEncoder(ours, ours.chat_template).encode(as_trained, [image], [video])
@@ -268,6 +271,27 @@ def test_onevision_directory_loads_in_transformers_with_its_video_processor(llav
                                                                  "pixel_values_videos"))
     for key, value in encoded.media.items():
         assert torch.equal(torch.as_tensor(hf[key]), torch.as_tensor(value)), key
+
+
+def test_video_frames_take_the_saved_video_processors_settings(llava_onevision_siglip, onevision_own_video_settings,
+                                                               tmp_path):
+    from megatron_ext.hf.processors import load_frame_settings
+    from megatron_ext.hf_loading import load_image_processor
+
+    own = load_frame_settings(onevision_own_video_settings, "--hf-dir")
+    assert (type(own).__name__, own.resample, list(own.image_mean)) == ("LlavaOnevisionVideoProcessor", 2, [0.25, 0.5, 0.75])
+    # Saved without one (transformers itself finds none there): the image processor's settings.
+    bare = tmp_path / "bare"
+    shutil.copytree(llava_onevision_siglip, bare)
+    config = json.loads((bare / "processor_config.json").read_text())
+    video = config.pop("video_processor")
+    (bare / "processor_config.json").write_text(json.dumps(config))
+    assert load_frame_settings(bare, "--hf-dir").to_dict() == load_image_processor(str(bare), "--hf-dir").to_dict()
+    (bare / "processor_config.json").write_text(json.dumps({**config, "video_processor": {
+        **video, "video_processor_type": "Qwen2VLVideoProcessor"}}))
+    with pytest.raises(UserError, match=rf"^--hf-dir {bare}: its video processor Qwen2VLVideoProcessor is not supported "
+                                        r"\(supported: LlavaOnevisionVideoProcessor\)$"):
+        load_frame_settings(bare, "--hf-dir")
 
 
 @pytest.mark.multiprocess
