@@ -38,8 +38,8 @@ from megatron_ext.data.chat_template import ChatTokenizer, resolve_chat_template
 from megatron_ext.data.images import ImagePreprocessor
 from megatron_ext.data.shard_format import ImageModeKeepingDecoder, conversation_of, videos_of
 from megatron_ext.data.tiled_media import TiledMedia
+from megatron_ext.data.video import load_frame_settings
 from megatron_ext.errors import UserError
-from megatron_ext.hf.processors import load_frame_settings
 from megatron_ext.model.sequence_alignment import SequenceAlignment
 
 log = logging.getLogger(__name__)

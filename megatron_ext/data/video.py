@@ -1,5 +1,5 @@
 """Videos for LLaVA-OneVision: N frames sampled uniformly, each preprocessed as OneVision's video
-processor does, and the number of feature positions a `<video>` expands to.
+processor does with the settings the checkpoint saves (`load_frame_settings`).
 
 Sampling (`--video-frames N`): frame indices `np.linspace(0, total - 1, N, dtype=int)`, first and
 last frame included, the rule of lmms-eval's LLaVA-OneVision / llava_hf video loaders and of
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from megatron_ext import hf_loading
 from megatron_ext.data.images import rgb
 from megatron_ext.data.pixels import FusedNormalize
 from megatron_ext.errors import UserError
@@ -80,6 +81,29 @@ def _decode(video, indices: list[int]) -> tuple[list[np.ndarray], int]:
             if decoded > indices[-1]:
                 break
     return picked, decoded
+
+
+def load_frame_settings(source: str | Path, flag: str):
+    """What a video's frames are preprocessed with (size, resample, rescale, normalize): the video
+    processor `source` saves, found as transformers finds it (processor_config.json's
+    `video_processor`, else video_preprocessor_config.json, else preprocessor_config.json) and
+    built by its class; `source`'s image processor where it saves none (a directory transformers
+    itself could not load a video processor from)."""
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    from megatron_ext.families import llava_kinds
+
+    try:
+        saved, _ = BaseVideoProcessor.get_video_processor_dict(str(source))
+    except OSError:
+        saved = {}
+    name = saved.get("video_processor_type")
+    if name is None:
+        return hf_loading.load_image_processor(str(source), flag)
+    classes = {kind.video_processor_class: kind for kind in llava_kinds().values() if kind.video}
+    if name not in classes:
+        raise UserError(f"{flag} {source}: its video processor {name} is not supported (supported: {', '.join(classes)})")
+    return classes[name].video_processor_type().from_dict(saved)
 
 
 class VideoPreprocessor:

@@ -43,6 +43,15 @@ class LlavaKind:
     def video(self) -> bool:
         return self.video_processor_class is not None
 
+    def video_processor_type(self):
+        """The transformers class of the video processor, from its module: without torchvision,
+        transformers' top-level name for it is a placeholder; the class itself is built, saved and
+        loaded (only its preprocessing runs torchvision)."""
+        import importlib
+
+        module = importlib.import_module(f"transformers.models.{self.model_type}.video_processing_{self.model_type}")
+        return getattr(module, self.video_processor_class)
+
     @property
     def tiled(self) -> bool:
         return bool(self.grid_units)

@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 
 from megatron_ext import hf_loading
-from megatron_ext.errors import UserError
+from megatron_ext.data.video import VideoPreprocessor, load_frame_settings
 from megatron_ext.fsutil import atomic_write_text
 
 # A video processor's settings taken from the image processor: OneVision's published checkpoints
@@ -52,43 +52,10 @@ def processor_class(kind):
     return ImagesOnly
 
 
-def _video_processor_class(kind):
-    """`kind`'s video processor class, from its module: without torchvision, transformers'
-    top-level name for it is a placeholder; the class itself is built, saved and loaded (only its
-    preprocessing runs torchvision)."""
-    import importlib
-
-    module = importlib.import_module(f"transformers.models.{kind.model_type}.video_processing_{kind.model_type}")
-    return getattr(module, kind.video_processor_class)
-
-
 def video_processor(kind, image_processor):
     """`kind`'s video processor with `image_processor`'s frame settings."""
     settings = image_processor.to_dict()
-    return _video_processor_class(kind)(**{key: settings[key] for key in _VIDEO_FIELDS if settings.get(key) is not None})
-
-
-def load_frame_settings(source: str | Path, flag: str):
-    """What a video's frames are preprocessed with (size, resample, rescale, normalize): the video
-    processor `source` saves, found as transformers finds it (processor_config.json's
-    `video_processor`, else video_preprocessor_config.json, else preprocessor_config.json) and
-    built by its class; `source`'s image processor where it saves none (a directory transformers
-    itself could not load a video processor from)."""
-    from transformers.video_processing_utils import BaseVideoProcessor
-
-    from megatron_ext.families import llava_kinds
-
-    try:
-        saved, _ = BaseVideoProcessor.get_video_processor_dict(str(source))
-    except OSError:
-        saved = {}
-    name = saved.get("video_processor_type")
-    if name is None:
-        return hf_loading.load_image_processor(str(source), flag)
-    classes = {kind.video_processor_class: kind for kind in llava_kinds().values() if kind.video}
-    if name not in classes:
-        raise UserError(f"{flag} {source}: its video processor {name} is not supported (supported: {', '.join(classes)})")
-    return _video_processor_class(classes[name]).from_dict(saved)
+    return kind.video_processor_type()(**{key: settings[key] for key in _VIDEO_FIELDS if settings.get(key) is not None})
 
 
 def build_processor(kind, image_processor, tokenizer, **fields):
@@ -128,8 +95,6 @@ class FrameProcessor:
     transformers' gives, without torchvision): uint8 frames [n, H, W, 3] per video."""
 
     def __init__(self, settings):
-        from megatron_ext.data.video import VideoPreprocessor
-
         self.preprocess = VideoPreprocessor(settings)
 
     def __call__(self, videos, **unused) -> dict:

@@ -275,7 +275,7 @@ def test_onevision_directory_loads_in_transformers_with_its_video_processor(requ
 
 def test_video_frames_take_the_saved_video_processors_settings(llava_onevision_siglip, onevision_own_video_settings,
                                                                tmp_path):
-    from megatron_ext.hf.processors import load_frame_settings
+    from megatron_ext.data.video import load_frame_settings
     from megatron_ext.hf_loading import load_image_processor
 
     own = load_frame_settings(onevision_own_video_settings, "--hf-dir")
