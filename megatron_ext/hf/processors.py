@@ -16,7 +16,6 @@ from functools import cache
 from pathlib import Path
 
 from megatron_ext import hf_loading
-from megatron_ext.data.video import VideoPreprocessor, load_frame_settings
 from megatron_ext.fsutil import atomic_write_text
 
 # A video processor's settings taken from the image processor: OneVision's published checkpoints
@@ -79,6 +78,8 @@ def save_processor(processor, kind, directory: str | Path) -> None:
 def load_processor(hf_dir: str | Path, flag: str, kind=None):
     """The processor in `hf_dir`, as `processor_class` builds it for `kind` (default: the kind of
     the HF LLaVA there; a Megatron checkpoint's tokenizer/ directory has no config to say it)."""
+    # data.video imports torch, which the convert commands must start without (tests/convert/test_cli.py).
+    from megatron_ext.data.video import load_frame_settings
     from megatron_ext.families import llava_kind
 
     kind = kind or llava_kind(hf_loading.load_config(str(hf_dir), flag))
@@ -95,6 +96,8 @@ class FrameProcessor:
     transformers' gives, without torchvision): uint8 frames [n, H, W, 3] per video."""
 
     def __init__(self, settings):
+        from megatron_ext.data.video import VideoPreprocessor
+
         self.preprocess = VideoPreprocessor(settings)
 
     def __call__(self, videos, **unused) -> dict:
