@@ -40,7 +40,7 @@ class MediaGroup:
 
 class TiledMedia:
     def __init__(self, image_processor, tokenizer, arch, video_frames: int, frame_settings=None):
-        """`frame_settings`: the video processor's (`hf.processors.load_frame_settings`), for a model
+        """`frame_settings`: the video processor's (`video.load_frame_settings`), for a model
         that takes videos."""
         self.anyres = AnyresPreprocessor(image_processor)
         tile = arch.vision.image_size
