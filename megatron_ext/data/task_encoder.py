@@ -99,8 +99,9 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
         self.images = ImagePreprocessor(image_processor, image_aspect) if tiled_model is None else None
         self.media = None
         if tiled_model is not None:
-            takes_videos = tiled_model.tiling.video_token_index is not None
-            frames = load_frame_settings(tokenizer_dir, "--tokenizer-load-dir") if takes_videos else None
+            frames = None
+            if tiled_model.tiling.video_token_index is not None:  # a model that takes videos
+                frames = load_frame_settings(tokenizer_dir, "--tokenizer-load-dir", image_processor)
             self.media = TiledMedia(image_processor, tokenizer, tiled_model, video_frames, frames)
         self.template_name, template = resolve_chat_template(chat_template, lang, tokenizer,
                                                                     family_default=family_template)

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from megatron_ext import hf_loading
 from megatron_ext.data.images import rgb
 from megatron_ext.data.pixels import FusedNormalize
 from megatron_ext.errors import UserError
@@ -83,12 +82,12 @@ def _decode(video, indices: list[int]) -> tuple[list[np.ndarray], int]:
     return picked, decoded
 
 
-def load_frame_settings(source: str | Path, flag: str):
+def load_frame_settings(source: str | Path, flag: str, image_processor):
     """What a video's frames are preprocessed with (size, resample, rescale, normalize): the video
     processor `source` saves, found as transformers finds it (processor_config.json's
     `video_processor`, else video_preprocessor_config.json, else preprocessor_config.json) and
-    built by its class; `source`'s image processor where it saves none (a directory transformers
-    itself could not load a video processor from)."""
+    built by its class; `image_processor`, the one `source` saves, where it saves no video
+    processor (a directory transformers itself could not load one from)."""
     from transformers.video_processing_utils import BaseVideoProcessor
 
     from megatron_ext.families import llava_kinds
@@ -99,7 +98,7 @@ def load_frame_settings(source: str | Path, flag: str):
         saved = {}
     name = saved.get("video_processor_type")
     if name is None:
-        return hf_loading.load_image_processor(str(source), flag)
+        return image_processor
     classes = {kind.video_processor_class: kind for kind in llava_kinds().values() if kind.video}
     if name not in classes:
         raise UserError(f"{flag} {source}: its video processor {name} is not supported (supported: {', '.join(classes)})")

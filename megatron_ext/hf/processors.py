@@ -87,7 +87,7 @@ def load_processor(hf_dir: str | Path, flag: str, kind=None):
     if _torchvision_available():  # images as training preprocesses them (`hf_loading.load_image_processor`)
         processor.image_processor = hf_loading.load_image_processor(str(hf_dir), flag)
     if kind.video:
-        processor.video_processor = FrameProcessor(load_frame_settings(hf_dir, flag))
+        processor.video_processor = FrameProcessor(load_frame_settings(hf_dir, flag, processor.image_processor))
     return processor
 
 

@@ -278,7 +278,8 @@ def test_video_frames_take_the_saved_video_processors_settings(llava_onevision_s
     from megatron_ext.data.video import load_frame_settings
     from megatron_ext.hf_loading import load_image_processor
 
-    own = load_frame_settings(onevision_own_video_settings, "--hf-dir")
+    image_processor = load_image_processor(str(onevision_own_video_settings), "--hf-dir")
+    own = load_frame_settings(onevision_own_video_settings, "--hf-dir", image_processor)
     assert (type(own).__name__, own.resample, list(own.image_mean)) == ("LlavaOnevisionVideoProcessor", 2, [0.25, 0.5, 0.75])
     # Saved without one (transformers itself finds none there): the image processor's settings.
     bare = tmp_path / "bare"
@@ -286,12 +287,12 @@ def test_video_frames_take_the_saved_video_processors_settings(llava_onevision_s
     config = json.loads((bare / "processor_config.json").read_text())
     video = config.pop("video_processor")
     (bare / "processor_config.json").write_text(json.dumps(config))
-    assert load_frame_settings(bare, "--hf-dir").to_dict() == load_image_processor(str(bare), "--hf-dir").to_dict()
+    assert load_frame_settings(bare, "--hf-dir", image_processor) is image_processor
     (bare / "processor_config.json").write_text(json.dumps({**config, "video_processor": {
         **video, "video_processor_type": "Qwen2VLVideoProcessor"}}))
     with pytest.raises(UserError, match=rf"^--hf-dir {bare}: its video processor Qwen2VLVideoProcessor is not supported "
                                         r"\(supported: LlavaOnevisionVideoProcessor\)$"):
-        load_frame_settings(bare, "--hf-dir")
+        load_frame_settings(bare, "--hf-dir", image_processor)
 
 
 @pytest.mark.multiprocess
