@@ -1,4 +1,5 @@
-"""Logging setup shared by every command-line entry point."""
+"""Logging setup shared by every command-line entry point, and the one home of the filters that keep
+third-party noise (warnings, log lines) out of a command's output."""
 
 from __future__ import annotations
 
@@ -6,6 +7,14 @@ import logging
 import os
 import sys
 import warnings
+
+from megatron_ext.progress import quiet_library_bars
+
+# For PYTHONWARNINGS of processes that import megatron-core before they can call `setup_logging` (the
+# converters' fork server): its import warns that Transformer Engine / Apex are missing, a dozen lines.
+IMPORT_WARNINGS = "ignore:Transformer Engine and Apex are not installed,ignore:Apex is not installed"
+# megatron-core's advice for runs on CUDA, which it gives on a CPU too.
+_CUDA_ADVICE = "CUDA_DEVICE_MAX_CONNECTIONS"
 
 
 class _DropNoise(logging.Filter):
@@ -18,19 +27,25 @@ class _DropNoise(logging.Filter):
         return not any(noise in message for noise in self.NOISE)
 
 
-def _one_line_for_fallbacks(show, rank: int):
+def _on_gpu() -> bool:
+    return sys.modules["torch"].cuda.is_available() if "torch" in sys.modules else False
+
+
+def _filtered(show, rank: int):
     """megatron-core warns at every import (a dozen times, on every rank) that Transformer Engine or
     Apex is missing and it falls back to torch: one line on rank 0 says so instead, on a GPU machine
-    (where installing them matters: TE layers, FP8); on a CPU, where they cannot be, only with --debug."""
+    (where installing them matters: TE layers, FP8); on a CPU, where they cannot be, only with --debug.
+    Its advice on CUDA settings is dropped where there is no CUDA."""
     said = []
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
         text = str(message)
+        if _CUDA_ADVICE in text and not _on_gpu():
+            return
         if "not installed" in text and ("Apex" in text or "Transformer Engine" in text):
             if not said and rank == 0:
-                on_gpu = sys.modules["torch"].cuda.is_available() if "torch" in sys.modules else False
                 logging.getLogger("megatron_ext").log(
-                    logging.INFO if on_gpu else logging.DEBUG,
+                    logging.INFO if _on_gpu() else logging.DEBUG,
                     "Transformer Engine / Apex not installed here: megatron-core uses its torch implementations")
             said.append(text)
             return
@@ -52,10 +67,19 @@ def setup_logging(verbose: bool = False, rank: int | None = None) -> None:
         handler.addFilter(_DropNoise())
     for name in ("transformers", "megatron"):
         logging.getLogger(name).addFilter(_DropNoise())
-    warnings.showwarning = _one_line_for_fallbacks(warnings.showwarning, rank)
+    warnings.showwarning = _filtered(warnings.showwarning, rank)
     # Raised by megatron-core's own defaults and energon's hard-coded pin_memory on CPU.
     warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
     warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true.*")
+    quiet_library_bars()
+    # torch.multiprocessing announces that it stops the other ranks after one failed; the failure is
+    # what matters (megatron_ext/rank_failures.py).
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     if not verbose:
         for noisy in ("megatron.core", "torch.distributed", "httpx", "urllib3"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+        # The libraries announce what they deprecate to the code that calls it (megatron-core calling
+        # torch's, torch its own), which is theirs. By category: one raised through a wrapper of ours
+        # (cpu_support) is attributed to our module.
+        for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+            warnings.filterwarnings("ignore", category=category)

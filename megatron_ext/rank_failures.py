@@ -1,12 +1,18 @@
-"""Failures inside a run's ranks, reported once by run.py.
+"""Failures inside a run's ranks, reported once by the process that started them.
 
 Left to torchrun, a failed run ends with every failing rank's traceback followed by torchrun's own
 ChildFailedError report, and a user error seen by a rank other than 0 is not printed at all (only
-rank 0 prints): the reason scrolls away or never shows. Under run.py (FAILURES_ENV names a
-directory) a rank that fails writes what happened to DIR/rank<R>.json instead of printing it, and
-run.py prints the first failure once: a user error (or running out of memory) as one line, an
-unexpected exception with its traceback. Each rank also marks that it started (DIR/rank<R>.started):
-torchrun got past binding its rendezvous port. Imports nothing heavy: errors.py uses it in every process.
+rank 0 prints): the reason scrolls away or never shows. Under run.py, and in the converters' CPU
+ranks (FAILURES_ENV names a directory), a rank that fails writes what happened to DIR/rank<R>.json
+instead of printing it, and the starter prints the first failure once: a user error (or running out
+of memory) as one line, an unexpected exception with its traceback. Each rank also marks that it
+started (DIR/rank<R>.started): torchrun got past binding its rendezvous port. Imports nothing heavy:
+errors.py uses it in every process.
+
+A rank whose peer failed fails too, with a lost connection (gloo's "Connection closed by peer",
+NCCL's aborted communicator, a timeout): that is recorded as a peer loss, reported only when no rank
+recorded anything else, and such a rank waits before it exits, so that the rank that failed first
+says why before the starter (torchrun, torch.multiprocessing) stops every rank on the first exit.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -22,6 +29,15 @@ from pathlib import Path
 
 FAILURES_ENV = "MEGATRON_EXT_FAILURES"
 _OUT_OF_MEMORY = "OutOfMemoryError"  # torch.OutOfMemoryError, named so that torch need not be imported
+# How long a rank that lost a peer, or saw a user error rank 0 may have seen too, waits before it exits:
+# the starter stops every rank as soon as one has exited, and the rank that knows why would then never
+# say it. Generous: on a busy machine a process with torch loaded can take seconds to exit, and the
+# wait ends as soon as the starter stops the rank that waits.
+OTHER_RANKS_EXIT_DELAY_S = 30.0
+# torch.distributed's errors for a connection or a collective that another process broke off.
+_PEER_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError")
+_PEER_LOSS = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote process exited|communicator was "
+                        r"aborted|Timed out waiting|collective operation timeout")
 
 
 @dataclass(frozen=True)
@@ -30,6 +46,21 @@ class Failure:
     time: float
     message: str
     traceback: str | None  # None for a user error: the message says it all
+    peer_loss: bool = False  # a lost connection to another rank: most likely that rank's failure
+
+
+class RankFailed(Exception):
+    """An unexpected exception in a worker rank, raised where the ranks were started; the rank's own
+    traceback is `failure.traceback` (and a note, for a caller that lets this propagate)."""
+
+    def __init__(self, failure: Failure):
+        super().__init__(f"{failure.message} (rank {failure.rank})")
+        self.failure = failure
+        self.add_note(f"in rank {failure.rank}:\n{failure.traceback.rstrip()}")
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    return type(exc).__name__ in _PEER_ERRORS or bool(_PEER_LOSS.search(str(exc)))
 
 
 def mark_started() -> None:
@@ -39,32 +70,37 @@ def mark_started() -> None:
         (Path(directory) / f"rank{os.environ.get('RANK', '0')}.started").touch()
 
 
-def record(message: str, traceback_text: str | None = None) -> bool:
-    """Leave this rank's failure for run.py. False when not started by run.py (then print it yourself)."""
+def record(message: str, traceback_text: str | None = None, peer_loss: bool = False) -> bool:
+    """Leave this rank's failure for the starter. False when not started by one (then print it yourself)."""
     directory = os.environ.get(FAILURES_ENV)
     if not directory or not Path(directory).is_dir():
         return False
     rank = int(os.environ.get("RANK", "0"))
     path = Path(directory) / f"rank{rank}.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(Failure(rank, time.time(), message, traceback_text))))
-    os.replace(tmp, path)  # run.py never reads half a record
+    tmp.write_text(json.dumps(asdict(Failure(rank, time.time(), message, traceback_text, peer_loss))))
+    os.replace(tmp, path)  # the starter never reads half a record
     return True
 
 
 @contextlib.contextmanager
 def recorded():
-    """An unexpected exception in this block is left for run.py and ends the process with status 1;
-    not under run.py it propagates as usual."""
+    """An unexpected exception in this block is left for the starter and ends the process with
+    status 1; without one it propagates as usual. Either way a rank that lost a peer waits first."""
     try:
         yield
     except Exception as exc:
+        peer_loss = is_peer_loss(exc)
         if type(exc).__name__ == _OUT_OF_MEMORY:
             reason = str(exc).splitlines()[0] if str(exc) else "out of memory"
             done = record(f"{reason}; use a smaller --micro-batch-size, more --tp/--pp, --dist-optim or "
                           "activation recomputation")
         else:
-            done = record(f"{type(exc).__name__}: {exc}", traceback.format_exc())
+            # From the block's code on: the first frame is this generator's yield.
+            trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
+            done = record(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, trace, peer_loss)
+        if peer_loss and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            time.sleep(OTHER_RANKS_EXIT_DELAY_S)
         if not done:
             raise
         sys.exit(1)
@@ -79,6 +115,15 @@ def has_failed(directory: Path) -> bool:
 
 
 def first_failure(directory: Path) -> Failure | None:
-    """The failure recorded first: later ones are usually its consequences (peers that lost a rank)."""
+    """The failure recorded first, a rank's own before any peer loss: later failures are usually its
+    consequences, and a peer can record its loss before the failing rank, which closes its connections
+    (destroys its process group on the way out) before its exception reaches `recorded`."""
     failures = [Failure(**json.loads(path.read_text())) for path in directory.glob("rank*.json")]
-    return min(failures, key=lambda f: f.time, default=None)
+    return min(failures, key=lambda f: (f.peer_loss, f.time), default=None)
+
+
+def show(failure: Failure, more: str = "") -> None:
+    """A failure, once, on stderr: a bug's traceback, then `error: <message> (rank R<more>)`."""
+    if failure.traceback:
+        sys.stderr.write(failure.traceback)
+    print(f"error: {failure.message} (rank {failure.rank}{more})", file=sys.stderr, flush=True)

@@ -74,7 +74,7 @@ def megatron_media(arch, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
     pixels = batch.get("pixel_values")
     if arch.tiling is None:
         return pixels if pixels is not None else torch.empty(0, 3, tile, tile), None
-    side = tile // arch.vision.patch_size
+    side = arch.vision.patches_per_side
     found = []  # (first token position, media, its tiles)
     ids = batch["input_ids"].flatten()
 

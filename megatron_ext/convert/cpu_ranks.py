@@ -7,22 +7,24 @@ which every worker would otherwise pay again, N at a time on a few cores; the se
 single-threaded process, so forking it is safe. Each worker then takes the caller's environment
 as it is at the call, as a spawned one would. The entry script must still guard its `main()` with
 `if __name__ == "__main__":`.
+
+A rank that fails records why (megatron_ext/rank_failures.py, as the trainer's ranks do for run.py),
+and the caller gets the first rank's own failure, never a peer's lost connection to it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from megatron_ext import rank_failures
 from megatron_ext.environ import environ_set
-from megatron_ext.errors import UserError
-
-# megatron-core warns at import that Transformer Engine / Apex are missing (a dozen lines); the fork
-# server imports it before any logging setup (megatron_ext.logs says it once, where it matters).
-_QUIET_FALLBACKS = "ignore:Transformer Engine and Apex are not installed,ignore:Apex is not installed"
+from megatron_ext.errors import UserError, report
+from megatron_ext.logs import IMPORT_WARNINGS, setup_logging
 
 
 @contextlib.contextmanager
@@ -40,7 +42,7 @@ def start_fork_server(entry_module: str) -> None:
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload(["megatron_ext.convert.worker_preload", entry_module])
-    with cpu_only_env(PYTHONWARNINGS=_QUIET_FALLBACKS):
+    with cpu_only_env(PYTHONWARNINGS=IMPORT_WARNINGS):
         forkserver.ensure_running()
 
 
@@ -53,15 +55,15 @@ def _rank_main(rank: int, world_size: int, port: int, workdir: str, env: dict, f
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))
     # The parent hosts the rendezvous store (as torchrun's agent does): every rank connects to it.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
-    from megatron_ext.logs import setup_logging
-
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                      **{rank_failures.FAILURES_ENV: workdir})
     setup_logging(rank=rank)
-    try:
-        result = fn(*args)
-    except UserError as exc:
-        Path(workdir, f"error-{rank}.txt").write_text(str(exc))
-        raise
+    with rank_failures.recorded():
+        try:
+            result = fn(*args)
+        except UserError as exc:
+            report(str(exc))
+            sys.exit(2)
     if rank == 0:
         torch.save(result, Path(workdir, "result.pt"))
 
@@ -69,8 +71,9 @@ def _rank_main(rank: int, world_size: int, port: int, workdir: str, env: dict, f
 def run_on_cpu_ranks(fn: Callable, world_size: int, *args) -> Any:
     """Call `fn(*args)` on ranks 0..world_size-1 (env:// set for `init_parallel`); returns rank 0's result.
 
-    A UserError raised on any rank is raised here with its message; any other failure stops all
-    ranks and propagates (with the failing rank's traceback).
+    The first rank's failure is raised here: a UserError with its message, an unexpected exception as
+    `rank_failures.RankFailed` with that rank's traceback. A rank that died without a word (killed:
+    out of memory?) is torch's ProcessExitedException, naming it.
     """
     import torch
     import torch.multiprocessing as mp
@@ -84,9 +87,11 @@ def run_on_cpu_ranks(fn: Callable, world_size: int, *args) -> Any:
         try:
             mp.start_processes(_rank_main, args=(world_size, store.port, workdir, dict(os.environ), fn, args),
                                nprocs=world_size, join=True, start_method="forkserver")
-        except ProcessException:
-            errors = sorted(Path(workdir).glob("error-*.txt"))
-            if errors:
-                raise UserError(errors[0].read_text()) from None
-            raise
+        except ProcessException as exc:
+            first = rank_failures.first_failure(Path(workdir))
+            if first is None or (first.peer_loss and getattr(exc, "signal_name", None)):
+                raise
+            if first.traceback is None:
+                raise UserError(first.message) from None
+            raise rank_failures.RankFailed(first) from None
         return torch.load(Path(workdir, "result.pt"), weights_only=False)

@@ -9,6 +9,7 @@ tensor is one layer of a key stacked over layers), and read into memory of its o
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -63,12 +64,27 @@ class _ChunkLoadPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]  # the chunk itself, whatever its offsets in the global tensor
 
 
+def by_layer(stored: Stored) -> list[Stored]:
+    """The stored tensors, a layer (or one tensor outside the layers) at a time: the unit
+    `read_tensors` reads at once."""
+    groups: dict[str, Stored] = {}
+    for name, shape_dtype in stored.items():
+        layer = re.match(r"^(.*\.decoder\.layers\.\d+)\.", name)
+        groups.setdefault(layer.group(1) if layer else name, {})[name] = shape_dtype
+    return list(groups.values())
+
+
 def read_tensors(snapshot_dir: Path, tensors: Stored) -> dict[str, torch.Tensor]:
     """{canonical name: (TP1 shape, dtype)} -> those whole Megatron tensors, read from the snapshot
-    (in this process alone: no collective) into fresh memory."""
+    (in this process alone: no collective) into fresh memory. At most one tensor of each checkpoint
+    key (the same tensor of every layer is one key): read a `by_layer` group at a time."""
     requests, offsets, out = {}, {}, {}
     for name, (shape, dtype) in tensors.items():
-        key, offsets[key], sizes = chunk_of_tensor(name, shape)
+        key, key_offsets, sizes = chunk_of_tensor(name, shape)
+        if key in requests:
+            raise ValueError(f"{name} and another tensor asked for at once are both parts of {key}; "
+                             "read one layer at a time (by_layer)")
+        offsets[key] = key_offsets
         requests[key] = torch.empty(sizes, dtype=dtype)
         out[name] = requests[key].view(shape)
     with warnings.catch_warnings():  # that it reads in this process alone: that is the intent

@@ -16,7 +16,6 @@ directory, which appears only when complete.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,16 +101,6 @@ def _refuse(export: Export, problems: list[str], extra: list[str]) -> None:
         hint = "" if extra else f" ({export.snapshot.hf_extra_file} is missing: copy it from the converted checkpoint)"
         raise UserError(f"--megatron-dir {export.snapshot.path}: cannot produce a complete HF model{hint}; "
                         + "; ".join(problems))
-
-
-def _by_layer(stored: dict) -> list[dict]:
-    """The stored tensors {canonical name: (shape, dtype)}, a layer (or one tensor outside the
-    layers) at a time: the unit read at once."""
-    groups: dict[str, dict] = {}
-    for name, shape_dtype in stored.items():
-        layer = re.match(r"^(.*\.decoder\.layers\.\d+)\.", name)
-        groups.setdefault(layer.group(1) if layer else name, {})[name] = shape_dtype
-    return list(groups.values())
 
 
 def _write_weights(groups: list[dict], extra: list[TensorSpec], export: Export, out: Path) -> None:
@@ -200,7 +189,7 @@ def _export(export: Export, out: Path) -> None:
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as helper:
         expected_hf = helper.submit(hf_model_names, snapshot.hf_config)
         configs = helper.submit(_write_configs, snapshot, export.tokenizer_dir, out)
-        from megatron_ext.convert.dist_read import stored_tensors
+        from megatron_ext.convert.dist_read import by_layer, stored_tensors
 
         extra_specs = _extra_specs(snapshot)
         extra = [spec.name for spec in extra_specs]
@@ -209,7 +198,7 @@ def _export(export: Export, out: Path) -> None:
         # holds its optimizer state); anything there the table does not know is refused by the check.
         stored = stored_tensors(export.weights.path, tuple({_top_level(name) for name in table}))
         _refuse(export, coverage.megatron_to_hf_problems(table, list(stored), extra), extra)
-        _write_weights(_by_layer(stored), extra_specs, export, out)
+        _write_weights(by_layer(stored), extra_specs, export, out)
         written = coverage.hf_names_written(table, list(stored), extra)
         _refuse(export, coverage.expected_hf_problems(written, expected_hf.result()), extra)
         configs.result()

@@ -43,8 +43,7 @@ class TiledMedia:
         """`frame_settings`: the video processor's (`video.load_frame_settings`), for a model
         that takes videos."""
         self.anyres = AnyresPreprocessor(image_processor)
-        tile = arch.vision.image_size
-        self.layout = FeatureLayout(arch.tiling, tile, tile // arch.vision.patch_size,
+        self.layout = FeatureLayout(arch.tiling, arch.vision.image_size, arch.vision.patches_per_side,
                                     one_tile_when_several=self.anyres.one_tile_when_several)
         self.image_token = arch.image_token_index
         self.video_token = arch.tiling.video_token_index

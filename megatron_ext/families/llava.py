@@ -136,13 +136,27 @@ def _tiling(cfg: dict, kind: LlavaKind, tile: int) -> TilingArch | None:
                       video_token_index=video_token)
 
 
+def _complete(cfg: Any, kind: LlavaKind) -> dict:
+    """Every field of the config as transformers reads it: published config.json files leave out
+    what equals their classes' defaults (llava-1.5-7b-hf gives no text hidden_size, OneVision's
+    tower no hidden_act), which transformers' config classes fill in."""
+    if not isinstance(cfg, dict):
+        return cfg.to_dict()
+    import transformers
+
+    try:
+        return getattr(transformers, kind.config_class)(**cfg).to_dict()
+    except (TypeError, ValueError, KeyError) as exc:
+        raise UserError(f"the {kind.model_type} config does not load in transformers' {kind.config_class}: {exc}") from exc
+
+
 def read_llava(cfg: Any, text_family, vision_family) -> LlavaArch:
     """The LlavaArch of an HF LLaVA config whose text config `text_family` and vision config
     `vision_family` read."""
     from megatron_ext.model.activation_names import hf_activation
 
-    cfg = as_dict(cfg)
     kind = kind_of(cfg)
+    cfg = _complete(cfg, kind)
     feature_layer = cfg.get("vision_feature_layer", kind.feature_layer)
     if not isinstance(feature_layer, int):
         raise UserError(f"vision_feature_layer {feature_layer} (several layers) is not supported")
@@ -155,7 +169,9 @@ def read_llava(cfg: Any, text_family, vision_family) -> LlavaArch:
         raise UserError(f"vision_feature_select_strategy 'full' keeps {vision.model_type}'s class token, which "
                         f"{kind.model_type} cannot lay out in a tile's grid; use 'default'")
     image_token = cfg.get("image_token_index", cfg.get("image_token_id"))
-    text_config = cfg["text_config"]
+    # transformers ties the output layer to the embedding when either config says so.
+    text_config = {**cfg["text_config"],
+                   "tie_word_embeddings": bool(cfg.get("tie_word_embeddings") or cfg["text_config"].get("tie_word_embeddings"))}
     return LlavaArch(
         text=text_family(text_config.get("model_type")).read(text_config),
         vision=vision,

@@ -64,6 +64,7 @@ class ViTFamily:
     config_class: str  # transformers config class the tiny test tower is built from
     tiny_hidden_act: str
     tiny_processor: Callable[[int], Any]  # image size -> the tower's HF image processor
+    tiny_image_size: int = 56  # the tiny test tower's, in pixels (4 x 4 patches of 14)
     hf_layers: str = "vision_tower.encoder.layers."  # HF name prefix of layer i's tensors (then "i.")
     hf_unused: tuple[str, ...] = ("post_layernorm", "head")  # tower modules LLaVA never runs
     # Where whole checkpoints of `full_model_type` keep the tower, when transformers does not load
@@ -150,8 +151,9 @@ class ViTFamily:
         return int(self.class_token)
 
     def tiny_tower(self, fields: dict, image_size: int):
-        """(random tower of this family with config `fields`, its image processor)."""
+        """(random tower of this family with config `fields` (the family's tiny activation unless they
+        name one), its image processor)."""
         import transformers
 
-        config = getattr(transformers, self.config_class)(**fields, image_size=image_size, hidden_act=self.tiny_hidden_act)
+        config = getattr(transformers, self.config_class)(**{"hidden_act": self.tiny_hidden_act, **fields}, image_size=image_size)
         return getattr(transformers, self.model_class)(config), self.tiny_processor(image_size)

@@ -87,7 +87,7 @@ class TinyVisionSpec:
     num_layers: int = 3
     num_heads: int = 4
     intermediate_size: int = 64
-    image_size: int = 56
+    image_size: int | None = None  # None: the tower family's `tiny_image_size`
     patch_size: int = 14
 
 
@@ -127,8 +127,6 @@ def _seeded(seed: int):
 
 def make_text_model(save_dir: Path, spec: TinyTextSpec = TinyTextSpec(), seed: int = 0) -> Path:
     """Write a random causal LM of family `spec.arch` and its tokenizer to `save_dir`."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     from megatron_ext.families import text_family
 
     tokenizer = train_tokenizer(spec.vocab_size)
@@ -146,12 +144,30 @@ def make_text_model(save_dir: Path, spec: TinyTextSpec = TinyTextSpec(), seed: i
         eos_token_id=tokenizer.eos_token_id,
         initializer_range=spec.initializer_range,
     )
+    return _save_text_model(save_dir, config, tokenizer, seed)
+
+
+def make_text_model_like(save_dir: Path, text_config: dict, seed: int = 0,
+                         initializer_range: float = TinyTextSpec.initializer_range) -> Path:
+    """Write a random causal LM of the published `text_config` (a config.json's fields: every size and
+    setting as given), with the local tokenizer, whose length becomes the vocabulary size."""
+    from transformers import AutoConfig
+
+    tokenizer = train_tokenizer(TinyTextSpec.vocab_size)
+    fields = {**text_config, "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+              "eos_token_id": tokenizer.eos_token_id, "pad_token_id": None, "initializer_range": initializer_range}
+    return _save_text_model(save_dir, AutoConfig.for_model(**fields), tokenizer, seed)
+
+
+def _save_text_model(save_dir: Path, config, tokenizer, seed: int) -> Path:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from megatron_ext.families import text_family
+
     _seeded(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    text_family(spec.arch).tiny_weights(model)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
-    )
+    text_family(config.model_type).tiny_weights(model)
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     model.save_pretrained(save_dir)
     tokenizer.save_pretrained(save_dir)
     return save_dir
@@ -165,7 +181,7 @@ def make_vision_model(save_dir: Path, kind: str, spec: TinyVisionSpec = TinyVisi
     towers = {f.full_model_type: f for f in vision_families().values()}
     if kind not in towers:
         raise ValueError(f"unknown tiny vision tower {kind!r} ({', '.join(sorted(towers))})")
-
+    tower = towers[kind]
     fields = dict(
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -173,8 +189,23 @@ def make_vision_model(save_dir: Path, kind: str, spec: TinyVisionSpec = TinyVisi
         num_attention_heads=spec.num_heads,
         patch_size=spec.patch_size,
     )
+    return _save_tower(save_dir, tower, fields, spec.image_size or tower.tiny_image_size, seed)
+
+
+def make_vision_model_like(save_dir: Path, vision_config: dict, seed: int = 0) -> Path:
+    """Write a random tower of the published `vision_config` (its family's, every size as given) and
+    its family's image processor at the config's image size."""
+    from megatron_ext.families import vision_family
+
+    fields = {k: v for k, v in vision_config.items() if k not in ("model_type", "image_size")}
+    size = vision_config["image_size"]
+    return _save_tower(save_dir, vision_family(vision_config["model_type"]), fields,
+                       size[0] if isinstance(size, (list, tuple)) else size, seed)
+
+
+def _save_tower(save_dir: Path, tower, fields: dict, image_size: int, seed: int) -> Path:
     _seeded(seed)
-    model, processor = towers[kind].tiny_tower(fields, spec.image_size)
+    model, processor = tower.tiny_tower(fields, image_size)
     model.save_pretrained(save_dir)
     processor.save_pretrained(save_dir)
     return save_dir

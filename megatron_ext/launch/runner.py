@@ -77,11 +77,8 @@ class _Output:
 def _report(failures_dir: Path, log_path: Path) -> None:
     """The first rank's failure, once: one line, after its traceback when it was not a user error."""
     first = rank_failures.first_failure(failures_dir)
-    if first is None:
-        return
-    if first.traceback:
-        sys.stderr.write(first.traceback)
-    print(f"error: {first.message} (rank {first.rank}; the run's whole output: {log_path})", file=sys.stderr, flush=True)
+    if first is not None:
+        rank_failures.show(first, f"; the run's whole output: {log_path}")
 
 
 @dataclass(frozen=True)

@@ -60,8 +60,19 @@ class VisionArch:
     init_std: float
 
     @property
+    def patches_per_side(self) -> int:
+        # transformers' patch convolution has no padding: the pixels past the last whole patch are
+        # never seen (SigLIP so400m-patch14-384: 27 patches, 6 pixels left over per side).
+        return self.image_size // self.patch_size
+
+    @property
+    def patched_size(self) -> int:
+        """The pixels per side the patches cover: `image_size` where it is a multiple of the patch."""
+        return self.patches_per_side * self.patch_size
+
+    @property
     def num_patches(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
+        return self.patches_per_side ** 2
 
 
 @dataclass(frozen=True)
@@ -101,7 +112,7 @@ class LlavaArch:
         model's image at least one tile's features and its newline (OneVision's image among several)."""
         if self.tiling is None:
             return self.img_seq_len
-        return (self.vision.image_size // self.vision.patch_size) ** 2 + 1
+        return self.vision.num_patches + 1
 
     def parallel_problems(self, tp: int, pp: int) -> list[str]:
         """Every reason this model cannot be split `tp` x `pp` ways (empty when it can)."""

@@ -8,6 +8,7 @@ first stage, the language model's layers are split across stages.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 
@@ -17,6 +18,7 @@ from megatron_ext.distributed import device
 from megatron_ext.model.activations import ACTIVATIONS
 from megatron_ext.model.arch import LlavaArch
 from megatron_ext.model.backends import STORED_DTYPES, resolve_backend, te_available
+from megatron_ext.model.build_errors import megatron_refusals
 from megatron_ext.model.execution import ModelExecution
 from megatron_ext.model.family_hooks import ModelFamilies
 from megatron_ext.model.specs import llava_specs
@@ -129,15 +131,27 @@ def transformer_configs(arch: LlavaArch, families: ModelFamilies, opts: ModelOpt
 
 
 def build_model(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions = ModelOptions(),
-                vp_stage: int | None = None):
+                vp_stage: int | None = None, meta: bool = False):
     """This rank's LLaVAModel under the current megatron parallel state; `families`:
-    `megatron_ext.families.of(arch)`."""
+    `megatron_ext.families.of(arch)`. `meta`: every tensor on PyTorch's meta device (shapes and
+    dtypes, no memory; `model/meta_ranks.py`), with `opts.init_weights` False."""
     from megatron.core import parallel_state
-    from megatron.core.enums import ModelType
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     arch.check_parallel(tp, pp)
+    if meta and opts.init_weights:
+        raise ValueError("a model on the meta device has no values to initialise: use init_weights=False")
+    with megatron_refusals(), torch.device("meta") if meta else contextlib.nullcontext():
+        model = _build(arch, families, opts, vp_stage, tp, pp)
+    # use_cpu_initialization leaves every weight on the host; it computes on this process's device.
+    return model if meta else model.to(device())
+
+
+def _build(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions, vp_stage: int | None, tp: int, pp: int):
+    from megatron.core import parallel_state
+    from megatron.core.enums import ModelType
+
     backend = opts.resolved_backend()
     language_cfg, vision_cfg, projector_cfg = transformer_configs(arch, families, opts, backend, tp, pp)
     specs = llava_specs(backend, language_cfg)
@@ -165,8 +179,10 @@ def build_model(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions = M
         post_process=last,
         add_encoder=first,
         add_decoder=True,
-        img_h=arch.vision.image_size,
-        img_w=arch.vision.image_size,
+        # megatron-core's ViT refuses images off its patch grid; its convolution, like transformers',
+        # ignores the pixels past the last whole patch, so it takes the full image as it is.
+        img_h=arch.vision.patched_size,
+        img_w=arch.vision.patched_size,
         patch_dim=arch.vision.patch_size,
         image_token_index=arch.image_token_index,
         vp_stage=vp_stage,
@@ -179,8 +195,6 @@ def build_model(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions = M
     model.model_type = ModelType.encoder_or_decoder
     # How batches must express packing to it (model.inputs).
     model.attention_backend = backend
-    # use_cpu_initialization leaves every weight on the host; it computes on this process's device.
-    model.to(device())
     if not opts.init_weights:
         _mark_tensor_parallel_weights(model)
     return model
@@ -194,7 +208,7 @@ def _model_class(arch: LlavaArch):
         return LLaVAModel
     from megatron_ext.model.tiled_llava import TiledLLaVAModel
 
-    return partial(TiledLLaVAModel, tiling=arch.tiling)
+    return partial(TiledLLaVAModel, tiling=arch.tiling, tile=arch.vision.image_size)
 
 
 def _mark_tensor_parallel_weights(model) -> None:

@@ -20,10 +20,11 @@ from megatron_ext.model.tiling import Media, assemble, feature_count
 
 
 class TiledLLaVAModel(LLaVAModel):
-    def __init__(self, *, tiling: TilingArch, **kwargs):
+    def __init__(self, *, tiling: TilingArch, tile: int, **kwargs):
+        """`tile`: the tower's image size in pixels, which the grids are multiples of."""
         super().__init__(**kwargs)
         self.tiling = tiling
-        self.tile = kwargs["img_h"]
+        self.tile = tile
         # Input ids carry one image token per feature, so megatron-core widens none of them.
         self.img_seq_len = 1
         self._layout: list[Media] | None = None

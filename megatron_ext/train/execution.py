@@ -61,6 +61,9 @@ def resolve_execution(config: TrainConfig, world_size: int, te: bool, on_gpu: bo
     for flag, value in (("--tp", config.tp), ("--pp", config.pp), ("--cp", config.cp)):
         if value < 1:
             raise UserError(f"{flag} {value} must be >= 1")
+    if config.sequence_parallel and config.tp == 1:  # megatron-core's TransformerConfig would refuse it
+        raise UserError("--sequence-parallel splits activations over the --tp ranks: it needs --tp 2 or more "
+                        "(got --tp 1); drop it or raise --tp")
     if config.cp > 1:
         _needs_te(f"--cp {config.cp} (context parallelism)", requested, backend)
         if config.micro_batch_size != 1:

@@ -32,8 +32,8 @@ def test_tiled_configs_give_their_grid_one_position_per_image_token_and_a_newlin
 
 @pytest.mark.parametrize("changes,message", [
     ({"vision_aspect_ratio": "anyres"}, r"^vision_aspect_ratio 'anyres' is not supported \(anyres_max_N, N >= 1\)$"),
-    ({"image_grid_pinpoints": [[56, 100]]},
-     r"^image_grid_pinpoints \[\[56, 100\]\] are not \(height, width\) multiples of the tower's image size 56$"),
+    ({"image_grid_pinpoints": [[62, 100]]},
+     r"^image_grid_pinpoints \[\[62, 100\]\] are not \(height, width\) multiples of the tower's image size 62$"),
     ({"image_grid_pinpoints": None}, r"^llava_onevision config has no image_grid_pinpoints$"),
 ])
 def test_onevision_configs_it_cannot_lay_out_are_refused(llava_onevision_siglip, changes, message):

@@ -40,7 +40,7 @@ def test_vision_rows_and_the_unused_tensors_cover_the_hf_tower(kind):
     spec = TinyVisionSpec()
     fields = dict(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
                   num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, patch_size=spec.patch_size)
-    tower, _ = family.tiny_tower(fields, spec.image_size)
+    tower, _ = family.tiny_tower(fields, family.tiny_image_size)
     vision = family.read(tower.config, family.feature_layer)
     once, layer = family.rows(vision)
     names = [f"vision_tower.{n}" for n in tower.state_dict()]

@@ -191,10 +191,11 @@ def test_processor_renders_hf_structured_messages_as_the_trainer_does(tmp_path, 
         processor.tokenizer.apply_chat_template(structured, chat_template=string_only, tokenize=False)
 
 
-@pytest.mark.parametrize("fixture", ["llava_next_clip", "llava_onevision_siglip"])
-def test_tiled_archs_give_their_class_the_published_grids_and_a_processor_matching_the_model(request, fixture):
-    """--arch llava-next / llava-onevision: the HF class, grids of the tower's 56-pixel tiles, a fresh
-    image_newline, and a processor whose expanded image tokens transformers' model accepts."""
+@pytest.mark.parametrize("fixture,tile", [("llava_next_clip", 56), ("llava_onevision_siglip", 62)])
+def test_tiled_archs_give_their_class_the_published_grids_and_a_processor_matching_the_model(request, fixture, tile):
+    """--arch llava-next / llava-onevision: the HF class, grids of the tower's tiles (CLIP's 56 pixels,
+    SigLIP's 62, off its patch grid), a fresh image_newline, and a processor whose expanded image tokens
+    transformers' model accepts."""
     import transformers
 
     from megatron_ext.families import llava_kind
@@ -204,7 +205,7 @@ def test_tiled_archs_give_their_class_the_published_grids_and_a_processor_matchi
     config = json.loads((path / "config.json").read_text())
     kind = llava_kind(config)
     assert config["architectures"] == [kind.model_class]
-    assert config["image_grid_pinpoints"] == kind.default_pinpoints(56)
+    assert config["image_grid_pinpoints"] == kind.default_pinpoints(tile)
     model = getattr(transformers, kind.model_class).from_pretrained(path).eval()
     newline = model.model.image_newline
     assert newline.shape == (config["text_config"]["hidden_size"],) and 0.05 < newline.std() < 0.3  # ~1/sqrt(64)
@@ -259,7 +260,7 @@ def test_onevision_directory_loads_in_transformers_with_its_video_processor(requ
         "LlavaOnevisionProcessor", "LlavaOnevisionImageProcessor", "LlavaOnevisionVideoProcessor")
     saved = json.loads((hf_dir / "processor_config.json").read_text())["video_processor"]
     assert (hf["video_settings"]["resample"], list(hf["video_settings"]["image_mean"])) == (saved["resample"], saved["image_mean"])
-    assert hf["video_settings"]["size"]["height"] == hf["video_settings"]["size"]["width"] == 56
+    assert hf["video_settings"]["size"]["height"] == hf["video_settings"]["size"]["width"] == 62
     as_trained = [{"role": "user", "content": "<image>\n<video>\nWhat happens?"}]
     encoded = PromptEncoder(ours, ours.chat_template).encode(as_trained, [image], [video])
     assert hf["text"] == ours.tokenizer.apply_chat_template(as_trained, chat_template=ours.chat_template, tokenize=False,

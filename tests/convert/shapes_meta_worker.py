@@ -1,0 +1,66 @@
+"""Worker for test_published_shapes: every published shape, at two layers and its real widths, built
+for every rank of every layout on the meta device (megatron_ext/model/meta_ranks.py), and checked
+with the converter's own checks against the shapes transformers gives the same config.
+
+Usage: shapes_meta_worker.py IN.json OUT.json
+
+IN.json: {"layouts": [[tp, pp], ...], "configs": {shape: LLaVA config.json}}.
+OUT.json: {shape: {"tpTppP": {"problems": [...]}}}, the problems the converter would refuse the
+layout with (none: it converts), or {"refused": the one-line refusal} for a layout the model cannot take.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+class HfShapes:
+    """The names and shapes of an HF checkpoint of `config`, from transformers' model on meta (what
+    the converter reads from safetensors headers)."""
+
+    def __init__(self, config: dict):
+        from megatron_ext.convert.hf_checkpoint import hf_model_names, meta_llava
+        from megatron_ext.convert.mapping import normalize_hf_name
+
+        params = {normalize_hf_name(n): t for n, t in meta_llava(config).state_dict().items()}
+        self.names = hf_model_names(config)
+        self._shapes = {name: params[name].shape for name in self.names}
+
+    def meta(self, name):
+        return torch.empty(self._shapes[name], device="meta")
+
+
+def check_layout(arch, hf: HfShapes, tp: int, pp: int) -> list[str]:
+    from megatron_ext import families
+    from megatron_ext.convert import coverage
+    from megatron_ext.convert.mapping import hf_only_names, llava_mapping
+    from megatron_ext.convert.to_megatron import check_model
+    from megatron_ext.model.meta_ranks import rank_models
+
+    reports = [check_model(model, arch, hf) for _, model in rank_models(arch, families.of(arch), (tp, pp))]
+    return coverage.hf_to_megatron_problems(llava_mapping(arch), reports, hf.names, hf_only_names(arch, hf.names))
+
+
+def main():
+    from megatron_ext.errors import UserError
+    from megatron_ext.families import read_llava
+
+    request = json.loads(Path(sys.argv[1]).read_text())
+    results = {}
+    for name, config in request["configs"].items():
+        arch, hf = read_llava(config), HfShapes(config)
+        results[name] = {}
+        for tp, pp in request["layouts"]:
+            try:
+                arch.check_parallel(tp, pp)
+            except UserError as exc:
+                results[name][f"tp{tp}pp{pp}"] = {"refused": str(exc)}
+                continue
+            results[name][f"tp{tp}pp{pp}"] = {"problems": check_layout(arch, hf, tp, pp)}
+    Path(sys.argv[2]).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
