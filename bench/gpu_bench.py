@@ -205,6 +205,14 @@ def _device_name() -> str:
     return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
 
 
+def _failure(output: str) -> str:
+    """The error a failed variant died of: its last exception line, not the warnings printed at exit
+    (NCCL's destroy_process_group notice came last on an H100)."""
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line.split(":")[0] or line.startswith("[rank0]: ") and "Error" in line]
+    return (errors or lines or ["no output"])[-1]
+
+
 def sweep(argv: list[str]) -> dict:
     """Every variant in its own process (clean peak memory), same other options."""
     from megatron_ext.model.backends import te_available
@@ -215,7 +223,7 @@ def sweep(argv: list[str]) -> dict:
         proc = subprocess.run([sys.executable, __file__, *argv, *extra], capture_output=True, text=True)
         lines = proc.stdout.strip().splitlines()
         if proc.returncode != 0 or not lines:
-            results[name] = {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+            results[name] = {"error": _failure(proc.stderr or proc.stdout)}
         else:
             results[name] = json.loads(lines[-1])
         print(f"{name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)

@@ -18,21 +18,14 @@ Patches, each with the failure it fixes:
    named states of the CPU generator instead, and `_get/_set_cuda_rng_state` read/write the CPU
    generator. (Callers must still `torch.manual_seed(seed)`: on a CPU torch megatron never seeds
    the CPU generator.)
-4. Norms without Transformer Engine/Apex: CLIPViTModel defaults `ln_pre_impl`/`ln_post_impl` to
-   `torch.nn.LayerNorm` and passes `config=` to it -> TypeError. LLaVAModel cannot pass other
-   implementations, so the defaults become megatron's `WrappedTorchNorm`.
-5. Distributed optimizer without Transformer Engine/Apex: `sharded_state_dict(is_loading=True)` on a
-   fresh optimizer reads the torch Adam `step` of every parameter, which does not exist before the
-   first update -> `assert len(steps) == 1`. The state (zeros, step 0) is created first, as the
-   optimizer's own `init_state_fn` does for the non-distributed optimizers. Loading then copies
-   every state of torch Adam, including `step`, which the checkpoint keeps separately ->
-   `KeyError: 'step'`; `step` is left as the param-group load set it, one tensor per parameter (the
-   load shares one tensor among all, and Adam's in-place increment would then count N times).
-6. Activation recomputation: megatron's `CheckpointFunction` re-runs the forward inside autograd's
+4. Activation recomputation: megatron's `CheckpointFunction` re-runs the forward inside autograd's
    backward, where the mode of patch 1 is not active -> "Torch not compiled with CUDA enabled"
    (e.g. the causal mask of DotProductAttention). Its backward runs under the mode.
 
-Patches 3-6 use private megatron-core 0.16 names (`_MEGATRON_NAMES`); `apply()` checks them all
+Where megatron-core breaks for want of Transformer Engine/Apex rather than CUDA (norm defaults, the
+distributed optimizer's torch Adam), the fix is `without_te`'s, applied on GPUs too.
+
+Patches 3-4 use private megatron-core 0.16 names (`_MEGATRON_NAMES`); `apply()` checks them all
 before patching anything and refuses in one line, naming the installed version, when one is missing.
 """
 
@@ -125,7 +118,7 @@ class _NullStream:
         return 0.0
 
 
-# Every megatron-core name patches 3-6 read or replace, by module. They are private and can change
+# Every megatron-core name patches 3-4 read or replace, by module. They are private and can change
 # in any release, so `check_megatron_core` checks all of them before any patch is applied (a run
 # never goes on half-patched). "A.b" is attribute b of A; "f(x)" is parameter x of f. Instance
 # attributes the patched code uses (the tracker's `states_`/`seeds_`, the optimizer's
@@ -139,28 +132,15 @@ _MEGATRON_NAMES = {
         "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
         "_MODEL_PARALLEL_RNG_TRACKER_NAME",
         "CudaRNGStatesTracker",
-        # patch 6 (recomputation)
+        # patch 4 (recomputation)
         "CheckpointFunction.backward",
-    ),
-    # patch 4 (norms)
-    "megatron.core.models.vision.clip_vit_model": (
-        "NORM_IMPL",
-        "CLIPViTModel.__init__(ln_pre_impl)",
-        "CLIPViTModel.__init__(ln_post_impl)",
-    ),
-    "megatron.core.transformer.torch_norm": ("WrappedTorchNorm",),
-    # patch 5 (distributed optimizer)
-    "megatron.core.optimizer.distrib_optimizer": (
-        "HAVE_APEX_OR_TE",
-        "DistributedOptimizer.sharded_state_dict",
-        "DistributedOptimizer._set_main_param_and_optimizer_states",
     ),
 }
 
 
-def _missing_megatron_names() -> list[str]:
+def _missing_megatron_names(wanted: dict[str, tuple[str, ...]] = _MEGATRON_NAMES) -> list[str]:
     missing = []
-    for module_name, names in _MEGATRON_NAMES.items():
+    for module_name, names in wanted.items():
         try:
             module = importlib.import_module(module_name)
         except ImportError:
@@ -180,15 +160,16 @@ def _missing_megatron_names() -> list[str]:
     return missing
 
 
-def check_megatron_core() -> None:
-    """Refuse (UserError) unless every name in `_MEGATRON_NAMES` exists in the installed megatron-core."""
-    missing = _missing_megatron_names()
+def check_megatron_core(wanted: dict[str, tuple[str, ...]] = _MEGATRON_NAMES, patcher: str = "CPU support") -> None:
+    """Refuse (UserError) unless every name in `wanted` (module -> names, as `_MEGATRON_NAMES`) exists
+    in the installed megatron-core."""
+    missing = _missing_megatron_names(wanted)
     if missing:
         import megatron.core
 
         # A release that lacks these names may lack `__version__` too: still say what to install.
         version = getattr(megatron.core, "__version__", "of unknown version")
-        raise UserError(f"megatron-core {version} lacks {', '.join(missing)}, which megatron_ext's CPU support "
+        raise UserError(f"megatron-core {version} lacks {', '.join(missing)}, which megatron_ext's {patcher} "
                         f"patches: install megatron-core>=0.16,<0.17, the version it is written for")
 
 
@@ -248,49 +229,6 @@ def _patch_rng() -> None:
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
-def _patch_vision_norm_defaults() -> None:
-    from megatron.core.models.vision import clip_vit_model
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    if clip_vit_model.NORM_IMPL is torch.nn.LayerNorm:
-        defaults = list(clip_vit_model.CLIPViTModel.__init__.__defaults__)
-        defaults = [WrappedTorchNorm if d is torch.nn.LayerNorm else d for d in defaults]
-        clip_vit_model.CLIPViTModel.__init__.__defaults__ = tuple(defaults)
-
-
-def _patch_distributed_optimizer_loading() -> None:
-    from megatron.core.optimizer import distrib_optimizer
-
-    if distrib_optimizer.HAVE_APEX_OR_TE:
-        return
-    original = distrib_optimizer.DistributedOptimizer.sharded_state_dict
-
-    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, **kwargs):
-        if is_loading and not self.optimizer.state:
-            self.init_state_fn(self.optimizer, self.config)
-            for group in self.optimizer.param_groups:
-                for param in group["params"]:
-                    self.optimizer.state[param]["step"] = torch.tensor(0.0)
-        return original(self, model_sharded_state_dict or {}, is_loading=is_loading, **kwargs)
-
-    set_states = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
-
-    def set_main_param_and_optimizer_states(self, model_param, tensors):
-        if "step" not in tensors:
-            group_index, group_order = self.model_param_group_index_map[model_param]
-            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-            state = self.optimizer.state.get(main_param, {})
-            if "step" in state:
-                # The param-group load gave every parameter the same step tensor, which torch Adam
-                # would then increment once per parameter: give each its own.
-                state["step"] = state["step"].clone()
-                tensors = {**tensors, "step": state["step"]}
-        return set_states(self, model_param, tensors)
-
-    distrib_optimizer.DistributedOptimizer.sharded_state_dict = sharded_state_dict
-    distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
-
-
 def _patch_recomputation() -> None:
     from megatron.core.tensor_parallel import random as mp_random
 
@@ -333,8 +271,6 @@ def apply(rehearsal: bool = False) -> bool:
         torch.set_num_threads(1)
     _patch_torch_cuda()
     _patch_rng()
-    _patch_vision_norm_defaults()
-    _patch_distributed_optimizer_loading()
     _patch_recomputation()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()

@@ -50,7 +50,8 @@ class MegatronGenerator(Generator):
         ids = model_input_ids(prompt.input_ids, self.arch.image_token_index, self.arch.img_seq_len).to(self.device)
         images, layout = megatron_media(self.arch, {"input_ids": prompt.input_ids, **prompt.media})
         images = images.to(self.device, self.model.config.params_dtype)
-        media = {} if layout is None else {"media_layout": layout.to(self.device)}
+        # The layout is read on the host (tiling.Media rows): it stays there.
+        media = {} if layout is None else {"media_layout": layout}
         context = StaticInferenceContext(max_batch_size=1, max_sequence_length=prompt.length + budget)
         chooser = TokenChooser(options)
         seen = prompt.input_ids

@@ -18,11 +18,21 @@ Every form is one kernel call per layer. Packed on a GPU in half precision it is
 device from cu_seqlens. In a sliding-window layer (megatron-core's `window_size` /
 `window_attn_skip_freq`) each query sees its window: flash's own window on a GPU in half precision,
 else a band mask, and plain causal attention where the window covers the whole sequence.
+
+No call is left to SDPA's math kernel, which would hold the [b, heads, S, S] scores in fp32
+(`kernel_rules.py` has CUDA's rules): where a mask is unavoidable (fp32 or dropout packing, several
+packed rows, band masks, fewer queries than keys), grouped K/V heads are repeated, since the
+memory-efficient kernel takes a mask but no GQA. Masks are built once per micro batch (cached on
+its `PackedSeqParams`) or once per shape (band), not in every layer. `varlen_attn` is called with
+the keywords the installed torch has: before `enable_gqa`/`scale`/`window_size` existed (torch
+2.11's lacks `enable_gqa`), K/V are repeated, q pre-scaled and windowed layers take the masked path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 
 import torch
@@ -75,20 +85,18 @@ class SDPAttention(torch.nn.Module):
                 return self._packed(query, key, value, packed_seq_params, causal, dropout)
             # [s, b, h, d] -> [b, h, s, d] and back to [s, b, h * d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            out = self._attend(q, k, v, attention_mask, causal, dropout)
+            # megatron's mask convention (True = masked out) to SDPA's (True = attend)
+            allowed = None if attention_mask is None else ~attention_mask
+            out = self._attend(q, k, v, allowed, causal, dropout)
             return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
 
     def _packed(self, query, key, value, params, causal: bool, dropout: float):
         """THD: [t, h, d] holding several sequences back to back; the boundaries the rotary
         embedding used (the padded ones when given) delimit them here too."""
         cu_seqlens = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        if dropout == 0.0 and _flash_varlen(query):
+        if dropout == 0.0 and _flash_varlen(query) and _varlen_takes_window(self.window):
             return self._varlen(query, key, value, cu_seqlens, params.max_seqlen_q, causal, self.window)
-        positions = torch.arange(query.shape[0], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
-        sample = torch.searchsorted(cu_seqlens[1:], positions, right=True)
-        mask = sample[:, None] != sample[None, :]
-        if causal:
-            mask |= torch.ones_like(mask).triu(1)
+        mask = _packed_mask(params, cu_seqlens, query.shape[0], causal)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
         out = self._attend(q, k, v, mask, False, dropout)
         return out[0].transpose(0, 1).reshape(query.shape[0], -1)
@@ -96,36 +104,52 @@ class SDPAttention(torch.nn.Module):
     def _varlen(self, query, key, value, cu_seqlens, max_seqlen: int, causal: bool, window):
         """[t, h, d] sequences delimited by `cu_seqlens` (int32, on the device), one flash call."""
         before, after = window if window is not None else (-1, -1)
-        out = varlen_attn(query, key, value, cu_seqlens.int(), cu_seqlens.int(), max_seqlen, max_seqlen,
-                          scale=self.softmax_scale, window_size=(before, 0 if causal else after),
-                          enable_gqa=self.heads != self.groups)
+        takes = _varlen_keywords(varlen_attn)
+        options = {}
+        if self.heads != self.groups:
+            if "enable_gqa" in takes:
+                options["enable_gqa"] = True
+            else:
+                key, value = (_repeat_heads(t, self.heads // self.groups, dim=1) for t in (key, value))
+        if "scale" in takes:
+            options["scale"] = self.softmax_scale
+        elif (factor := self.softmax_scale * math.sqrt(query.shape[-1])) != 1.0:
+            query = query * factor
+        if "window_size" in takes:
+            options["window_size"] = (before, 0 if causal else after)
+        else:
+            options["is_causal"] = causal
+        out = varlen_attn(query, key, value, cu_seqlens.int(), cu_seqlens.int(), max_seqlen, max_seqlen, **options)
         return out.reshape(query.shape[0], -1)
 
     def _attend(self, q, k, v, attention_mask, causal: bool, dropout: float):
-        """[b, h, sq, d] attention; a given mask (megatron's convention) replaces the causal rule
-        (it already holds it)."""
+        """[b, h, sq, d] attention; a given mask (True = attend, built here or by `_packed_mask`)
+        replaces the causal rule (it already holds it)."""
         sq, sk = q.shape[-2], k.shape[-2]
         window = self._window_within(sq, sk, causal)
-        if window is not None and attention_mask is None and sq == sk and dropout == 0.0 and _flash_varlen(q):
+        if (window is not None and attention_mask is None and sq == sk and dropout == 0.0 and _flash_varlen(q)
+                and _varlen_takes_window(window)):
             # Rows of one length as THD sequences: flash applies the window itself.
             b, h, s, d = q.shape
             cu_seqlens = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
             thd = [t.permute(0, 2, 1, 3).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
             out = self._varlen(*thd, cu_seqlens, s, causal, window)
             return out.reshape(b, s, h, d).permute(0, 2, 1, 3)
-        mask = None
+        mask = attention_mask
         if window is not None:
-            mask, causal = self._band(sq, sk, q.device), False
+            mask, causal = _band(sq, sk, *window, q.device), False
             if attention_mask is not None:
-                mask = mask & ~attention_mask
-        elif attention_mask is not None:
-            mask, causal = ~attention_mask, False
+                mask = mask & attention_mask
         elif causal and sq != sk:
             # Fewer queries than keys: they are the last positions (SDPA's own is_causal aligns top-left).
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
-            causal = False
+            mask, causal = _band(sq, sk, sk, 0, q.device), False
+        grouped = self.heads != self.groups
+        if grouped and mask is not None:
+            # The memory-efficient kernel takes the mask but not grouped heads; flash takes no mask.
+            k, v = (_repeat_heads(t, self.heads // self.groups, dim=-3) for t in (k, v))
+            grouped = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                                              scale=self.softmax_scale, enable_gqa=self.heads != self.groups)
+                                              scale=self.softmax_scale, enable_gqa=grouped)
 
     def _window_within(self, sq: int, sk: int, causal: bool):
         """This layer's window where it hides some key from some query, else None (the window
@@ -136,14 +160,6 @@ class SDPAttention(torch.nn.Module):
         # The last query must reach key 0; with no causal rule the first query the last key too.
         reaches_all = before >= sk - 1 and (causal or after >= sk - 1)
         return None if reaches_all else self.window
-
-    def _band(self, sq: int, sk: int, device) -> torch.Tensor:
-        """Keys each query may see in a sliding-window layer (True = attend); the queries are the
-        last `sq` positions, as megatron-core aligns them."""
-        before, after = self.window
-        queries = torch.arange(sk - sq, sk, device=device)[:, None]
-        keys = torch.arange(sk, device=device)[None, :]
-        return (keys >= queries - before) & (keys <= queries + after)
 
     def _dropout_rng(self, dropout: float):
         if dropout == 0.0 or self.config.sequence_parallel:
@@ -158,6 +174,43 @@ def _flash_varlen(t: torch.Tensor) -> bool:
     """varlen_attn's flash kernel serves CUDA tensors in half precision (no CPU kernel, no fp32).
     `meta` stands in for CUDA in the CPU tests, which check its shapes and call counts."""
     return (t.is_cuda or t.is_meta) and t.dtype in (torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=4)
+def _varlen_keywords(kernel) -> frozenset[str]:
+    """The keyword arguments the installed `varlen_attn` takes (they grew across torch releases)."""
+    return frozenset(inspect.signature(kernel).parameters)
+
+
+def _varlen_takes_window(window) -> bool:
+    return window is None or "window_size" in _varlen_keywords(varlen_attn)
+
+
+def _repeat_heads(t: torch.Tensor, times: int, dim: int) -> torch.Tensor:
+    """Each key/value head `times` times in a row, as grouped-query attention pairs them with queries."""
+    return t.repeat_interleave(times, dim=dim)
+
+
+def _packed_mask(params, cu_seqlens: torch.Tensor, tokens: int, causal: bool) -> torch.Tensor:
+    """[t, t] (True = attend) of the samples that `cu_seqlens` delimits, built on the device once per
+    micro batch: kept on its PackedSeqParams, which every layer of the micro batch receives."""
+    masks = vars(params).setdefault("_sdpa_masks", {})
+    if causal not in masks:
+        positions = torch.arange(tokens, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+        sample = torch.searchsorted(cu_seqlens[1:], positions, right=True)
+        mask = sample[:, None] == sample[None, :]
+        masks[causal] = mask.tril() if causal else mask
+    return masks[causal]
+
+
+@functools.lru_cache(maxsize=4)
+def _band(sq: int, sk: int, before: int, after: int, device) -> torch.Tensor:
+    """[sq, sk] keys each query may see (True = attend): at most `before` keys back and `after` ahead,
+    the queries being the last `sq` positions, as megatron-core aligns them. Built once per shape (a
+    sliding window's band, the causal rule of a cache), not in every layer."""
+    queries = torch.arange(sk - sq, sk, device=device)[:, None]
+    keys = torch.arange(sk, device=device)[None, :]
+    return (keys >= queries - before) & (keys <= queries + after)
 
 
 def _tensor_parallel_size() -> int:

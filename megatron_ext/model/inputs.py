@@ -35,6 +35,7 @@ class ModelInputs:
     dtype: torch.dtype  # compute dtype: images are cast to it (the ViT's weights have it)
     device: torch.device
     tiled: bool = False  # a tiled LLaVA: the batch's media_layout goes to its forward
+    video_token_index: int | None = None  # a tiled LLaVA's video token (None: no video)
 
     @classmethod
     def for_model(cls, arch, model, device: torch.device) -> "ModelInputs":
@@ -43,7 +44,8 @@ class ModelInputs:
 
         return cls(arch.image_token_index, arch.img_seq_len, model.language_model.max_sequence_length,
                    parallel_state.get_pipeline_model_parallel_world_size() > 1, model.attention_backend,
-                   model.config.params_dtype, device, tiled=arch.tiling is not None)
+                   model.config.params_dtype, device, tiled=arch.tiling is not None,
+                   video_token_index=arch.tiling.video_token_index if arch.tiling is not None else None)
 
     def combined_length(self, input_ids: torch.Tensor) -> int:
         return combined_seq_len(input_ids, self.image_token_index, self.img_seq_len, self.seq_length,
@@ -60,8 +62,13 @@ class ModelInputs:
             "loss_mask": self._to_device(batch["loss_mask"]),
         }
         if self.tiled:
-            # Read on the host (tiling.Media rows), so it stays there.
+            # Read on the host (tiling.Media rows), so it stays there; the image (and video) tokens are
+            # counted here, on the host copy of the ids, not read back from the device's.
             kwargs["media_layout"] = batch["media_layout"]
+            media = input_ids == self.image_token_index
+            if self.video_token_index is not None:
+                media |= input_ids == self.video_token_index
+            kwargs["image_tokens"] = int(media.sum())
         packed = int(segment_ids.max()) > 1
         length = self.combined_length(input_ids)
         if self.backend != "local" and input_ids.shape[0] == 1:

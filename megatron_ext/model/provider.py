@@ -15,6 +15,7 @@ from functools import partial
 import torch
 
 from megatron_ext.distributed import device
+from megatron_ext.model import rope_kernels
 from megatron_ext.model.activations import ACTIVATIONS
 from megatron_ext.model.arch import LlavaArch
 from megatron_ext.model.backends import STORED_DTYPES, resolve_backend, te_available
@@ -62,8 +63,9 @@ def _common(opts: ModelOptions, backend: str, tp: int, init_std: float) -> dict:
         # ModuleNotFoundError without Apex) and, for causal layers, ignores the packing mask, so
         # samples of a pack would attend to each other. That backend is the reference: never fused.
         masked_softmax_fusion=False,
-        # TE's fused RoPE (THD too); without TE megatron-core has no fused kernel.
-        apply_rope_fusion=backend == "te",
+        # megatron-core's unfused THD RoPE reads cu_seqlens back to the host in every layer; the
+        # "fused" entry points are TE's or, without TE, rope_kernels' (installed below).
+        apply_rope_fusion=backend in ("te", "sdpa"),
         gradient_accumulation_fusion=opts.execution.gradient_accumulation_fusion,
         # Pipeline p2p must not wait on CUDA streams that do not exist on CPU.
         batch_p2p_sync=on_gpu,
@@ -93,6 +95,7 @@ def transformer_configs(arch: LlavaArch, families: ModelFamilies, opts: ModelOpt
     """(language, vision, projector) TransformerConfigs for a `tp` x `pp` layout."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    rope_kernels.install()  # before the configs: they check that fused RoPE entry points exist
     t, v, ex = arch.text, arch.vision, opts.execution
     fp8 = dict(fp8=ex.fp8, fp8_recipe="delayed") if ex.fp8 else {}
     language = TransformerConfig(
@@ -137,6 +140,9 @@ def build_model(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions = M
     dtypes, no memory; `model/meta_ranks.py`), with `opts.init_weights` False."""
     from megatron.core import parallel_state
 
+    from megatron_ext import without_te
+
+    without_te.apply()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     arch.check_parallel(tp, pp)

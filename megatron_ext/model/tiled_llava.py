@@ -28,6 +28,7 @@ class TiledLLaVAModel(LLaVAModel):
         # Input ids carry one image token per feature, so megatron-core widens none of them.
         self.img_seq_len = 1
         self._layout: list[Media] | None = None
+        self._image_tokens = 0
         if self.add_encoder:
             config = kwargs["language_transformer_config"]
             self.image_newline = torch.nn.Parameter(torch.empty(config.hidden_size, dtype=config.params_dtype))
@@ -35,13 +36,18 @@ class TiledLLaVAModel(LLaVAModel):
                 # As transformers initialises it.
                 torch.nn.init.normal_(self.image_newline, std=1 / math.sqrt(config.hidden_size))
 
-    def forward(self, images, input_ids, *args, media_layout: torch.Tensor | None = None, **kwargs):
-        """LLaVAModel.forward; `media_layout`: the images' and videos' rows (`tiling.layout_tensor`),
-        needed on the first pipeline stage when `images` holds any tile."""
+    def forward(self, images, input_ids, *args, media_layout: torch.Tensor | None = None,
+                image_tokens: int | None = None, **kwargs):
+        """LLaVAModel.forward; `media_layout`: the images' and videos' rows (`tiling.layout_tensor`, on
+        the host), needed on the first pipeline stage when `images` holds any tile; `image_tokens`: how
+        many image and video tokens `input_ids` holds, counted on the host (`ModelInputs`) so that the
+        step reads nothing back from the device (counted here when not given)."""
         if self.tiling.video_token_index is not None:
             input_ids = input_ids.masked_fill(input_ids == self.tiling.video_token_index, self.image_token_index)
-        kwargs["num_image_tiles"] = torch.ones(int((input_ids == self.image_token_index).sum()), dtype=torch.int,
-                                               device=input_ids.device)
+        if image_tokens is None:
+            image_tokens = int((input_ids == self.image_token_index).sum())
+        self._image_tokens = image_tokens
+        kwargs["num_image_tiles"] = torch.ones(image_tokens, dtype=torch.int, device=input_ids.device)
         self._layout = None if media_layout is None else [Media(*row) for row in media_layout.tolist()]
         try:
             return super().forward(images, input_ids, *args, **kwargs)
@@ -59,7 +65,7 @@ class TiledLLaVAModel(LLaVAModel):
             raise ValueError("a tiled LLaVA needs the media_layout of its images")
         side = math.isqrt(tiles.shape[0])
         expected = sum(feature_count(m, self.tiling, self.tile, side) for m in self._layout)
-        tokens = int((input_ids == self.image_token_index).sum())
-        if expected != tokens:
-            raise ValueError(f"the media layout gives {expected} image features, the input has {tokens} image tokens")
+        if expected != self._image_tokens:
+            raise ValueError(f"the media layout gives {expected} image features, the input has "
+                             f"{self._image_tokens} image tokens")
         return assemble(tiles.transpose(0, 1), self._layout, self.tiling, self.tile, self.image_newline)[None]

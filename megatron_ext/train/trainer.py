@@ -57,11 +57,6 @@ class _StopSignal:
     def _handle(self, signum, frame):
         self.received = True
 
-    def any_rank(self) -> bool:
-        flag = torch.tensor([int(self.received)], device=device())
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
-
 
 def _memory_gb() -> float:
     if torch.cuda.is_available():
@@ -124,6 +119,10 @@ class Trainer:
         self.forward_step = make_forward_step(self.inputs)
         self.stop = _StopSignal()
         self.dp_group = parallel_state.get_data_parallel_group()
+        # The rank of its data-parallel replica that adds the batch statistics to the step's all-reduce.
+        self.counts_batch = (parallel_state.get_tensor_model_parallel_rank() == 0
+                             and parallel_state.get_pipeline_model_parallel_rank() == 0
+                             and parallel_state.get_context_parallel_rank() == 0)
         self.last_saved = plan.resume.path if plan.resume else None
 
     # --- one iteration ------------------------------------------------------------------------
@@ -131,23 +130,40 @@ class Trainer:
         groups = self.trained.optimizer.param_groups
         return groups[0]["lr"] if groups else 0.0
 
-    def _iteration(self) -> tuple[StepResult | None, torch.Tensor, str]:
+    def _iteration(self) -> tuple[StepResult | None, list[dict], dict, bool]:
+        """One step: (its result, None when skipped; its micro batches; the global batch's
+        statistics; whether any rank received a stop signal)."""
         micro_batches = self.train_data.next_micro_batches(self.plan.num_microbatches)
-        # Reduced over the data-parallel group, NCCL on GPU: it serves device tensors only.
-        stats = batch_stats(micro_batches, self.inputs).to(device())
-        torch.distributed.all_reduce(stats, group=self.dp_group)
-        # Which samples the global batch held, in data-parallel rank order: equal fingerprints mean
-        # two runs (or a run and its resumption) saw the same data.
-        keys = [None] * torch.distributed.get_world_size(self.dp_group)
-        torch.distributed.all_gather_object(keys, [k for b in micro_batches for k in b["keys"]], group=self.dp_group)
-        digest = samples_digest([k for rank_keys in keys for k in rank_keys])
+        stats = batch_stats(micro_batches, self.inputs)
         if self.plan.skipped(self.iteration):
             # The data is consumed, no update is made; the schedule still advances with the iteration.
             self.trained.scheduler.step(increment=1)
             self.counters["skipped_iterations"] += 1
-            return None, stats, digest
-        return train_step(self.trained, self.forward_step, micro_batches, self.plan.seq_length,
-                          self.cfg.micro_batch_size), stats, digest
+            result = None
+        else:
+            result = train_step(self.trained, self.forward_step, micro_batches, self.plan.seq_length,
+                                self.cfg.micro_batch_size)
+        batch, stop = self._shared(stats)
+        return result, micro_batches, batch, stop
+
+    def _shared(self, stats: torch.Tensor) -> tuple[dict, bool]:
+        """The global batch's statistics and whether any rank was signalled to stop, in one all-reduce
+        over every rank and one read back, after the step's work is queued. One rank per data-parallel
+        replica contributes statistics (its model-parallel peers hold the same batch); every rank its
+        stop flag. NCCL on a GPU: the vector goes to the device first."""
+        values = torch.cat([stats if self.counts_batch else torch.zeros_like(stats),
+                            torch.tensor([float(self.stop.received)], dtype=stats.dtype)]).to(device())
+        torch.distributed.all_reduce(values)
+        *totals, stops = values.tolist()
+        return dict(zip(BATCH_STATS, totals)), stops > 0
+
+    def _samples_digest(self, micro_batches: list[dict]) -> str:
+        """Which samples the global batch held, in data-parallel rank order: equal fingerprints mean two
+        runs (or a run and its resumption) saw the same data. A collective of Python objects: only
+        for the iterations that are logged."""
+        keys = [None] * torch.distributed.get_world_size(self.dp_group)
+        torch.distributed.all_gather_object(keys, [k for b in micro_batches for k in b["keys"]], group=self.dp_group)
+        return samples_digest([k for rank_keys in keys for k in rank_keys])
 
     def _check_finite(self, result: StepResult | None) -> None:
         if result is None or result.finite:
@@ -162,8 +178,7 @@ class Trainer:
                 f"{self.iteration}); last good checkpoint: {self.last_saved or 'none'}. Lower --lr or check the data."
             )
 
-    def _record(self, result: StepResult | None, stats: torch.Tensor, digest: str, seconds: float, lr: float) -> dict:
-        batch = dict(zip(BATCH_STATS, stats.tolist()))
+    def _record(self, result: StepResult | None, batch: dict, seconds: float, lr: float) -> dict:
         samples = batch["samples"]
         self.counters["samples"] += int(samples)
         self.counters["truncated_samples"] += int(batch["truncated"])
@@ -178,7 +193,6 @@ class Trainer:
             "grad_norm": float(result.grad_norm) if result and result.grad_norm is not None else None,
             "loss_tokens": result.loss_tokens if result else 0,
             "samples": int(samples),
-            "samples_digest": digest,
             "skipped_samples": self.counters["skipped_samples"],
             "truncated_samples": self.counters["truncated_samples"],
             "update": bool(result and result.updated),
@@ -232,14 +246,13 @@ class Trainer:
         while self.iteration < self.plan.train_iters:
             self.iteration += 1
             start, lr = time.perf_counter(), self._lr()
-            result, stats, digest = self._iteration()
-            record = self._record(result, stats, digest, time.perf_counter() - start, lr)
+            result, micro_batches, batch, stop = self._iteration()
+            record = self._record(result, batch, time.perf_counter() - start, lr)
             if self._due(cfg.log_interval) or self.iteration == self.plan.train_iters or not (result is None or result.finite):
-                self.metrics.log(record)
+                self.metrics.log({**record, "samples_digest": self._samples_digest(micro_batches)})
             self._check_finite(result)
             if self.val_data is not None and self._due(cfg.eval_interval):
                 self.metrics.log(self.evaluate(), prefix="val")
-            stop = self.stop.any_rank()
             exiting = stop or (cfg.exit_interval and self.iteration >= cfg.exit_interval)
             if cfg.save and (self._due(cfg.save_interval) or exiting or self.iteration == self.plan.train_iters):
                 self.save()

@@ -22,17 +22,49 @@ def test_cuda_requests_become_cpu_tensors():
 
 
 def test_installed_megatron_core_has_every_name_the_patches_use():
-    from megatron_ext import cpu_support
+    from megatron_ext import cpu_support, without_te
 
     assert cpu_support._missing_megatron_names() == []
+    assert cpu_support._missing_megatron_names(without_te._MEGATRON_NAMES) == []
     cpu_support.check_megatron_core()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_the_no_te_fixes_apply_without_the_cpu_support():
+    """A GPU without Transformer Engine needs the norm and optimizer fixes too (the vision tower did not
+    build on an H100 while they lived in cpu_support): they take effect in a process where
+    cpu_support is never applied."""
+    code = """
+import torch
+from megatron.core.models.vision import clip_vit_model
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron_ext import cpu_support, without_te
+defaults = clip_vit_model.CLIPViTModel.__init__.__defaults__
+assert torch.nn.LayerNorm in defaults and WrappedTorchNorm not in defaults
+loading = DistributedOptimizer.sharded_state_dict
+without_te.apply()
+defaults = clip_vit_model.CLIPViTModel.__init__.__defaults__
+assert WrappedTorchNorm in defaults and torch.nn.LayerNorm not in defaults
+assert DistributedOptimizer.sharded_state_dict is not loading
+assert not cpu_support.cpu_mode_active()
+print("ok")
+"""
+    import subprocess
+    import sys
+
+    from tests.helpers import child_env
+
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
 @pytest.mark.parametrize("module_name, attribute, expected", [
     ("megatron.core.tensor_parallel.random", "_CUDA_RNG_STATE_TRACKER",
      "megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER"),
-    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._set_main_param_and_optimizer_states",
-     "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states"),
+    ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker",
+     "megatron.core.tensor_parallel.random.CudaRNGStatesTracker"),
 ])
 def test_a_missing_private_name_refuses_before_anything_is_patched(monkeypatch, module_name, attribute, expected):
     import importlib
@@ -80,11 +112,11 @@ def test_a_missing_private_name_refuses_before_anything_is_patched(monkeypatch, 
 def test_a_missing_constructor_parameter_is_named(monkeypatch):
     from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 
-    from megatron_ext import cpu_support
+    from megatron_ext import cpu_support, without_te
 
     def without_ln_post_impl(self, transformer_config, transformer_layer_spec, ln_pre_impl=None):
         pass
 
     monkeypatch.setattr(CLIPViTModel, "__init__", without_ln_post_impl)
-    assert cpu_support._missing_megatron_names() == [
+    assert cpu_support._missing_megatron_names(without_te._MEGATRON_NAMES) == [
         "megatron.core.models.vision.clip_vit_model.CLIPViTModel.__init__(ln_post_impl)"]

@@ -140,3 +140,90 @@ def test_refuses_what_it_cannot_compute():
     q, k, v = _qkv(3, 1)
     with pytest.raises(ValueError, match="attention bias"):
         _attention("causal")(q, k, v, None, attention_bias=torch.zeros(1))
+
+
+def _recorded_calls(monkeypatch) -> list:
+    """Every SDPA call of the backend, as kernel_rules sees it, with its mask object."""
+    import torch.nn.functional as F
+
+    from megatron_ext.model.kernel_rules import AttentionCall
+
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def recorded(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        calls.append((AttentionCall.of(q, k, attn_mask, is_causal, enable_gqa), attn_mask))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    return calls
+
+
+def _thd_params(cu: torch.Tensor, longest: int):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
+def test_every_masked_form_reaches_a_kernel_every_gpu_has(monkeypatch):
+    """Grouped heads with a mask only run on the math kernel (flash takes no mask, memory-efficient no
+    GQA): every form that needs a mask gets repeated K/V heads instead, and every call, were it in
+    bf16 on a GPU, is one that flash or memory-efficient attention takes."""
+    import dataclasses
+
+    from megatron_ext.model.kernel_rules import PORTABLE, fused_kernels, why_not
+
+    calls = _recorded_calls(monkeypatch)
+    q, k, v = _qkv(8, 2)
+    mask = torch.zeros(2, 1, 8, 8, dtype=torch.bool)
+    _attention("causal")(q, k, v, mask)  # dense mask (several packed rows)
+    _attention("causal")(q[-2:], k, v, None)  # fewer queries than keys (a cache)
+    _attention("causal", window_size=(3, 0))(q, k, v, None)  # band
+    _attention("causal")(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=_thd_params(torch.tensor([0, 3, 8]).int(), 5))
+    _attention("causal")(q, k, v, None)  # plain causal keeps GQA (flash takes it)
+    assert len(calls) == 5
+    for call, _ in calls:
+        on_gpu = dataclasses.replace(call, dtype=torch.bfloat16)
+        assert set(fused_kernels(on_gpu)) & set(PORTABLE), (call, why_not(on_gpu))
+    assert [c.grouped for c, _ in calls] == [False, False, False, False, True]
+
+
+def test_a_packed_mask_is_built_once_per_micro_batch(monkeypatch):
+    """fp32 packing (CPU) takes one masked call per layer; the layers of one micro batch share the
+    mask built for the first (it lives on their PackedSeqParams), the next micro batch gets its own."""
+    calls = _recorded_calls(monkeypatch)
+    q, k, v = (t[:, 0] for t in _qkv(9, 1))
+    attention = _attention("causal")
+    first, second = _thd_params(torch.tensor([0, 4, 9]).int(), 5), _thd_params(torch.tensor([0, 2, 9]).int(), 7)
+    for params in (first, first, first, second):
+        attention(q, k, v, None, packed_seq_params=params)
+    masks = [mask for _, mask in calls]
+    assert masks[0] is masks[1] is masks[2] and masks[3] is not masks[0]
+    assert masks[0][3, 3] and not masks[0][4, 3] and masks[3][4, 3]
+
+
+@pytest.mark.parametrize("window", [None, (3, 0)], ids=["causal", "window"])
+def test_an_older_varlen_attn_gets_what_it_takes(monkeypatch, window):
+    """torch releases before `varlen_attn` took `enable_gqa`/`scale`/`window_size` (an H100's torch
+    2.11 refused `enable_gqa`): grouped K/V heads are repeated, causality is `is_causal`, and a
+    sliding window, which it cannot apply, takes the masked SDPA path (on `meta`, CUDA's stand-in)."""
+    from megatron_ext.model import attention as backend
+
+    seen = []
+
+    def old_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+        seen.append((query.shape, key.shape, value.shape, is_causal))
+        return torch.empty_like(query)
+
+    monkeypatch.setattr(backend, "varlen_attn", old_varlen_attn)
+    calls = _recorded_calls(monkeypatch)
+    q, k, v = (torch.randn(16, n, DIM, dtype=torch.bfloat16, device="meta") for n in (HEADS, GROUPS, GROUPS))
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32, device="meta")
+    options = dict(window_size=window) if window else {}
+    out = _attention("causal", **options)(q, k, v, None, packed_seq_params=_thd_params(cu, 11))
+    assert out.shape == (16, HEADS * DIM)
+    if window is None:
+        assert seen == [((16, HEADS, DIM), (16, HEADS, DIM), (16, HEADS, DIM), True)] and calls == []
+    else:
+        assert seen == [] and len(calls) == 1 and not calls[0][0].grouped

@@ -28,6 +28,8 @@ def test_gpu_configs_are_accepted_and_fuse_only_swiglu(request, fixture, monkeyp
         swiglu = config.activation_func is F.silu and config.gated_linear_unit
         assert config.bias_activation_fusion == swiglu
     language, vision, projector = configs
+    # RoPE over packed rows with no host read per layer (rope_kernels where TE is absent).
+    assert language.apply_rope_fusion
     assert language.bias_activation_fusion == (fixture != "llava_gemma3_siglip")  # Gemma's GeGLU is not fused
     assert not vision.bias_activation_fusion and not projector.bias_activation_fusion
 

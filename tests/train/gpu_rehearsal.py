@@ -5,7 +5,9 @@ the host or on the GPU a real run would use, and mixing the two fails as it does
 
 runs SCRIPT (the trainer's scripts/train/pretrain_llava.py, a test worker) as `__main__` under the
 rehearsal. With REHEARSAL_REPORT=PATH set it writes there, at exit, how often each core attention
-layer ran and how often an attention kernel did.
+layer ran, how often an attention kernel did, and the sync ledger: every read of a device tensor's
+values on the host (`.item()`, `.tolist()`, `bool()`/`int()`/`float()`, `nonzero`, boolean-mask
+indexing, a copy to the host...), each a stall of the CPU until a GPU has caught up, by call site.
 
 Why not PyTorch's meta device: megatron-core's LLaVA preprocessing reads tensor values (split
 sizes, the longest combined row), which meta tensors do not have. Here every tensor is a real CPU
@@ -47,6 +49,42 @@ _CROSSING = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.
 
 class DeviceMixError(RuntimeError):
     pass
+
+
+# Reads of a device tensor's values on the host: each waits for the GPU to finish all queued work.
+_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+          torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.equal,
+          torch.allclose, torch.Tensor.__repr__, torch.Tensor.__format__, torch.masked_select, torch.unique}
+_HERE = os.path.abspath(__file__)
+_TORCH = os.path.dirname(torch.__file__)
+
+
+def _call_site() -> str:
+    """file:line (function) of the first frame outside torch and this module: who asked."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path != _HERE and not path.startswith(_TORCH) and not path.startswith("<"):
+            parts = Path(path).parts
+            for root in ("megatron_ext", "megatron", "tests", "scripts"):
+                if root in parts:
+                    path = "/".join(parts[parts.index(root):])
+                    break
+            return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "unknown"
+
+
+def _is_read(func, args, kwargs) -> bool:
+    """Whether this call reads a device tensor's values back to the host."""
+    if func in _READS:
+        return any(place(t) == DEVICE for t in _tensors(args))
+    if func in (torch.Tensor.cpu, torch.Tensor.to) and place(args[0]) == DEVICE:
+        return func is torch.Tensor.cpu or _move_target(args[0], args[1:], kwargs) == HOST
+    if func is torch.Tensor.__getitem__:  # boolean-mask indexing: its size is the mask's count
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool and place(i) == DEVICE for i in index)
+    return False
 
 
 def place(t: torch.Tensor) -> str | None:
@@ -102,12 +140,25 @@ class DeviceLedger(TorchFunctionMode):
 
     on_call = None  # called with every function the ledger sees (REHEARSAL_REPORT's counts)
 
+    def __init__(self):
+        super().__init__()
+        self.reads: dict[str, int] = {}  # device -> host reads by call site (the sync ledger)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.on_call is not None:
             self.on_call(func)
+        if _is_read(func, args, kwargs):
+            site = _call_site()
+            self.reads[site] = self.reads.get(site, 0) + 1
         if getattr(func, "__self__", None) is torch.Tensor.device:  # the `.device` property
             return GPU if place(args[0]) == DEVICE else func(*args)
+        if getattr(func, "__self__", None) is torch.Tensor.is_cuda:
+            return place(args[0]) == DEVICE or func(*args)
+        if func is torch.Tensor.get_device:
+            return 0 if place(args[0]) == DEVICE else func(*args)
+        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+            _check_kernel(args, kwargs)
         inputs = list(_tensors(args)) + list(_tensors(kwargs))
         if func is torch.Tensor.numpy and place(args[0]) == DEVICE:
             raise DeviceMixError("can't convert cuda:0 device type tensor to numpy (rehearsal): .cpu() it first")
@@ -148,6 +199,62 @@ class DeviceLedger(TorchFunctionMode):
             raise DeviceMixError(
                 f"Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! "
                 f"(rehearsal: {name} got host tensor {_describe(hosts[0])} and device tensor {_describe(devices[0])})")
+
+
+# --- attention kernels ------------------------------------------------------------------------
+class KernelError(RuntimeError):
+    pass
+
+
+def _math_limit() -> int:
+    from megatron_ext.model.kernel_rules import MATH_KERNEL_LIMIT
+
+    return int(os.environ.get("REHEARSAL_MATH_LIMIT", MATH_KERNEL_LIMIT))
+
+
+def _check_kernel(args, kwargs) -> None:
+    """An SDPA call that no kernel every GPU has would take (only the math kernel: fp32 scores of
+    [b, heads, queries, keys]) fails, by CUDA's rules (`model/kernel_rules.py`), above the limit."""
+    from megatron_ext.model.kernel_rules import PORTABLE, AttentionCall, fused_kernels, why_not
+
+    def arg(name, index, default):
+        return kwargs.get(name, args[index] if len(args) > index else default)
+
+    call = AttentionCall.of(args[0], args[1], arg("attn_mask", 3, None), arg("is_causal", 5, False),
+                            kwargs.get("enable_gqa", False))
+    if call.keys > _math_limit() and not set(fused_kernels(call)) & set(PORTABLE):
+        reasons = "; ".join(f"{k}: {', '.join(v)}" for k, v in why_not(call).items() if k in PORTABLE)
+        raise KernelError(f"scaled_dot_product_attention would run the math kernel on a GPU (rehearsal: {call}; "
+                          f"{reasons})")
+
+
+def rehearsed_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                          window_size=(-1, -1), enable_gqa=False, **unsupported):
+    """torch's `varlen_attn` (flash attention, CUDA only) as the rehearsal runs it: its argument
+    contract checked as its CUDA kernel needs it (`kernel_rules.varlen_problems`), then the numbers
+    from a CPU reference: one masked fp32 attention over the packed tokens."""
+    from megatron_ext.model.kernel_rules import varlen_problems
+
+    problems = varlen_problems(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, enable_gqa, window_size)
+    problems += [f"{name} is not a varlen_attn argument" for name in unsupported]
+    if problems:
+        raise KernelError("varlen_attn (rehearsal): " + "; ".join(problems))
+    tokens = torch.arange(query.shape[0]).to(cu_seq_q)  # beside cu_seqlens, wherever the rehearsal holds them
+    sample_q = torch.searchsorted(cu_seq_q[1:], tokens, right=True)
+    sample_k = torch.searchsorted(cu_seq_k[1:], tokens[:key.shape[0]], right=True)
+    position_q, position_k = tokens - cu_seq_q[sample_q], tokens[:key.shape[0]] - cu_seq_k[sample_k]
+    offset = position_q[:, None] - position_k[None, :]  # how far each key lies before each query
+    allowed = sample_q[:, None] == sample_k[None, :]
+    left, right = window_size
+    if left >= 0:
+        allowed &= offset <= left
+    if right >= 0:
+        allowed &= offset >= -right
+    q, k, v = (t.float().transpose(0, 1)[None] for t in (query, key, value))
+    if enable_gqa:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    return out[0].transpose(0, 1).to(query.dtype)
 
 
 # --- collectives ------------------------------------------------------------------------------
@@ -244,9 +351,9 @@ class _Counts:
         ledger.on_call = lambda func: setattr(self, "kernels", self.kernels + (
             getattr(func, "__name__", "") in ATTENTION_KERNELS))
 
-    def write(self, path: str) -> None:
+    def write(self, path: str, ledger: DeviceLedger) -> None:
         with open(path, "w") as f:
-            json.dump({"attention_layers": self.layers, "attention_kernels": self.kernels}, f)
+            json.dump({"attention_layers": self.layers, "attention_kernels": self.kernels, "reads": ledger.reads}, f)
 
 
 def start() -> DeviceLedger:
@@ -256,12 +363,15 @@ def start() -> DeviceLedger:
 
     cpu_support.apply(rehearsal=True)
     _patch_distributed()
+    from megatron_ext.model import attention
+
+    attention.varlen_attn = rehearsed_varlen_attn
     _host_batches(TrainData)
     ledger = DeviceLedger()
     if os.environ.get("REHEARSAL_REPORT"):
         counts = _Counts()
         counts.watch(ledger)
-        atexit.register(counts.write, os.environ["REHEARSAL_REPORT"])
+        atexit.register(counts.write, os.environ["REHEARSAL_REPORT"], ledger)
     ledger.__enter__()
     return ledger
 

@@ -24,8 +24,9 @@ REHEARSAL = "tests/train/gpu_rehearsal.py"
 def rehearse(tmp_path, script, *args, check=True):
     """Run SCRIPT under the rehearsal; returns the process and its attention counts."""
     report = tmp_path / "rehearsal.json"
+    # Every call only the math kernel would take fails, however short (the tests' sequences are).
     proc = run_torchrun(1, REHEARSAL, script, *args, timeout=240, check=check,
-                        env=child_env(REHEARSAL_REPORT=str(report)))
+                        env=child_env(REHEARSAL_REPORT=str(report), REHEARSAL_MATH_LIMIT="0"))
     return proc, json.loads(report.read_text()) if report.exists() else None
 
 
@@ -80,3 +81,119 @@ def test_the_ledger_refuses_host_and_device_tensors_in_one_op():
         with pytest.raises(DeviceMixError, match="numpy"):
             gpu.numpy()
         assert place(gpu[host.long() - 1]) == DEVICE  # host indices are fine
+
+
+# The device -> host reads a training step may make, by "file (function)": each stalls the CPU until
+# the GPU has finished the work queued so far. Any other site, or a count that grows with the number
+# of layers, fails the sync-ledger test below.
+ALLOWED_READS = {
+    # megatron-core's LLaVA preprocessing: shapes that depend on where the image tokens are (split
+    # sizes, boolean-mask indexing), 6 per micro batch; avoiding them means replacing its _preprocess_data.
+    "megatron/core/models/multimodal/llava_model.py (_preprocess_data)": "per micro batch, megatron-core",
+    # megatron-core's per-token loss scaling: `if num_tokens > 0` after the token count's all-reduce.
+    "megatron/core/distributed/finalize_model_grads.py (finalize_model_grads)": "per step, megatron-core",
+    # The gradient norm for clipping (and its local L2 norm where Apex/TE's multi-tensor kernel is absent).
+    "megatron/core/optimizer/clip_grads.py (get_grad_norm_fp32)": "per step, megatron-core",
+    "megatron/core/utils.py (local_multi_tensor_l2_norm)": "per step, megatron-core without Apex/TE",
+    # Ours: the global batch's loss (logged, non-finite check) and the step's shared statistics + stop flag.
+    "megatron_ext/model/forward_step.py (reduce_loss)": "per step",
+    "megatron_ext/train/trainer.py (_shared)": "per step",
+}
+
+
+def _site(entry: str) -> str:
+    path, _, rest = entry.partition(":")
+    return f"{path} {rest.partition(' ')[2]}"
+
+
+@pytest.fixture(scope="module")
+def megatron_clip_4_layers(tmp_path_factory, tiny_hf) -> str:
+    """llava_clip's shape with 4 language-model layers instead of 2, as a Megatron checkpoint."""
+    from megatron_ext.convert.to_megatron import convert
+    from megatron_ext.hf.build_llava import build_llava
+    from megatron_ext.hf.tiny_models import TinyTextSpec, make_text_model
+
+    root = tmp_path_factory.mktemp("clip_4_layers")
+    text = make_text_model(root / "text", TinyTextSpec(num_layers=4))
+    hf = build_llava(root / "hf", str(text), str(tiny_hf["vision-clip"]))
+    return convert(hf, root / "ckpt", tp=1, pp=1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_the_sync_ledger_allows_named_reads_and_none_per_layer(tmp_path, megatron_clip, megatron_clip_4_layers,
+                                                               train_data):
+    reads = {}
+    for layers, checkpoint in ((2, megatron_clip), (4, megatron_clip_4_layers)):
+        # No checkpoint: saving reads every tensor back, as it must.
+        args = trainer_args(checkpoint, train_data, tmp_path / f"run{layers}", global_batch_size=4, train_iters=2,
+                            packing_seq_length=128, dtype="bfloat16", attention_backend="sdpa", micro_batch_size=1,
+                            log_interval=2, save=False)
+        _, counts = rehearse(tmp_path, "scripts/train/pretrain_llava.py", *args)
+        reads[layers] = counts["reads"]
+    # RoPE over packed rows, attention, tiles: nothing per layer (megatron-core's unfused THD RoPE read
+    # cu_seqlens back twice in every layer).
+    assert reads[2] == reads[4]
+    assert {_site(s) for s in reads[2]} <= set(ALLOWED_READS), json.dumps(reads[2], indent=1)
+    per_step = {site: n // 2 for site, n in reads[2].items() if "_preprocess_data" not in site}
+    assert sum(per_step.values()) == 5 and sum(reads[2].values()) - 2 * 5 == 6 * 4 * 2  # 4 micro batches a step
+
+
+def test_the_sync_ledger_records_each_kind_of_read_with_its_caller():
+    gpu, host = mark(torch.arange(4.0), DEVICE), mark(torch.arange(4.0), HOST)
+    with DeviceLedger() as ledger:
+        gpu.sum().item()
+        gpu.tolist()
+        bool(gpu[0] > 1)
+        int(gpu[1])
+        gpu[gpu > 1]
+        gpu.nonzero()
+        gpu.cpu()
+        host.sum().item()  # the host's own values: no read
+        host[host > 1]
+    assert len(ledger.reads) == 7
+    assert {_site(s) for s in ledger.reads} == {"tests/train/test_gpu_rehearsal.py (test_the_sync_ledger_records_each_kind_of_read_with_its_caller)"}
+
+
+def test_is_cuda_and_get_device_agree_with_device():
+    gpu, host = mark(torch.ones(2), DEVICE), mark(torch.ones(2), HOST)
+    with DeviceLedger():
+        assert gpu.is_cuda and gpu.get_device() == 0 and gpu.device.type == "cuda"
+        assert not host.is_cuda and host.get_device() == -1 and host.device.type == "cpu"
+
+
+def test_a_call_only_the_math_kernel_takes_fails(monkeypatch):
+    """Grouped heads with a mask (flash takes no mask, memory-efficient no GQA): the planted defect
+    the sdpa backend had before it repeated K/V."""
+    from tests.train.gpu_rehearsal import KernelError
+
+    monkeypatch.setenv("REHEARSAL_MATH_LIMIT", "0")
+    q, k, v = (mark(torch.randn(1, n, 16, 8, dtype=torch.bfloat16), DEVICE) for n in (4, 2, 2))
+    mask = mark(torch.ones(16, 16, dtype=torch.bool).tril(), DEVICE)
+    with DeviceLedger():
+        F = torch.nn.functional
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # flash takes it
+        F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
+        with pytest.raises(KernelError, match="math kernel"):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def test_the_rehearsed_varlen_attn_checks_its_contract_and_computes_attention():
+    from tests.model.test_attention import _reference
+    from tests.train.gpu_rehearsal import KernelError, rehearsed_varlen_attn
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (mark(torch.randn(9, n, 8, generator=gen).bfloat16(), DEVICE) for n in (4, 2, 2))
+    cu = mark(torch.tensor([0, 4, 9], dtype=torch.int32), DEVICE)
+    with DeviceLedger():
+        out = rehearsed_varlen_attn(q, k, v, cu, cu, 5, 5, window_size=(-1, 0), enable_gqa=True)
+        with pytest.raises(KernelError, match="on the attention's device"):
+            rehearsed_varlen_attn(q, k, v, mark(cu.clone(), HOST), cu, 5, 5, window_size=(-1, 0), enable_gqa=True)
+        with pytest.raises(KernelError, match="Python int"):
+            rehearsed_varlen_attn(q, k, v, cu, cu, cu.max(), 5, window_size=(-1, 0), enable_gqa=True)
+        with pytest.raises(KernelError, match="enable_gqa"):
+            rehearsed_varlen_attn(q, k, v, cu, cu, 5, 5, window_size=(-1, 0))
+    sample = torch.tensor([0] * 4 + [1] * 5)
+    allowed = (sample[:, None] == sample[None, :]) & torch.ones(9, 9, dtype=torch.bool).tril()
+    expected = _reference(*(t.float().transpose(0, 1)[None] for t in (q, k, v)), allowed[None, None])
+    assert (out.float() - expected[0].transpose(0, 1)).abs().max() < 2e-2

@@ -1,0 +1,96 @@
+"""Where megatron-core 0.16 breaks for want of Transformer Engine and Apex, on a GPU as on a CPU.
+
+Our attention backend `sdpa` runs on torch alone, so a GPU machine without TE (a plain pip install)
+builds the same megatron-core modules a CPU does. Two failures there are not about CUDA at all, and
+were first fixed in `cpu_support` (CPU only), where a GPU run never saw the fix: a GPU run without
+TE crashed building the vision tower (found on an H100). `apply()` runs before every model build
+(`model.provider.build_model`), on any device; each patch does nothing where TE/Apex is present.
+
+1. Norms: CLIPViTModel defaults `ln_pre_impl`/`ln_post_impl` to `torch.nn.LayerNorm` and passes
+   `config=` to it -> TypeError. LLaVAModel cannot pass other implementations, so the defaults
+   become megatron's `WrappedTorchNorm`.
+2. Distributed optimizer on torch Adam: `sharded_state_dict(is_loading=True)` on a fresh optimizer
+   reads the `step` of every parameter, which does not exist before the first update ->
+   `assert len(steps) == 1`. The state (zeros, step 0) is created first, as the optimizer's own
+   `init_state_fn` does for the non-distributed optimizers. Loading then copies every state of
+   torch Adam, including `step`, which the checkpoint keeps separately -> `KeyError: 'step'`; `step`
+   is left as the param-group load set it, one tensor per parameter (the load shares one tensor
+   among all, and Adam's in-place increment would then count N times).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_ext.cpu_support import check_megatron_core
+
+_APPLIED = False
+# The private megatron-core names the patches read or replace (as cpu_support._MEGATRON_NAMES).
+_MEGATRON_NAMES = {
+    "megatron.core.models.vision.clip_vit_model": (
+        "NORM_IMPL",
+        "CLIPViTModel.__init__(ln_pre_impl)",
+        "CLIPViTModel.__init__(ln_post_impl)",
+    ),
+    "megatron.core.transformer.torch_norm": ("WrappedTorchNorm",),
+    "megatron.core.optimizer.distrib_optimizer": (
+        "HAVE_APEX_OR_TE",
+        "DistributedOptimizer.sharded_state_dict",
+        "DistributedOptimizer._set_main_param_and_optimizer_states",
+    ),
+}
+
+
+def _patch_vision_norm_defaults() -> None:
+    from megatron.core.models.vision import clip_vit_model
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if clip_vit_model.NORM_IMPL is torch.nn.LayerNorm:
+        defaults = list(clip_vit_model.CLIPViTModel.__init__.__defaults__)
+        defaults = [WrappedTorchNorm if d is torch.nn.LayerNorm else d for d in defaults]
+        clip_vit_model.CLIPViTModel.__init__.__defaults__ = tuple(defaults)
+
+
+def _patch_distributed_optimizer_loading() -> None:
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    original = distrib_optimizer.DistributedOptimizer.sharded_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, **kwargs):
+        if is_loading and not self.optimizer.state:
+            self.init_state_fn(self.optimizer, self.config)
+            for group in self.optimizer.param_groups:
+                for param in group["params"]:
+                    self.optimizer.state[param]["step"] = torch.tensor(0.0)
+        return original(self, model_sharded_state_dict or {}, is_loading=is_loading, **kwargs)
+
+    set_states = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state.get(main_param, {})
+            if "step" in state:
+                # The param-group load gave every parameter the same step tensor, which torch Adam
+                # would then increment once per parameter: give each its own.
+                state["step"] = state["step"].clone()
+                tensors = {**tensors, "step": state["step"]}
+        return set_states(self, model_param, tensors)
+
+    distrib_optimizer.DistributedOptimizer.sharded_state_dict = sharded_state_dict
+    distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+
+
+def apply() -> None:
+    """Both patches, once per process (idempotent); UserError, nothing patched, when the installed
+    megatron-core lacks a name they need."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    check_megatron_core(_MEGATRON_NAMES, "no-Transformer-Engine")
+    _patch_vision_norm_defaults()
+    _patch_distributed_optimizer_loading()
+    _APPLIED = True
