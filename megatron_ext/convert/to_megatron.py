@@ -24,7 +24,7 @@ from megatron_ext.convert import coverage
 from megatron_ext.convert.hf_checkpoint import HfWeights, check_tokenizer_dir, copy_tokenizer_files, read_config
 from megatron_ext.convert.mapping import hf_only_names, llava_mapping
 from megatron_ext.errors import UserError
-from megatron_ext.families import read_llava
+from megatron_ext.families import complete_llava_config, read_llava
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 from megatron_ext.model.arch import LlavaArch
 
@@ -51,7 +51,8 @@ def plan_conversion(hf_dir: str | Path, tp: int, pp: int) -> Plan:
     hf_dir = Path(hf_dir).expanduser().resolve()
     if not hf_dir.is_dir():
         raise UserError(f"--hf-dir {hf_dir} is not a directory")
-    hf_config = read_config(hf_dir, "--hf-dir")
+    # Stored complete: the trainer and the launcher read it back without transformers' defaults.
+    hf_config = complete_llava_config(read_config(hf_dir, "--hf-dir"))
     arch = read_llava(hf_config)
     arch.check_parallel(tp, pp)
     weights = HfWeights(hf_dir)

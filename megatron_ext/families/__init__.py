@@ -105,6 +105,13 @@ def read_llava(cfg: Any) -> LlavaArch:
     return llava.read_llava(cfg, text_family, vision_family)
 
 
+def complete_llava_config(cfg: Any) -> dict:
+    """An HF LLaVA config as a dict with every field transformers would read, defaults included
+    (published config.json files leave them out); what checkpoints store, so that reading them
+    again needs no transformers."""
+    return llava.complete(cfg)
+
+
 def llava_kind(cfg: Any) -> llava.LlavaKind:
     """The HF LLaVA architecture of a config (object or config.json dict): its transformers classes."""
     return llava.kind_of(cfg)

@@ -136,18 +136,36 @@ def _tiling(cfg: dict, kind: LlavaKind, tile: int) -> TilingArch | None:
                       video_token_index=video_token)
 
 
+# The sub-configs' fields the families read whose absence means "transformers' default": a config
+# holding all of them is read as it is.
+_READ_KEYS = {
+    "text_config": ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+                    "hidden_act", "max_position_embeddings", "rms_norm_eps"),
+    "vision_config": ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "image_size",
+                      "patch_size", "hidden_act", "layer_norm_eps"),
+}
+
+
 def _complete(cfg: Any, kind: LlavaKind) -> dict:
     """Every field of the config as transformers reads it: published config.json files leave out
     what equals their classes' defaults (llava-1.5-7b-hf gives no text hidden_size, OneVision's
-    tower no hidden_act), which transformers' config classes fill in."""
+    tower no hidden_act), which transformers' config classes fill in. A config they cannot take
+    (a family transformers does not know, sizes it rejects) is read as given: our own checks then
+    name what is wrong, in our words."""
     if not isinstance(cfg, dict):
         return cfg.to_dict()
+    if all(key in cfg.get(part, {}) for part, keys in _READ_KEYS.items() for key in keys):
+        return cfg  # complete already: transformers (and torch, which it imports) stay out of a dry run
     import transformers
 
     try:
         return getattr(transformers, kind.config_class)(**cfg).to_dict()
-    except (TypeError, ValueError, KeyError) as exc:
-        raise UserError(f"the {kind.model_type} config does not load in transformers' {kind.config_class}: {exc}") from exc
+    except (TypeError, ValueError, KeyError):
+        return cfg
+
+
+def complete(cfg: Any) -> dict:
+    return _complete(cfg, kind_of(cfg))
 
 
 def read_llava(cfg: Any, text_family, vision_family) -> LlavaArch:

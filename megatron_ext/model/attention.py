@@ -20,9 +20,9 @@ device from cu_seqlens. In a sliding-window layer (megatron-core's `window_size`
 else a band mask, and plain causal attention where the window covers the whole sequence.
 
 No call is left to SDPA's math kernel, which would hold the [b, heads, S, S] scores in fp32
-(`kernel_rules.py` has CUDA's rules): where a mask is unavoidable (fp32 or dropout packing, several
-packed rows, band masks, fewer queries than keys), grouped K/V heads are repeated, since the
-memory-efficient kernel takes a mask but no GQA. Masks are built once per micro batch (cached on
+(`kernel_rules.py` has CUDA's rules): wherever flash cannot run (a mask: fp32 or dropout packing,
+several packed rows, band masks, fewer queries than keys; fp32 itself), grouped K/V heads are
+repeated, since the memory-efficient kernel takes masks and fp32 but no GQA. Masks are built once per micro batch (cached on
 its `PackedSeqParams`) or once per shape (band), not in every layer. `varlen_attn` is called with
 the keywords the installed torch has: before `enable_gqa`/`scale`/`window_size` existed (torch
 2.11's lacks `enable_gqa`), K/V are repeated, q pre-scaled and windowed layers take the masked path.
@@ -38,6 +38,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn
+
+from megatron_ext.model.kernel_rules import AttentionCall, fused_kernels
 
 
 def _causal(mask_type) -> bool:
@@ -144,8 +146,9 @@ class SDPAttention(torch.nn.Module):
             # Fewer queries than keys: they are the last positions (SDPA's own is_causal aligns top-left).
             mask, causal = _band(sq, sk, sk, 0, q.device), False
         grouped = self.heads != self.groups
-        if grouped and mask is not None:
-            # The memory-efficient kernel takes the mask but not grouped heads; flash takes no mask.
+        if grouped and "flash" not in fused_kernels(AttentionCall.of(q, k, mask, causal, enable_gqa=True)):
+            # Only flash takes grouped heads (and no mask, nor fp32): elsewhere the memory-efficient
+            # kernel takes the call once K/V are repeated, instead of the math kernel.
             k, v = (_repeat_heads(t, self.heads // self.groups, dim=-3) for t in (k, v))
             grouped = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,

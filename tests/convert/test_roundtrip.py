@@ -77,12 +77,15 @@ def test_exported_model_and_processor_load_in_transformers_without_missing_keys(
 @pytest.mark.timeout(600)
 def test_converted_checkpoint_holds_its_own_metadata_and_tokenizer(converted):
     from megatron_ext.checkpoint.layout import find_snapshot
+    from megatron_ext.families import complete_llava_config
 
     out, hf_dirs = converted
     snapshot = find_snapshot(out / "megatron" / "qwen" / "tp2pp2")
     assert snapshot.path.name == "release" and snapshot.iteration == 0
     assert (snapshot.meta["kind"], snapshot.tp, snapshot.pp, snapshot.dtype) == ("converted", 2, 2, "float32")
-    assert snapshot.hf_config == json.loads((hf_dirs["qwen"] / "config.json").read_text())
+    # Stored complete (transformers' defaults filled in), so that reading it back needs no transformers.
+    stored = json.loads((hf_dirs["qwen"] / "config.json").read_text())
+    assert snapshot.hf_config == complete_llava_config(stored)
     assert (snapshot.tokenizer_dir / "tokenizer.json").read_bytes() == (hf_dirs["qwen"] / "tokenizer.json").read_bytes()
     assert (snapshot.tokenizer_dir / "processor_config.json").is_file()
     assert not list(snapshot.tokenizer_dir.glob("*.safetensors"))

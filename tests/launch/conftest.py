@@ -180,14 +180,16 @@ class Inputs:
 
 # A LLaVA-1.5-shaped config (CLIP ViT-L/14-224 geometry, small widths): the launcher checks the run
 # against it with the trainer's own plan. Its sizes split up to 8 ways.
+# Complete, as the converter stores it (families.complete_llava_config).
 HF_CONFIG = {"model_type": "llava", "image_token_index": 32000, "pad_token_id": 32001, "vision_feature_layer": -2,
              "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu",
              "text_config": {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 64, "intermediate_size": 128,
                              "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 32064,
-                             "max_position_embeddings": 4096, "hidden_act": "silu", "pad_token_id": 32001},
+                             "max_position_embeddings": 4096, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                             "pad_token_id": 32001},
              "vision_config": {"model_type": "clip_vision_model", "num_hidden_layers": 4, "hidden_size": 64,
                                "intermediate_size": 128, "num_attention_heads": 8, "image_size": 224,
-                               "patch_size": 14, "hidden_act": "quick_gelu"}}
+                               "patch_size": 14, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5}}
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,8 @@ runs SCRIPT (the trainer's scripts/train/pretrain_llava.py, a test worker) as `_
 rehearsal. With REHEARSAL_REPORT=PATH set it writes there, at exit, how often each core attention
 layer ran, how often an attention kernel did, and the sync ledger: every read of a device tensor's
 values on the host (`.item()`, `.tolist()`, `bool()`/`int()`/`float()`, `nonzero`, boolean-mask
-indexing, a copy to the host...), each a stall of the CPU until a GPU has caught up, by call site.
+indexing, a copy to the host...), each a stall of the CPU until a GPU has caught up, by call site;
+and the collectives made, by name.
 
 Why not PyTorch's meta device: megatron-core's LLaVA preprocessing reads tensor values (split
 sizes, the longest combined row), which meta tensors do not have. Here every tensor is a real CPU
@@ -17,9 +18,12 @@ tensor with real values, and `DeviceLedger` keeps where a GPU run would hold it:
   `cuda:0`, so code that allocates "beside" it does so on the device too.
 - host: created without a device or on `cpu`, moved with `.cpu()`/`.to("cpu")`, handed out by the
   data loader, or computed from host tensors only.
-An op given both (except a 0-dim host tensor, which CUDA takes as a scalar) raises CUDA's error,
-`.numpy()` of a device tensor raises, and so does a collective given a host tensor over a group
-that is NCCL on a GPU (every group but megatron-core's gloo ones). Tensors of unknown origin
+An op given both (except a 0-dim host tensor in an elementwise op, which CUDA takes as a scalar;
+not in `cat`/`stack`/`index_select`...) raises CUDA's error, as does a host tensor indexed with
+device indices, `.numpy()` of a device tensor, and a collective given a host tensor over a group
+that is NCCL on a GPU (every group but megatron-core's gloo ones; the group read by keyword or
+position; megatron-core's import-time aliases of the collectives included). `nn.Parameter(t)`
+keeps `t`'s place; `.device`, `is_cuda` and `get_device()` agree. Tensors of unknown origin
 (autograd's gradients, numpy's) are neither. Autograd's backward is not watched (it runs where
 the forward's tensors are).
 """
@@ -28,14 +32,15 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import json
 import os
 import runpy
 import sys
+import types
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 HOST, DEVICE = "host", "device"
@@ -49,6 +54,12 @@ _CROSSING = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.
 
 class DeviceMixError(RuntimeError):
     pass
+
+
+# Ops in which CUDA refuses a 0-dim host tensor beside device ones (elementwise ops take it as a scalar).
+_NO_SCALARS = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack,
+               torch.index_select, torch.Tensor.index_select, torch.gather, torch.Tensor.gather, torch.scatter,
+               torch.Tensor.scatter, torch.Tensor.scatter_, torch.where}
 
 
 # Reads of a device tensor's values on the host: each waits for the GPU to finish all queued work.
@@ -162,6 +173,10 @@ class DeviceLedger(TorchFunctionMode):
         inputs = list(_tensors(args)) + list(_tensors(kwargs))
         if func is torch.Tensor.numpy and place(args[0]) == DEVICE:
             raise DeviceMixError("can't convert cuda:0 device type tensor to numpy (rehearsal): .cpu() it first")
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and place(args[0]) == HOST \
+                and any(place(t) == DEVICE for t in _tensors(args[1])):
+            raise DeviceMixError("indices should be either on cpu or on the same device as the indexed tensor (cpu) "
+                                 "(rehearsal: a host tensor indexed with device indices)")
         if func not in _CROSSING:
             self._check(func, inputs)
         result = func(*args, **kwargs)
@@ -193,7 +208,7 @@ class DeviceLedger(TorchFunctionMode):
     @staticmethod
     def _check(func, inputs) -> None:
         devices = [t for t in inputs if place(t) == DEVICE]
-        hosts = [t for t in inputs if place(t) == HOST and t.dim() > 0]
+        hosts = [t for t in inputs if place(t) == HOST and (t.dim() > 0 or func in _NO_SCALARS)]
         if devices and hosts:
             name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
             raise DeviceMixError(
@@ -260,29 +275,53 @@ def rehearsed_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *
 # --- collectives ------------------------------------------------------------------------------
 _HOST_GROUPS: set = set()  # megatron-core's gloo groups: host tensors are right there
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-                "broadcast", "reduce", "all_to_all_single", "send", "recv", "isend", "irecv")
+                "broadcast", "reduce", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "gather",
+                "scatter", "_all_gather_base", "_reduce_scatter_base")
 _OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
 _in_object_collective = [False]
 
 
+COLLECTIVE_CALLS: dict[str, int] = {}  # by name, for REHEARSAL_REPORT (objects' inner calls not counted)
+
+
+def _refuse_host(name: str, tensors, group) -> None:
+    if not _in_object_collective[0]:
+        COLLECTIVE_CALLS[name] = COLLECTIVE_CALLS.get(name, 0) + 1
+    if not _in_object_collective[0] and group not in _HOST_GROUPS:
+        host = [t for t in tensors if place(t) == HOST]
+        if host:
+            raise DeviceMixError(f"No backend type associated with device type cpu (rehearsal: "
+                                 f"torch.distributed.{name} of host tensor {_describe(host[0])} over an NCCL group)")
+
+
 def _device_collective(name, original):
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def collective(*args, **kwargs):
-        group = kwargs.get("group")
-        if not _in_object_collective[0] and group not in _HOST_GROUPS:
-            host = [t for t in _tensors((args, kwargs)) if place(t) == HOST]
-            if host:
-                raise DeviceMixError(f"No backend type associated with device type cpu (rehearsal: "
-                                     f"torch.distributed.{name} of host tensor {_describe(host[0])} over an NCCL group)")
+        # The group, wherever the caller put it (megatron-core passes it by keyword and by position).
+        group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+        _refuse_host(name, list(_tensors((args, kwargs))), group)
         return original(*args, **kwargs)
 
     return collective
+
+
+def _batch_isend_irecv(original):
+    @functools.wraps(original)
+    def batch_isend_irecv(p2p_op_list):
+        for op in p2p_op_list:
+            _refuse_host(f"batch_isend_irecv ({op.op.__name__})", [op.tensor], op.group)
+        return original(p2p_op_list)
+
+    return batch_isend_irecv
 
 
 def _object_collective(original):
     # They place their own buffers (on the GPU under NCCL); under gloo here they use the host.
     @functools.wraps(original)
     def collective(*args, **kwargs):
+        COLLECTIVE_CALLS[original.__name__] = COLLECTIVE_CALLS.get(original.__name__, 0) + 1
         _in_object_collective[0] = True
         try:
             return original(*args, **kwargs)
@@ -304,14 +343,39 @@ def _new_group(original):
 
 
 def _patch_distributed() -> None:
+    """Every tensor collective checked, also where megatron-core bound it to a name of its own at import
+    (tensor_parallel.mappings/layers, distributed.param_and_grad_buffer: `dist_all_gather_func` ...)."""
     from torch.distributed import distributed_c10d as c10d
 
-    for module in (dist, c10d):
-        for name in _COLLECTIVES:
-            setattr(module, name, _device_collective(name, getattr(c10d, name)))
-        for name in _OBJECT_COLLECTIVES:
-            setattr(module, name, _object_collective(getattr(c10d, name)))
-        module.new_group = _new_group(c10d.new_group)
+    checked = {}
+    for name in _COLLECTIVES:
+        if hasattr(c10d, name):
+            checked[getattr(c10d, name)] = _device_collective(name, getattr(c10d, name))
+    for name in _OBJECT_COLLECTIVES:
+        checked[getattr(c10d, name)] = _object_collective(getattr(c10d, name))
+    checked[c10d.batch_isend_irecv] = _batch_isend_irecv(c10d.batch_isend_irecv)
+    checked[c10d.new_group] = _new_group(c10d.new_group)
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not (module_name in ("torch.distributed", "torch.distributed.distributed_c10d")
+                                  or module_name.startswith(("megatron.", "megatron_ext."))):
+            continue
+        for attribute, value in list(vars(module).items()):
+            if isinstance(value, types.FunctionType) and value in checked:
+                setattr(module, attribute, checked[value])
+
+
+def _keep_marks_in_parameters() -> None:
+    """`nn.Parameter(t)` is a new tensor object: it takes `t`'s place (LoRA adapters are made after the
+    model moved to its device; their place must be known to be checked)."""
+    original = torch.nn.Parameter.__new__
+
+    def new(cls, data=None, requires_grad=True):
+        param = original(cls, data, requires_grad)
+        if data is not None and place(data) is not None:
+            mark(param, place(data))
+        return param
+
+    torch.nn.Parameter.__new__ = staticmethod(new)
 
 
 def _host_batches(train_data_cls) -> None:
@@ -353,7 +417,8 @@ class _Counts:
 
     def write(self, path: str, ledger: DeviceLedger) -> None:
         with open(path, "w") as f:
-            json.dump({"attention_layers": self.layers, "attention_kernels": self.kernels, "reads": ledger.reads}, f)
+            json.dump({"attention_layers": self.layers, "attention_kernels": self.kernels, "reads": ledger.reads,
+                       "collectives": COLLECTIVE_CALLS}, f)
 
 
 def start() -> DeviceLedger:
@@ -363,6 +428,7 @@ def start() -> DeviceLedger:
 
     cpu_support.apply(rehearsal=True)
     _patch_distributed()
+    _keep_marks_in_parameters()
     from megatron_ext.model import attention
 
     attention.varlen_attn = rehearsed_varlen_attn

@@ -21,11 +21,12 @@ from tests.train.gpu_rehearsal import DEVICE, HOST, DeviceLedger, DeviceMixError
 REHEARSAL = "tests/train/gpu_rehearsal.py"
 
 
-def rehearse(tmp_path, script, *args, check=True):
-    """Run SCRIPT under the rehearsal; returns the process and its attention counts."""
+def rehearse(tmp_path, script, *args, check=True, nproc=1):
+    """Run SCRIPT under the rehearsal in `nproc` processes; returns the process and rank 0's report
+    (attention counts, the sync ledger)."""
     report = tmp_path / "rehearsal.json"
     # Every call only the math kernel would take fails, however short (the tests' sequences are).
-    proc = run_torchrun(1, REHEARSAL, script, *args, timeout=240, check=check,
+    proc = run_torchrun(nproc, REHEARSAL, script, *args, timeout=400, check=check,
                         env=child_env(REHEARSAL_REPORT=str(report), REHEARSAL_MATH_LIMIT="0"))
     return proc, json.loads(report.read_text()) if report.exists() else None
 
@@ -50,6 +51,43 @@ def test_trainer_iterations_keep_host_and_device_apart(tmp_path, megatron_clip, 
     if options["attention_backend"] == "sdpa":
         # One attention kernel call per layer and micro batch, packed or not.
         assert counts["attention_layers"] > 0 and counts["attention_kernels"] == counts["attention_layers"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("options", [
+    dict(tp=2, lora_rank=4),  # tensor-parallel layers and their collectives, LoRA adapters made after .to()
+    dict(pp=2),  # pipeline p2p between stages
+    dict(dist_optim=True),  # two data-parallel ranks, the distributed optimizer's buckets
+], ids=["tp2-lora", "pp2", "dp2-dist-optim"])
+def test_trainer_iterations_at_every_layout(tmp_path, megatron_clip, train_data, options):
+    """Two ranks: every collective megatron-core makes (also through its import-time aliases) checked."""
+    save = tmp_path / "run"
+    args = trainer_args(megatron_clip, train_data, save, global_batch_size=4, train_iters=2, packing_seq_length=128,
+                        dtype="bfloat16", attention_backend="sdpa", micro_batch_size=1, save_interval=2, **options)
+    rehearse(tmp_path, "scripts/train/pretrain_llava.py", *args, nproc=2)
+    records = metrics(save)
+    assert sorted(records) == [1, 2] and all(r["update"] and math.isfinite(r["loss"]) for r in records.values())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_host_tensor_through_megatrons_aliased_all_gather_fails(tmp_path):
+    """megatron-core binds all_gather_into_tensor to `dist_all_gather_func` at import, before the
+    rehearsal starts: that name is checked too."""
+    script = tmp_path / "aliased.py"
+    script.write_text(
+        "import torch\n"
+        "from megatron_ext.distributed import device, init_parallel\n"
+        "init_parallel()\n"
+        "from megatron.core.tensor_parallel import mappings\n"
+        "mappings.dist_all_gather_func(torch.empty(2, device=device()), torch.ones(2, device=device()))\n"
+        "print('device tensors gathered', flush=True)\n"
+        "mappings.dist_all_gather_func(torch.empty(2, device=device()), torch.ones(2))\n")
+    proc, _ = rehearse(tmp_path, str(script), check=False)
+    assert proc.returncode != 0
+    assert "device tensors gathered" in proc.stdout
+    assert "all_gather_into_tensor of host tensor" in proc.stderr
 
 
 @pytest.mark.multiprocess
@@ -197,3 +235,34 @@ def test_the_rehearsed_varlen_attn_checks_its_contract_and_computes_attention():
     allowed = (sample[:, None] == sample[None, :]) & torch.ones(9, 9, dtype=torch.bool).tril()
     expected = _reference(*(t.float().transpose(0, 1)[None] for t in (q, k, v)), allowed[None, None])
     assert (out.float() - expected[0].transpose(0, 1)).abs().max() < 2e-2
+
+
+def test_indexing_and_zero_dim_tensors_follow_cudas_rules():
+    gpu, host = mark(torch.arange(4.0), DEVICE), mark(torch.arange(4.0), HOST)
+    with DeviceLedger():
+        assert place(gpu[mark(torch.tensor([1, 2]), HOST)]) == DEVICE  # host indices into a device tensor: fine
+        with pytest.raises(DeviceMixError, match="indices should be either on cpu"):
+            host[mark(torch.tensor([1, 2]), DEVICE)]
+        scalar = mark(torch.tensor(2.0), HOST)
+        assert place(gpu * scalar) == DEVICE  # elementwise: a 0-dim host tensor is a scalar
+        with pytest.raises(DeviceMixError, match="cuda:0 and cpu"):
+            torch.index_select(gpu, 0, mark(torch.tensor(1), HOST))
+        with pytest.raises(DeviceMixError, match="cuda:0 and cpu"):
+            torch.stack([gpu[0], scalar])
+
+
+def test_a_parameter_keeps_the_place_of_its_data():
+    """The planted defect: a LoRA adapter made on the host beside a model on the device."""
+    from tests.train.gpu_rehearsal import _keep_marks_in_parameters
+
+    new = vars(torch.nn.Parameter)["__new__"]
+    try:
+        _keep_marks_in_parameters()
+        with DeviceLedger():
+            weight = torch.nn.Parameter(mark(torch.ones(3, 2), DEVICE))
+            adapter = torch.nn.Parameter(mark(torch.zeros(2, 3), HOST))
+            assert place(weight) == DEVICE and place(adapter) == HOST
+            with pytest.raises(DeviceMixError, match="cuda:0 and cpu"):
+                weight @ adapter
+    finally:
+        torch.nn.Parameter.__new__ = new
