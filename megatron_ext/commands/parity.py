@@ -1,6 +1,7 @@
-"""check_parity: does our trainer train the model transformers would? (megatron_ext/train/parity.py)
+"""megatron-ext-parity (= scripts/train/check_parity.py): does our trainer train the model transformers
+would? (megatron_ext/train/parity.py)
 
-    python scripts/train/check_parity.py --hf-dir HF --data-path DATA --steps 3 --stage 2 [-g 2 --tp 2]
+    megatron-ext-parity --hf-dir HF --data-path DATA --steps 3 --stage 2 [-g 2 --tp 2]
         [--packing-seq-length 512] [--set lr=1e-4 --set weight_decay=0.1 ...]
 
 Prints one row per step (learning rate, loss and gradient norm of both sides, relative differences)
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from megatron_ext.errors import UserError
+from megatron_ext.errors import UserError, run_command
 
 
 def _settings(values: tuple[str, ...]) -> dict:
@@ -66,3 +67,11 @@ def check_parity(hf_dir, data_path, steps, gpus, tp, pp, stage, micro_batch_size
         report = check(hf_dir, data_path, Path(out), steps, gpus, options, rtol=rtol)
     click.echo(report.table())
     return 0 if report.ok else 1
+
+
+def main() -> None:
+    run_command(check_parity)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,8 +3,7 @@
     python scripts/train/check_parity.py --hf-dir HF --data-path DATA --steps 3 --stage 2 [-g 2 --tp 2]
 """
 
-from megatron_ext.commands.parity import check_parity
-from megatron_ext.errors import run_command
+from megatron_ext.commands.parity import main
 
 if __name__ == "__main__":
-    run_command(check_parity)
+    main()
