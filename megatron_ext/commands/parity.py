@@ -36,6 +36,8 @@ def _settings(values: tuple[str, ...]) -> dict:
 
 @click.command(context_settings={"max_content_width": 110, "help_option_names": ["-h", "--help"]})
 @click.option("--hf-dir", required=True, type=click.Path(exists=True, file_okay=False), help="HF LLaVA checkpoint.")
+@click.option("--megatron-dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="HF-DIR converted already (hf-to-megatron, TP1 x PP1); default: converted in --work-dir.")
 @click.option("--data-path", required=True, help="Prepared energon dataset (the trainer's --data-path).")
 @click.option("--steps", default=3, show_default=True, help="Optimizer steps on each side.")
 @click.option("-g", "--gpus", default=1, show_default=True, help="Processes of our run (CPU processes without CUDA).")
@@ -52,7 +54,7 @@ def _settings(values: tuple[str, ...]) -> dict:
               "(fp32; bf16 on a GPU needs about 1e-2).")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None, help="Where the converted and trained "
               "checkpoints go (default: a temporary directory, removed afterwards).")
-def check_parity(hf_dir, data_path, steps, gpus, tp, pp, stage, micro_batch_size, global_batch_size, seq_length,
+def check_parity(hf_dir, megatron_dir, data_path, steps, gpus, tp, pp, stage, micro_batch_size, global_batch_size, seq_length,
                  packing_seq_length, dist_optim, settings, rtol, work_dir):
     """Train STEPS steps with our trainer and with a plain PyTorch loop on transformers' model, on the
     same global batches, and compare them step by step and weight by weight."""
@@ -64,7 +66,8 @@ def check_parity(hf_dir, data_path, steps, gpus, tp, pp, stage, micro_batch_size
     given = contextlib.nullcontext(work_dir) if work_dir else tempfile.TemporaryDirectory(prefix="parity-")
     with given as out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        report = check(hf_dir, data_path, Path(out), steps, gpus, options, rtol=rtol)
+        report = check(hf_dir, data_path, Path(out), steps, gpus, options, rtol=rtol,
+                       megatron_dir=Path(megatron_dir) if megatron_dir else None)
     click.echo(report.table())
     return 0 if report.ok else 1
 

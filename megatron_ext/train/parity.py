@@ -87,12 +87,14 @@ def trainer_config(megatron_dir: Path, data_path: str, save_dir: Path, steps: in
 
 
 def run_ours(hf_dir: str | Path, data_path: str, work_dir: Path, steps: int, gpus: int, options: dict,
-             quiet: bool = False) -> OurRun:
+             quiet: bool = False, megatron_dir: Path | None = None) -> OurRun:
+    """`megatron_dir`: `hf_dir` converted already (TP1 x PP1), so several runs need not each convert it."""
     from megatron_ext.convert import to_hf, to_megatron
     from megatron_ext.train.plan import make_plan
 
     work_dir = Path(work_dir)
-    megatron_dir = to_megatron.convert(hf_dir, work_dir / "megatron", tp=1, pp=1, force=True)
+    if megatron_dir is None:
+        megatron_dir = to_megatron.convert(hf_dir, work_dir / "megatron", tp=1, pp=1, force=True)
     config = trainer_config(megatron_dir, data_path, work_dir / "ours", steps, options)
     plan = make_plan(config, gpus, torch.cuda.is_available())
     if plan.arch.tiling is not None:
@@ -198,8 +200,8 @@ def compare(ours: OurRun, hf_results: list, hf_model, hf_dir, rtol: float = FP32
 
 
 def check_parity(hf_dir: str | Path, data_path: str, work_dir: Path, steps: int, gpus: int, options: dict,
-                 rtol: float = FP32_RTOL, quiet: bool = False) -> Report:
+                 rtol: float = FP32_RTOL, quiet: bool = False, megatron_dir: Path | None = None) -> Report:
     """The whole check: our run, the transformers loop on its batches, the comparison."""
-    ours = run_ours(hf_dir, data_path, work_dir, steps, gpus, options, quiet=quiet)
+    ours = run_ours(hf_dir, data_path, work_dir, steps, gpus, options, quiet=quiet, megatron_dir=megatron_dir)
     model, results = run_hf(hf_dir, ours, progress=(lambda line: None) if quiet else print)
     return compare(ours, results, model, hf_dir, rtol=rtol)

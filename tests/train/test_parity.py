@@ -29,7 +29,7 @@ CLIP_PER_RANK = Path(__file__).with_name("clip_per_rank")  # its sitecustomize: 
 
 
 @pytest.fixture(scope="module")
-def our_runs(tmp_path_factory, llava_clip, train_data):
+def our_runs(tmp_path_factory, llava_clip, megatron_clip, train_data):
     """Our trainer's run in a layout of LAYOUTS, made when a test first asks for it."""
     made = {}
 
@@ -37,7 +37,7 @@ def our_runs(tmp_path_factory, llava_clip, train_data):
         if layout not in made:
             processes, options = LAYOUTS[layout]
             made[layout] = parity.run_ours(llava_clip, str(train_data), tmp_path_factory.mktemp(layout), STEPS,
-                                           processes, {**BASE, **options}, quiet=True)
+                                           processes, {**BASE, **options}, quiet=True, megatron_dir=megatron_clip)
         return made[layout]
 
     return run
@@ -121,11 +121,12 @@ def test_catches_weight_decay_on_norms(ours, llava_clip, monkeypatch):
     assert "step 1:" not in problems and "step 2: grad norm differs" in problems
 
 
-def test_catches_clipping_per_rank(tmp_path, llava_clip, train_data, monkeypatch):
+def test_catches_clipping_per_rank(tmp_path, llava_clip, megatron_clip, train_data, monkeypatch):
     """Our trainer at TP2, each rank clipping by the norm of its own half of the split weights: the
     norm it reports and clips by is not the global one. One step shows it."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(CLIP_PER_RANK), os.environ.get("PYTHONPATH")) if p))
     ours = parity.run_ours(llava_clip, str(train_data), tmp_path, 1, 2,
-                           {**BASE, "tp": 2, "micro_batch_size": 2, "global_batch_size": 2}, quiet=True)
+                           {**BASE, "tp": 2, "micro_batch_size": 2, "global_batch_size": 2}, quiet=True,
+                           megatron_dir=megatron_clip)
     problems = _problems(ours, llava_clip)
     assert "step 1: grad norm differs" in problems and "step 1: loss differs" not in problems
