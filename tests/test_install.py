@@ -38,7 +38,7 @@ def test_an_installed_copy_runs_without_the_checkout(tmp_path):
                   timeout=120)
     assert "--megatron-load-dir" in trainer.stdout and "--image-aspect" in trainer.stdout
     # The console scripts pip wrote: a dataset made and built from a directory outside the checkout.
-    for name in ("train", "convert", "data", "generate", "chat", "evaluate", "demo"):
+    for name in ("train", "convert", "data", "generate", "chat", "evaluate", "demo", "parity"):
         assert (site / "bin" / f"megatron-ext-{name}").is_file(), name
     data = site / "bin" / "megatron-ext-data"
     run([sys.executable, data, "synthetic", "--output-dir", "src", "--num-samples", "8"], cwd=elsewhere, env=env,
@@ -48,3 +48,5 @@ def test_an_installed_copy_runs_without_the_checkout(tmp_path):
     assert "wrote 8 samples in 2 shards" in built.stdout
     assert "Usage: megatron-ext-train" in run([sys.executable, site / "bin" / "megatron-ext-train", "--help"],
                                               cwd=elsewhere, env=env, timeout=120).stdout
+    assert "Usage: megatron-ext-parity" in run([sys.executable, site / "bin" / "megatron-ext-parity", "--help"],
+                                               cwd=elsewhere, env=env, timeout=120).stdout

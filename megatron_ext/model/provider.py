@@ -22,6 +22,7 @@ from megatron_ext.model.backends import STORED_DTYPES, resolve_backend, te_avail
 from megatron_ext.model.build_errors import megatron_refusals
 from megatron_ext.model.execution import ModelExecution
 from megatron_ext.model.family_hooks import ModelFamilies
+from megatron_ext.model.padded_vocab import mask_padded_vocab
 from megatron_ext.model.specs import llava_specs
 
 DTYPES = {name: getattr(torch, name) for name in STORED_DTYPES}
@@ -194,6 +195,8 @@ def _build(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions, vp_stag
         vp_stage=vp_stage,
     )
     families.text.after_build(t, model)
+    if last:
+        mask_padded_vocab(model.language_model.output_layer, t.vocab_size, t.padded_vocab_size)
     if model.vision_model is not None:
         # HF LLaVA reads features from hidden_states, which no tower's post_layernorm touches;
         # megatron's CLIPViTModel applies one for some subtypes (siglip). Without it both agree.

@@ -71,6 +71,11 @@ def lr_overrides(config, plan: RunPlan) -> dict | None:
     return overrides
 
 
+def warmup_steps(plan: RunPlan) -> int:
+    """Steps of linear warm-up: --lr-warmup-fraction of --train-iters, rounded down."""
+    return int(plan.config.lr_warmup_fraction * plan.train_iters)
+
+
 def build_training_model(plan: RunPlan) -> TrainingModel:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -109,7 +114,7 @@ def build_training_model(plan: RunPlan) -> TrainingModel:
     )
     optimizer = get_megatron_optimizer(optimizer_config, [ddp], config_overrides=lr_overrides(optimizer_config, plan))
     config.grad_scale_func = optimizer.scale_loss
-    warmup = int(cfg.lr_warmup_fraction * plan.train_iters)
+    warmup = warmup_steps(plan)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=plan.train_iters, lr_decay_style=cfg.lr_decay_style,

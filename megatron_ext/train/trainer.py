@@ -281,8 +281,9 @@ def _lock_save_dir(plan: RunPlan) -> RunLock | None:
     return lock
 
 
-def run(config: TrainConfig) -> int:
-    """Entry point under torchrun. Returns the process exit status."""
+def run(config: TrainConfig, trainer_class: type[Trainer] = Trainer) -> int:
+    """Entry point under torchrun. Returns the process exit status. `trainer_class`: a Trainer that
+    also records what it trains on (the parity check's `train.parity_run`)."""
     from megatron_ext.distributed import init_parallel, shutdown
 
     lifetime.watch_launcher()
@@ -302,7 +303,7 @@ def run(config: TrainConfig) -> int:
     trainer = lock = None
     try:
         lock = _lock_save_dir(plan)
-        trainer = Trainer(plan)
+        trainer = trainer_class(plan)
         trainer.train()
         return 0
     except (UserError, TrainingStopped) as exc:

@@ -1,0 +1,207 @@
+"""Does our trainer train the model transformers would? The parity check behind
+scripts/train/check_parity.py.
+
+1. `run_ours`: the HF checkpoint converted, N steps of our real trainer under torchrun in the
+   layout asked for (`train.parity_run` records each global batch), the result exported to HF.
+2. `run_hf`: N steps of `train.hf_loop` (transformers' model, trained as its Trainer trains) on
+   the same global batches, with the same optimizer settings, schedule and frozen parts.
+3. `compare`: per step, loss and gradient norm of both sides; per module, the largest weight
+   difference of the two final models. Frozen parameters must be bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_ext.errors import UserError
+from megatron_ext.train.options import TrainConfig
+
+# fp32 on CPU: the two sides differ by float rounding only (summation order, fused kernels).
+FP32_RTOL = 1e-5
+
+
+@dataclass
+class OurRun:
+    plan: object  # the trainer's RunPlan
+    record_dir: Path
+    hf_out: Path  # our trained model exported to HF
+    steps: list[dict]  # metrics.jsonl's records, by iteration
+
+
+@dataclass
+class Row:
+    step: int
+    lr: float
+    ours: tuple[float, float]  # loss, grad norm
+    hf: tuple[float, float]
+
+    @property
+    def rel(self) -> tuple[float, float]:
+        return tuple(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(self.ours, self.hf))
+
+
+@dataclass
+class Report:
+    rows: list[Row]
+    modules: dict[str, tuple[float, bool]]  # module -> (largest |difference|, trained)
+    rtol: float
+    weight_atol: float
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def table(self) -> str:
+        lines = [f"{'step':>4} {'lr':>9} {'loss ours':>12} {'loss HF':>12} {'rel':>8} {'grad ours':>12} "
+                 f"{'grad HF':>12} {'rel':>8}"]
+        for r in self.rows:
+            lines.append(f"{r.step:>4} {r.lr:>9.3g} {r.ours[0]:>12.7f} {r.hf[0]:>12.7f} {r.rel[0]:>8.1e} "
+                         f"{r.ours[1]:>12.7f} {r.hf[1]:>12.7f} {r.rel[1]:>8.1e}")
+        lines.append(f"{'module':<36} {'max |dw|':>9}  (trained: bound {self.weight_atol:.1e}; frozen: 0)")
+        for name, (diff, trained) in self.modules.items():
+            lines.append(f"{name:<36} {diff:>9.1e}  {'trained' if trained else 'frozen'}")
+        lines += [f"FAIL: {p}" for p in self.problems] or [f"OK: within rtol {self.rtol:g}"]
+        return "\n".join(lines)
+
+
+def trainer_config(megatron_dir: Path, data_path: str, save_dir: Path, steps: int, options: dict) -> TrainConfig:
+    """Our run: `options` (trainer option names) over a short run that logs and saves every step."""
+    unknown = set(options) - set(TrainConfig.__dataclass_fields__)
+    if unknown:
+        raise UserError(f"unknown trainer options for the parity check: {', '.join(sorted(unknown))}")
+    if options.get("lora_rank") or options.get("vision_lr") is not None:
+        raise UserError("the parity check does not cover --lora-rank or --vision-lr yet")
+    return TrainConfig(**{"num_workers": 0, "train_iters": steps, **options, "megatron_load_dir": str(megatron_dir),
+                          "data_path": data_path, "save": True, "save_dir": str(save_dir), "log_interval": 1,
+                          "exit_interval": steps})
+
+
+def run_ours(hf_dir: str | Path, data_path: str, work_dir: Path, steps: int, gpus: int, options: dict,
+             quiet: bool = False, megatron_dir: Path | None = None) -> OurRun:
+    """`megatron_dir`: `hf_dir` converted already (TP1 x PP1), so several runs need not each convert it."""
+    from megatron_ext.convert import to_hf, to_megatron
+    from megatron_ext.train.plan import make_plan
+
+    work_dir = Path(work_dir)
+    if megatron_dir is None:
+        megatron_dir = to_megatron.convert(hf_dir, work_dir / "megatron", tp=1, pp=1, force=True)
+    config = trainer_config(megatron_dir, data_path, work_dir / "ours", steps, options)
+    plan = make_plan(config, gpus, torch.cuda.is_available())
+    if plan.arch.tiling is not None:
+        raise UserError("the parity check covers LLaVA-1.5-style models; tiled LLaVAs (NeXT, OneVision) are not done yet")
+    if plan.resume is not None:
+        raise UserError(f"{work_dir / 'ours'} holds a run already: give the parity check an empty --work-dir")
+    config_json = work_dir / "config.json"
+    config_json.write_text(json.dumps(config.to_dict()))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+           "-m", "megatron_ext.train.parity_run", str(work_dir / "batches"), str(config_json)]
+    done = subprocess.run(cmd, capture_output=quiet, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if done.returncode:
+        raise UserError(f"our trainer failed (exit {done.returncode}){': ' + done.stderr[-2000:] if quiet else ''}")
+    metrics = [json.loads(line) for line in (work_dir / "ours" / "metrics.jsonl").read_text().splitlines()]
+    steps_logged = {r["iteration"]: r for r in metrics if r["split"] == "train"}
+    hf_out = to_hf.convert(work_dir / "ours", work_dir / "ours_hf", force=True)
+    return OurRun(plan, work_dir / "batches", hf_out, [steps_logged[i] for i in sorted(steps_logged)])
+
+
+def global_batch(ours: OurRun, iteration: int) -> list[dict]:
+    """Every micro batch of this iteration, data-parallel replica by replica."""
+    from megatron_ext.train.parity_run import batch_file
+
+    replicas = ours.plan.execution.data_parallel_size
+    return [b for r in range(replicas) for b in torch.load(batch_file(ours.record_dir, iteration, r))]
+
+
+def run_hf(hf_dir: str | Path, ours: OurRun, progress=print):
+    """(transformers' model after the same steps, one (loss, grad norm, lr) per step)."""
+    from megatron_ext.train.hf_loop import HfLoop, Hyper
+    from megatron_ext.train.model_setup import warmup_steps
+
+    cfg = ours.plan.config
+    hyper = Hyper(stage=cfg.stage, unfreeze_vit=cfg.unfreeze_vit, lr=cfg.lr, min_lr=cfg.min_lr,
+                  warmup=warmup_steps(ours.plan), steps=ours.plan.train_iters, style=cfg.lr_decay_style,
+                  weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                  clip_grad=cfg.clip_grad)
+    loop = HfLoop(str(hf_dir), hyper, ours.plan.arch.img_seq_len)
+    results = []
+    for record in ours.steps:
+        lr = loop.scheduler.get_last_lr()[0]
+        loss, norm = loop.step(global_batch(ours, record["iteration"]))
+        progress(f"HF loop step {record['iteration']}: loss {loss:.6f} grad norm {norm:.6f}")
+        results.append((loss, norm, lr))
+    return loop.model, results
+
+
+def module_of(name: str) -> str:
+    """The part of an HF LLaVA a parameter belongs to, as the report groups them."""
+    layer = re.search(r"language_model\.(?:model\.)?layers\.(\d+)\.", name)
+    if layer:
+        return f"language_model.layers.{layer.group(1)}"
+    for part in ("vision_tower", "multi_modal_projector", "image_newline", "embed_tokens", "lm_head"):
+        if part in name:
+            return part
+    return name.removeprefix("model.")
+
+
+def compare_weights(ours_hf: Path, reference, original_dir: str | Path) -> tuple[dict, list[str]]:
+    """Per module, the largest |ours - reference|, and whether any of its parameters trained.
+    Frozen parameters must equal the original checkpoint's bit for bit on both sides."""
+    from transformers import LlavaForConditionalGeneration
+
+    ours = dict(LlavaForConditionalGeneration.from_pretrained(str(ours_hf), dtype=torch.float32).named_parameters())
+    modules, problems = {}, []
+    for name, ref in reference.named_parameters():
+        diff = (ours[name].detach() - ref.detach()).abs().max().item()
+        key = module_of(name)
+        prev_diff, prev_trained = modules.get(key, (0.0, False))
+        modules[key] = (max(prev_diff, diff), prev_trained or ref.requires_grad)
+        if not ref.requires_grad and not torch.equal(ours[name], ref):
+            problems.append(f"frozen {name} changed by {diff:.2e}")
+    return modules, problems
+
+
+def weight_bound(lr: float, steps: int) -> float:
+    """How far apart two fp32 AdamW runs' weights may drift. Adam's step, lr * m / (sqrt(v) + eps),
+    is about lr whatever the gradient's size, so it amplifies float noise where a gradient is near
+    zero: a few such weights move by a fraction of lr differently on the two sides (a tiny Llama:
+    up to 2e-5 at lr 1e-3 after 3 steps). A tenth of lr per step allows that; a schedule off by one
+    step or another loss normalisation moves every weight by about lr, far more."""
+    return 0.1 * lr * steps
+
+
+def compare(ours: OurRun, hf_results: list, hf_model, hf_dir, rtol: float = FP32_RTOL,
+            weight_atol: float | None = None) -> Report:
+    rows = [Row(r["iteration"], r["lr"], (r["loss"], r["grad_norm"]), (loss, norm))
+            for r, (loss, norm, _) in zip(ours.steps, hf_results)]
+    cfg = ours.plan.config
+    atol = weight_bound(cfg.lr, len(rows)) if weight_atol is None else weight_atol
+    modules, problems = compare_weights(ours.hf_out, hf_model, hf_dir)
+    for r, (_, _, hf_lr) in zip(rows, hf_results):
+        if not math.isclose(r.lr, hf_lr, rel_tol=1e-9, abs_tol=1e-15):
+            problems.append(f"step {r.step}: learning rate {r.lr:.6g} (ours) vs {hf_lr:.6g} (transformers' schedule)")
+        for what, rel in zip(("loss", "grad norm"), r.rel):
+            if not rel <= rtol:
+                problems.append(f"step {r.step}: {what} differs by {rel:.1e} relative (> {rtol:g})")
+    problems += [f"{name}: weights differ by {diff:.1e} (> {atol:.1e})" for name, (diff, trained) in modules.items()
+                 if trained and not diff <= atol]
+    if any(not math.isfinite(v) for r in rows for v in (*r.ours, *r.hf)):
+        problems.append("a loss or gradient norm is not finite")
+    return Report(rows, modules, rtol, atol, problems)
+
+
+def check_parity(hf_dir: str | Path, data_path: str, work_dir: Path, steps: int, gpus: int, options: dict,
+                 rtol: float = FP32_RTOL, quiet: bool = False, megatron_dir: Path | None = None) -> Report:
+    """The whole check: our run, the transformers loop on its batches, the comparison."""
+    ours = run_ours(hf_dir, data_path, work_dir, steps, gpus, options, quiet=quiet, megatron_dir=megatron_dir)
+    model, results = run_hf(hf_dir, ours, progress=(lambda line: None) if quiet else print)
+    return compare(ours, results, model, hf_dir, rtol=rtol)
