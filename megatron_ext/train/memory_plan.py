@@ -185,7 +185,8 @@ def _grouped(ranks: list[RankMemory]) -> tuple[RankMemory, ...]:
 
 
 def gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
+    """GiB, or MiB below one GiB (small models: tests, the vision tower's share)."""
+    return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / 2**20:.1f} MiB"
 
 
 def _ranks_name(r: RankMemory, knobs: Knobs) -> str:
@@ -305,7 +306,7 @@ def side_by_side(plans: list[MemoryPlan]) -> list[str]:
     def column(mp: MemoryPlan) -> dict[str, str]:
         r, s = mp.largest, mp.largest.state
         return {"layout (tp x pp x dp)": f"{mp.knobs.tp} x {mp.knobs.pp} x {mp.dp}",
-                "largest rank": _ranks_name(r, mp.knobs).replace("tp rank", "tp"),
+                "largest rank": _ranks_name(r, mp.knobs).replace("tp ranks", "tp").replace("tp rank", "tp"),
                 "parameters": gib(s.param_bytes), "trained parameters": f"{s.trained / 1e6:,.1f}M",
                 "gradients": gib(s.grad_bytes), "optimizer": gib(s.optimizer_bytes),
                 "activations LM": gib(r.lm_activations), "activations vision": gib(r.vision_activations),

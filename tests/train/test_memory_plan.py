@@ -82,7 +82,7 @@ def test_state_bytes_equal_a_real_runs_model_buffers_and_optimizer():
 
 
 def test_a_plan_over_budget_is_refused_in_one_line_naming_its_largest_part_and_what_fits():
-    from megatron_ext.train.memory_plan import largest_part, memory_plan, refusal
+    from megatron_ext.train.memory_plan import gib, largest_part, memory_plan, refusal
 
     plan = cpu_plan(stage=2, seq_length=2048, attention_backend="local", recompute_granularity="none")
     full = memory_plan(plan, 80 * GIB)
@@ -95,8 +95,8 @@ def test_a_plan_over_budget_is_refused_in_one_line_naming_its_largest_part_and_w
     assert not over.fits
     line = refusal(plan, over)
     assert "\n" not in line
-    assert line.startswith(f"memory plan: stage 1/1, tp rank 0 needs {rank.total / GIB:.1f} GiB")
-    assert f"largest part: language-model activations {size / GIB:.1f} GiB at --seq-length 2048" in line
+    assert line.startswith(f"memory plan: stage 1/1, tp rank 0 needs {gib(rank.total)}")
+    assert f"largest part: language-model activations {gib(size)} at --seq-length 2048" in line
     assert "--recompute-granularity selective fits" in line and "--recompute-granularity full fits" in line
     selective = memory_plan(plan, budget, dataclasses_replace_recompute(over.knobs, "selective"))
     assert selective.fits and selective.largest.lm_activations < rank.lm_activations / 2
