@@ -4,14 +4,17 @@ Each term is a forward on the meta device of a piece of the rank's real model (`
 counts what autograd keeps; no memory, no compute), frozen as in the run:
 - a language-model layer at two short lengths, fitted to a*s + c*s^2 (linear terms and the S x S
   attention scores of megatron's local kernel) and evaluated at the run's --seq-length;
-- a vision-tower layer at its own sequence (patches) for one tile, times tiles and layers;
-- the projector for one tile's features, and on the last stage the logits and the loss.
+- the vision tower and the projector for one tile, as LLaVAModel runs them (stem, every layer, the
+  class token dropped, the projector), times tiles; on the last stage the logits and the loss.
 
 Where GPU kernels keep other tensors than the CPU ones measured here:
-- sdpa and te (flash attention): on meta and CPU, SDPA falls back to its math kernel, which saves
-  the [b, heads, S, S] scores; flash saves only q, k, v, the output and a [b, heads, S] fp32
-  log-sum-exp. So these backends are measured with megatron's selective recomputation of core
-  attention (which saves exactly q, k, v) plus that log-sum-exp.
+- sdpa and te (flash attention): on meta, SDPA runs its math kernel, which saves the
+  [b, heads, S, S] scores; flash saves only q, k, v, the output and a [b, heads, S] fp32
+  log-sum-exp (the CPU's flash kernel too, its output in a layout that the output projection
+  copies: 3% more than modelled in tests/train/test_memory_plan.py's real forwards). So these backends are measured with megatron's selective recomputation of core
+  attention (which saves exactly q, k, v) plus that log-sum-exp. The vision tower takes no
+  recompute setting (it never recomputes in a run); its layers' core attention is checkpointed
+  for the measurement alone.
 - te: Transformer Engine's fused LayerNormLinear keeps the norm's output and its statistics
   instead of the norm's fp32 input (torch's RMSNorm here); its layers are measured as the sdpa
   layers they compute the same function as (TE does not build on meta).
@@ -25,6 +28,7 @@ Where GPU kernels keep other tensors than the CPU ones measured here:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -43,8 +47,7 @@ class Measured:
     layer_quadratic: float  # c: bytes per token^2 (S x S scores)
     layer_input: int  # per token: what full recomputation keeps of a layer (its input)
     lm_other: int  # logits and loss (last stage) at the run's length
-    vision_layer: int  # one ViT layer, one tile (0 when the tower is frozen: nothing needs its grads)
-    projector: int  # the projector, one tile's features
+    vision_tile: int  # the tower and the projector for one tile (the tower's part is 0 when it is frozen)
 
     def layer(self, tokens: int) -> float:
         return self.layer_linear * tokens + self.layer_quadratic * tokens * tokens
@@ -72,11 +75,12 @@ def _layer_forward(model, tokens: int, input_grad: bool, checkpointed: bool = Fa
     return lambda: run(x)
 
 
-def _flash_lse(model, tokens: int) -> int:
-    """The fp32 log-sum-exp a flash kernel keeps per head of this rank and query."""
+def _flash_lse(config, tokens: int) -> int:
+    """The fp32 log-sum-exp a flash kernel keeps per head of this rank and query (`config`: the
+    TransformerConfig of the layer's model)."""
     from megatron.core import parallel_state
 
-    heads = model.language_model.config.num_attention_heads // parallel_state.get_tensor_model_parallel_world_size()
+    heads = config.num_attention_heads // parallel_state.get_tensor_model_parallel_world_size()
     return heads * tokens * 4
 
 
@@ -98,26 +102,51 @@ def _lm_other(model, tokens: int) -> int:
     return saved_bytes(forward, model.parameters())
 
 
-def _vision(model, arch, tower_trained: bool) -> tuple[int, int]:
-    """(one ViT layer, the projector) for one tile; the tower's input needs no grad when it is frozen."""
+@contextlib.contextmanager
+def _core_attention_checkpointed(layers):
+    """megatron-core's selective recomputation switched on in `layers` for the block (a meta model's)."""
+    attentions = [layer.self_attention for layer in layers]
+    before = [a.checkpoint_core_attention for a in attentions]
+    for a in attentions:
+        a.checkpoint_core_attention = True
+    try:
+        yield
+    finally:
+        for a, was in zip(attentions, before):
+            a.checkpoint_core_attention = was
+
+
+def _vision(model, arch, flash: bool, tower_trained: bool) -> int:
+    """The tower and the projector for one tile, as megatron-core's LLaVAModel.forward runs them; pixels
+    need no grad, so a frozen tower keeps nothing. `flash`: the tower's attention is a flash kernel."""
+    import torch
+
     if model.vision_model is None:
-        return 0, 0
+        return 0
     v = arch.vision
+    tower = model.vision_model
+    images = torch.empty((1, 3, v.image_size, v.image_size), dtype=tower.config.params_dtype, device="meta")
+    layers = tower.decoder.layers
+
+    def forward():
+        features = tower(images)
+        features = features[:, int(v.class_token and arch.drop_class_token):]
+        return model.vision_projection(features.permute(1, 0, 2).contiguous())
+
+    if not flash:
+        return saved_bytes(forward, model.parameters())
+    with _core_attention_checkpointed(layers):
+        kept = saved_bytes(forward, model.parameters())
     patches = v.num_patches + int(v.class_token)
-    dtype = model.vision_model.config.params_dtype
-    layer = model.vision_model.decoder.layers[0]
-    x = _meta((patches, 1, v.hidden_size), dtype, tower_trained)
-    vit = saved_bytes(lambda: layer(x, attention_mask=None), model.parameters())
-    features = _meta((patches, 1, v.hidden_size), dtype, tower_trained)
-    projector = saved_bytes(lambda: model.vision_projection(features), model.parameters())
-    return vit, projector
+    return kept + (len(layers) * _flash_lse(tower.config, patches) if tower_trained else 0)
 
 
-def measure(model, arch, seq_length: int, flash_lse: bool, input_grad: bool, tower_trained: bool) -> Measured:
+def measure(model, arch, seq_length: int, flash_lse: bool, vision_flash: bool, input_grad: bool,
+            tower_trained: bool) -> Measured:
     """The pieces of this rank's model (meta, frozen as in the run, under its parallel state).
     `flash_lse`: the run's attention is a flash kernel that keeps its log-sum-exp (sdpa or te without
-    selective recomputation; `model` is then built with it, see above); `input_grad`: a gradient flows
-    into the LM layers' input."""
+    selective recomputation; `model` is then built with it, see above); `vision_flash`: the tower's
+    attention is (sdpa or te); `input_grad`: a gradient flows into the LM layers' input."""
     from megatron.core import tensor_parallel
 
     # megatron's local attention forks the model-parallel RNG stream (for dropout) even on meta,
@@ -125,15 +154,15 @@ def measure(model, arch, seq_length: int, flash_lse: bool, input_grad: bool, tow
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     params = list(model.parameters())
     s1, s2 = FIT_LENGTHS
-    m1, m2 = (saved_bytes(_layer_forward(model, s, input_grad), params) + (_flash_lse(model, s) if flash_lse else 0)
+    lm_config = model.language_model.config
+    m1, m2 = (saved_bytes(_layer_forward(model, s, input_grad), params) + (_flash_lse(lm_config, s) if flash_lse else 0)
               for s in (s1, s2))
     # m(s) = a s + c s^2 through both points.
     quadratic = (m2 / s2 - m1 / s1) / (s2 - s1)
     linear = m1 / s1 - quadratic * s1
     layer_input = saved_bytes(_layer_forward(model, s1, input_grad, checkpointed=True), params) / s1
-    vit, projector = _vision(model, arch, tower_trained)
     return Measured(layer_linear=linear, layer_quadratic=quadratic, layer_input=math.ceil(layer_input),
-                    lm_other=_lm_other(model, seq_length), vision_layer=vit, projector=projector)
+                    lm_other=_lm_other(model, seq_length), vision_tile=_vision(model, arch, vision_flash, tower_trained))
 
 
 def with_sequence_parallel(at_tp: Measured, at_one: Measured, tp: int) -> Measured:
@@ -146,7 +175,7 @@ def with_sequence_parallel(at_tp: Measured, at_one: Measured, tp: int) -> Measur
     return Measured(layer_linear=split(at_tp.layer_linear, at_one.layer_linear),
                     layer_quadratic=split(at_tp.layer_quadratic, at_one.layer_quadratic),
                     layer_input=math.ceil(at_tp.layer_input / tp), lm_other=at_tp.lm_other,
-                    vision_layer=at_tp.vision_layer, projector=at_tp.projector)
+                    vision_tile=at_tp.vision_tile)
 
 
 @dataclass(frozen=True)

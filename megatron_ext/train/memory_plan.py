@@ -123,7 +123,7 @@ def _measure(plan: RunPlan, knobs: Knobs, model) -> Measured:
     local = plan.execution.model.attention_backend == "local"
     lora_only = cfg.lora_rank > 0 and not cfg.lora_train_projector
     return measure(model, plan.arch, plan.seq_length, flash_lse=not local and knobs.recompute.granularity != "selective",
-                   input_grad=not lora_only, tower_trained=cfg.unfreeze_vit)
+                   vision_flash=not local, input_grad=not lora_only, tower_trained=cfg.unfreeze_vit)
 
 
 def _layer_at_tp_one(plan: RunPlan, knobs: Knobs) -> Measured:
@@ -144,7 +144,7 @@ def _rank_memory(plan: RunPlan, knobs: Knobs, model, m: Measured, stage: int, tp
     layers = len(model.language_model.decoder.layers)
     lm = lm_layers_bytes(m, layers, tokens, knobs.recompute) + micro_batch * m.lm_other
     tiles = micro_batch * vision_inputs_per_sequence(plan)
-    vision = tiles * (plan.arch.vision.num_layers * m.vision_layer + m.projector) if model.vision_model else 0
+    vision = tiles * m.vision_tile
     in_flight = min(knobs.pp - stage, plan.num_microbatches)
     return RankMemory(stage=stage, tp_ranks=(tp_rank,), state=state_bytes(model, knobs.dist_optim, dp),
                       lm_activations=in_flight * lm, vision_activations=in_flight * vision, in_flight=in_flight)
