@@ -7,6 +7,8 @@ autograd saves in a real forward of the whole model.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 
 import pytest
@@ -108,3 +110,86 @@ def dataclasses_replace_recompute(knobs, granularity):
     from megatron_ext.train.activation_model import Recompute
 
     return dataclasses.replace(knobs, recompute=Recompute(granularity))
+
+
+# The small 7B with a vocabulary of 4096 (image and pad tokens moved into it): the published one's
+# logits would outweigh the layers 5 to 1 at this width, and the layers are what is checked here.
+ACTIVATION_LLAVA = copy.deepcopy(SMALL_LLAVA)
+ACTIVATION_LLAVA.update(vocab_size=4096, image_token_index=4000, pad_token_id=4001)
+ACTIVATION_LLAVA["text_config"]["vocab_size"] = 4096
+# (backend, recompute, sequence length, images of 576 positions), the tower trained so it keeps
+# activations: two lengths x two image counts with sdpa (a flash kernel's tensors), and local's
+# S x S scores without recomputation at a short length (selective recomputation, local's default,
+# keeps what sdpa's does).
+ACTIVATION_CASES = [("sdpa", "none", seq, images) for seq in (1280, 2560) for images in (1, 2)] + [
+    ("local", "none", 640, 1)]
+
+
+@contextlib.contextmanager
+def saved_by_part(model, parameters):
+    """(vision, rest): the bytes saved for backward by the forwards in the block, the vision tower's
+    and projector's (counted while those modules run) apart from the rest's (the language model's)."""
+    from megatron_ext.train.saved_tensors import SavedBytes
+
+    vision, rest = SavedBytes(parameters), SavedBytes(parameters)
+    inside = contextlib.ExitStack()
+
+    def enter(*_):  # a pre-hook's return value would replace the module's inputs
+        inside.enter_context(vision.counting())
+
+    with contextlib.ExitStack() as hooks, rest.counting():
+        for module in (model.vision_model, model.vision_projection):
+            hooks.callback(module.register_forward_pre_hook(enter).remove)
+            hooks.callback(module.register_forward_hook(lambda *_: inside.close()).remove)
+        yield vision, rest
+
+
+@pytest.fixture(scope="module")
+def activations_planned_and_saved():
+    """{(backend, seq, images): (the plan's rank, (vision, rest) saved in a real CPU forward)}: one model
+    the trainer builds per backend (fp32, TP1), its forwards on real tensors."""
+    import torch
+
+    from megatron_ext.model.meta_ranks import as_rank
+    from megatron_ext.train.memory_plan import memory_plan, published_shape_plan
+    from megatron_ext.train.model_setup import trained_model
+
+    out = {}
+    for backend, recompute in sorted({case[:2] for case in ACTIVATION_CASES}):
+        plans = {}
+        for seq, images in (case[2:] for case in ACTIVATION_CASES if case[:2] == (backend, recompute)):
+            config = TrainConfig(train_iters=1, global_batch_size=1, seq_length=seq, stage=2, unfreeze_vit=True,
+                                 packing_seq_length=seq, max_tiles_per_sequence=images, attention_backend=backend,
+                                 recompute_granularity=recompute)
+            plans[seq, images] = published_shape_plan(ACTIVATION_LLAVA, config, world_size=1, te=False, on_gpu=False)
+        ranks = {case: memory_plan(plan, 80 * GIB).ranks[0] for case, plan in plans.items()}
+        longest = plans[max(plans)]
+        arch = longest.arch
+        with as_rank(0, 1, 1):
+            model = trained_model(longest)
+            parameters = list(model.parameters())
+            for (seq, images), rank in ranks.items():
+                text = seq - images * (arch.img_seq_len - 1)  # each image token becomes img_seq_len positions
+                ids = torch.randint(0, arch.image_token_index, (1, text))
+                ids[0, 1:1 + images] = arch.image_token_index
+                # The unpacked rows' path (the layers' causal mask): a one-row micro batch on the CPU in
+                # fp32 goes through SDPA's masked kernel, which keeps an fp32 copy of the block mask in
+                # every layer; a GPU's varlen flash kernel keeps none (docs/gpu.md).
+                with saved_by_part(model, parameters) as saved:
+                    model(images=torch.randn(images, 3, arch.vision.image_size, arch.vision.image_size),
+                          input_ids=ids, position_ids=None, attention_mask=None,
+                          labels=torch.randint(0, arch.image_token_index, (1, text)), loss_mask=torch.ones(1, text))
+                out[backend, recompute, seq, images] = rank, saved
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend, recompute, seq, images", ACTIVATION_CASES)
+def test_activations_are_within_10_percent_of_what_a_real_forward_saves(activations_planned_and_saved, backend,
+                                                                        recompute, seq, images):
+    rank, (vision, rest) = activations_planned_and_saved[backend, recompute, seq, images]
+    assert rank.in_flight == 1
+    assert rank.lm_activations == pytest.approx(rest.bytes, rel=0.10)
+    assert rank.vision_activations == pytest.approx(vision.bytes, rel=0.10)
+    # The check has teeth: every part is there, the tower's grows with the images.
+    assert vision.bytes > images * 2**20 and rest.bytes > seq * 2**14
