@@ -2,6 +2,7 @@
 
     megatron-ext-train -g 8 --tp 4 --pp 1 --name run1 --megatron-load-dir CKPT --save --save-dir OUT \
         --data-path DATA [--sif-path image.sif] --stage 2 -- --lr 1e-5 --seq-length 2048
+    megatron-ext-train plan --layouts 4x2,8x1,2x4 -g 8 ... (the same flags): the memory plan of each layout
 
 Trainer options without a flag here go after `--`. --dry-run prints the exact command and exits.
 Flags, defaults and examples: docs/launcher.md.
@@ -13,8 +14,10 @@ import click
 
 from megatron_ext.launch.flags import invoke, launcher_options
 
+CONTEXT = {"max_content_width": 110, "help_option_names": ["-h", "--help"]}
 
-@click.command(context_settings={"max_content_width": 110, "help_option_names": ["-h", "--help"]})
+
+@click.command(context_settings=CONTEXT)
 @launcher_options
 @click.pass_obj
 def launch(passthrough, **values):
@@ -24,8 +27,23 @@ def launch(passthrough, **values):
     return run_launcher(values, passthrough)
 
 
+@click.command(name="megatron-ext-train plan", context_settings=CONTEXT)
+@click.option("--layouts", default=None, help="TPxPP layouts to plan side by side, e.g. 4x2,8x1,2x4 (default: --tp x --pp).")
+@launcher_options
+@click.pass_obj
+def plan(passthrough, layouts, **values):
+    """The per-GPU memory plan of the run these flags describe, at each of --layouts; nothing starts."""
+    from megatron_ext.launch.launcher import print_layout_plans
+
+    return print_layout_plans(values, passthrough, layouts)
+
+
 def main() -> None:
-    invoke(launch, sys.argv[1:])
+    argv = sys.argv[1:]
+    if argv[:1] == ["plan"]:
+        invoke(plan, argv[1:])
+    else:
+        invoke(launch, argv)
 
 
 if __name__ == "__main__":

@@ -43,3 +43,22 @@ def parse_gpu_ids(gpu_ids: str, physical: int) -> list[str]:
     if bad:
         raise UserError(f"--gpu-ids {gpu_ids}: GPU {bad[0]} does not exist; this machine has GPUs 0-{physical - 1}")
     return ids
+
+
+# What the memory plan assumes without a GPU to ask: an 80 GB A100 / H100.
+DEFAULT_GPU_MEMORY = 80 * 2**30
+
+
+def gpu_memory(env: Mapping[str, str]) -> int:
+    """Bytes of the first GPU that `env` makes visible (`nvidia-smi`, in MiB), else DEFAULT_GPU_MEMORY."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    first = visible.split(",")[0].strip() if visible else "0"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--id={first}", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return DEFAULT_GPU_MEMORY
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines or not lines[0].strip().isdigit():
+        return DEFAULT_GPU_MEMORY
+    return int(lines[0].strip()) * 2**20

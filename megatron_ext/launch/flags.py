@@ -101,6 +101,10 @@ FLAGS: tuple[Flag, ...] = (
          help="Also sets CUBLAS_WORKSPACE_CONFIG=:4096:8, NCCL_ALGO=Tree, NVTE_ALLOW_NONDETERMINISTIC_ALGO=0."),
     # launcher
     Flag("--dry-run", is_flag=True, help="Print the command and environment, then exit without launching."),
+    Flag("--gpu-memory", type=float,
+         help="GiB of memory per GPU the memory plan is checked against (default: the visible GPU's, else 80)."),
+    Flag("--no-memory-check", is_flag=True,
+         help="Launch without the memory plan, even where it would not fit --gpu-memory (run.py then imports no torch)."),
 )
 
 TRAINER_FLAGS = {flag.to: flag for flag in FLAGS if flag.to}

@@ -13,6 +13,7 @@ from megatron_ext.errors import UserError
 from megatron_ext.launch import network, runner
 from megatron_ext.launch.command import LaunchCommand, build_command
 from megatron_ext.launch.flags import TRAINER_FLAGS, passthrough_options
+from megatron_ext.launch.memory_check import check_memory
 from megatron_ext.launch.slurm import slurm_job
 from megatron_ext.launch.topology import Topology, resolve_topology
 from megatron_ext.launch.trainer_args import TrainerSetup, trainer_setup
@@ -99,9 +100,18 @@ def _port_taken(launch: Launch, values: dict, retries_left: int) -> Launch:
     return Launch(topology=topology, trainer=launch.trainer, command=_command(topology, launch.trainer, values))
 
 
+def _plans_memory(launch: Launch, values: dict) -> bool:
+    """Dry runs and GPU launches get a memory plan (a launch of CPU processes has no GPU to fit),
+    unless --no-memory-check: the launcher then imports no torch, as before the plan existed."""
+    return not values["no_memory_check"] and (values["dry_run"] or launch.topology.on_gpu)
+
+
 def main(values: dict, passthrough_argv: list[str]) -> int:
     launch = prepare(values, passthrough_argv, os.environ)
-    for line in launch.summary():
+    lines = launch.summary()
+    if _plans_memory(launch, values):
+        lines += check_memory(launch.trainer.plan, values, os.environ)
+    for line in lines:
         print(f"run.py: {line}", file=sys.stderr)
     if values["dry_run"]:
         print(launch.command.shell(), flush=True)
@@ -112,3 +122,16 @@ def main(values: dict, passthrough_argv: list[str]) -> int:
         if not outcome.port_taken:
             return outcome.status
         launch = _port_taken(launch, values, retries_left)
+
+
+def print_layout_plans(values: dict, passthrough_argv: list[str], layouts: str | None) -> int:
+    """`megatron-ext-train plan`: the run's memory plan at each layout, side by side."""
+    from megatron_ext.launch.memory_check import budget
+    from megatron_ext.train.memory_plan import layout_plans, parse_layouts, side_by_side
+
+    launch = prepare({**values, "dry_run": True}, passthrough_argv, os.environ)
+    plan = launch.trainer.plan
+    chosen = parse_layouts(layouts) if layouts else [(plan.config.tp, plan.config.pp)]
+    for line in side_by_side(layout_plans(plan, budget(values, os.environ), chosen)):
+        print(line)
+    return 0

@@ -76,6 +76,17 @@ def warmup_steps(plan: RunPlan) -> int:
     return int(plan.config.lr_warmup_fraction * plan.train_iters)
 
 
+def trained_model(plan: RunPlan):
+    """This rank's LLaVAModel as the run trains it, before megatron's wrappers: initialised where the
+    run starts from no checkpoint, frozen for its stage."""
+    fresh_random = plan.start is None and plan.resume is None
+    model = build_model(plan.arch, plan.families, ModelOptions(seq_length=plan.seq_length, dtype=plan.dtype,
+                                                               init_weights=fresh_random, parallel_output=True,
+                                                               execution=plan.execution.model))
+    freeze_for_stage(model, plan)
+    return model
+
+
 def build_training_model(plan: RunPlan) -> TrainingModel:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -83,11 +94,7 @@ def build_training_model(plan: RunPlan) -> TrainingModel:
     from megatron.core.transformer.module import Float16Module
 
     cfg = plan.config
-    fresh_random = plan.start is None and plan.resume is None
-    model = build_model(plan.arch, plan.families, ModelOptions(seq_length=plan.seq_length, dtype=plan.dtype,
-                                                               init_weights=fresh_random, parallel_output=True,
-                                                               execution=plan.execution.model))
-    freeze_for_stage(model, plan)
+    model = trained_model(plan)
     config = model.config
     # Token-weighted loss across micro batches and data-parallel ranks; must precede the DDP wrapper.
     config.calculate_per_token_loss = True

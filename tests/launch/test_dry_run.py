@@ -1,4 +1,5 @@
-"""--dry-run stays light: it imports no torch, megatron, transformers, energon or numpy."""
+"""--dry-run stays light without its memory plan (--no-memory-check): it imports no torch, megatron,
+transformers, energon or numpy."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_readme_stage2_example_dry_run_imports_nothing_heavy(launcher, inputs, t
     args = ["-g", "8", "--tp", "4", "--pp", "1", "--node", "1", "--name", "llavajp13b-tp4-pp1-dp2-stage2",
             "--megatron-load-dir", str(inputs.checkpoint), "--save-dir", str(tmp_path / "save"),
             "--tokenizer-load-dir", str(inputs.tokenizer), "--sif-path", str(sif), "--stage", "2",
-            "--save-interval", "2000", "--wandb", "--data-path", str(inputs.data), "--dry-run"]
+            "--save-interval", "2000", "--wandb", "--data-path", str(inputs.data), "--dry-run", "--no-memory-check"]
     proc = run([sys.executable, "-c", PROBE, json.dumps(args)], timeout=50, cwd=tmp_path, env=launcher.env(gpus=8))
     command, report = proc.stdout.strip().splitlines()
     assert json.loads(report) == {"status": 0, "heavy": []}, proc.stderr

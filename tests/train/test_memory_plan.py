@@ -1,0 +1,195 @@
+"""The memory plan (megatron_ext/train/memory_plan.py) against a real run's model on the CPU.
+
+Parameters, gradient buffers and optimizer state must be the bytes the trainer's own model,
+megatron-core's DDP buffers and its Adam hold, exactly; the activation terms within 10% of what
+autograd saves in a real forward of the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+
+import pytest
+
+from megatron_ext.train.options import TrainConfig
+from tests.shapes import SHAPES, narrowed
+
+GIB = 2**30
+SMALL_LLAVA = narrowed(json.loads((SHAPES / "llava" / "llava-hf--llava-1.5-7b-hf.json").read_text()))
+
+
+def cpu_plan(**options):
+    from megatron_ext.train.memory_plan import published_shape_plan
+
+    config = TrainConfig(train_iters=1, global_batch_size=1, seq_length=options.pop("seq_length", 256), **options)
+    return published_shape_plan(SMALL_LLAVA, config, world_size=1, te=False, on_gpu=False)
+
+
+def real_state(plan) -> tuple[int, int, int]:
+    """(parameter, gradient buffer, optimizer state) bytes of the trainer's model for `plan`, after one
+    Adam step (its moments exist from then), in a process group of one."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_ext import cpu_support
+    from megatron_ext.train.model_setup import build_training_model
+
+    cpu_support.apply()
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(1)
+        trained = build_training_model(plan)
+        params = sum(p.numel() * p.element_size() for p in trained.model.parameters())
+        grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in trained.ddp.buffers)
+        trained.ddp.zero_grad_buffer()
+        trained.optimizer.step()
+        by_param = {id(p): p for p in trained.model.parameters()}
+        optimizer = 0
+        for inner in (trained.optimizer.optimizer,):
+            for p, state in inner.state.items():
+                # Adam's moments; torch's Adam also keeps a 0-dim step counter per tensor (not counted).
+                optimizer += sum(t.numel() * t.element_size() for t in state.values()
+                                 if torch.is_tensor(t) and t.numel() == p.numel())
+                if id(p) not in by_param:  # an fp32 master copy of a 16-bit parameter
+                    optimizer += p.numel() * p.element_size()
+        return params, grads, optimizer
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+CASES = {
+    "stage 1": dict(stage=1),
+    "stage 2": dict(stage=2),
+    "stage 2, vision tower trained": dict(stage=2, unfreeze_vit=True),
+    "LoRA": dict(stage=2, lora_rank=4, lora_train_projector=True),
+}
+
+
+@pytest.mark.multiprocess  # a gloo process group of one, in this process
+@pytest.mark.timeout(240)
+def test_state_bytes_equal_a_real_runs_model_buffers_and_optimizer():
+    from megatron_ext.train.memory_plan import memory_plan
+
+    for name, options in CASES.items():
+        plan = cpu_plan(**options)
+        (rank,) = memory_plan(plan, 80 * GIB).ranks
+        s = rank.state
+        assert (s.param_bytes, s.grad_bytes, s.optimizer_bytes) == real_state(plan), name
+        assert s.trained > 0 and (s.frozen > 0) == (name != "stage 2, vision tower trained"), name
+
+
+def test_a_plan_over_budget_is_refused_in_one_line_naming_its_largest_part_and_what_fits():
+    from megatron_ext.train.memory_plan import gib, largest_part, memory_plan, refusal
+
+    plan = cpu_plan(stage=2, seq_length=2048, attention_backend="local", recompute_granularity="none")
+    full = memory_plan(plan, 80 * GIB)
+    rank = full.largest
+    name, size = largest_part(rank)
+    assert name == "language-model activations" and size == rank.lm_activations > rank.state.total
+    # A GPU just too small for this, large enough once layers are recomputed.
+    budget = int(rank.total / 0.92) - 1
+    over = memory_plan(plan, budget)
+    assert not over.fits
+    line = refusal(plan, over)
+    assert "\n" not in line
+    assert line.startswith(f"memory plan: stage 1/1, tp rank 0 needs {gib(rank.total)}")
+    assert f"largest part: language-model activations {gib(size)} at --seq-length 2048" in line
+    assert "--recompute-granularity selective fits" in line and "--recompute-granularity full fits" in line
+    selective = memory_plan(plan, budget, dataclasses_replace_recompute(over.knobs, "selective"))
+    assert selective.fits and selective.largest.lm_activations < rank.lm_activations / 2
+
+
+def dataclasses_replace_recompute(knobs, granularity):
+    import dataclasses
+
+    from megatron_ext.train.activation_model import Recompute
+
+    return dataclasses.replace(knobs, recompute=Recompute(granularity))
+
+
+# The small 7B with a vocabulary of 4096 (image and pad tokens moved into it): the published one's
+# logits would outweigh the layers 5 to 1 at this width, and the layers are what is checked here.
+ACTIVATION_LLAVA = copy.deepcopy(SMALL_LLAVA)
+ACTIVATION_LLAVA.update(vocab_size=4096, image_token_index=4000, pad_token_id=4001)
+ACTIVATION_LLAVA["text_config"]["vocab_size"] = 4096
+# (backend, recompute, sequence length, images of 576 positions), the tower trained so it keeps
+# activations: two lengths x two image counts with sdpa (a flash kernel's tensors), and local's
+# S x S scores without recomputation at a short length (selective recomputation, local's default,
+# keeps what sdpa's does).
+ACTIVATION_CASES = [("sdpa", "none", seq, images) for seq in (1280, 2560) for images in (1, 2)] + [
+    ("local", "none", 640, 1)]
+
+
+@contextlib.contextmanager
+def saved_by_part(model, parameters):
+    """(vision, rest): the bytes saved for backward by the forwards in the block, the vision tower's
+    and projector's (counted while those modules run) apart from the rest's (the language model's)."""
+    from megatron_ext.train.saved_tensors import SavedBytes
+
+    vision, rest = SavedBytes(parameters), SavedBytes(parameters)
+    inside = contextlib.ExitStack()
+
+    def enter(*_):  # a pre-hook's return value would replace the module's inputs
+        inside.enter_context(vision.counting())
+
+    with contextlib.ExitStack() as hooks, rest.counting():
+        for module in (model.vision_model, model.vision_projection):
+            hooks.callback(module.register_forward_pre_hook(enter).remove)
+            hooks.callback(module.register_forward_hook(lambda *_: inside.close()).remove)
+        yield vision, rest
+
+
+@pytest.fixture(scope="module")
+def activations_planned_and_saved():
+    """{(backend, seq, images): (the plan's rank, (vision, rest) saved in a real CPU forward)}: one model
+    the trainer builds per backend (fp32, TP1), its forwards on real tensors."""
+    import torch
+
+    from megatron_ext.model.meta_ranks import as_rank
+    from megatron_ext.train.memory_plan import memory_plan, published_shape_plan
+    from megatron_ext.train.model_setup import trained_model
+
+    out = {}
+    for backend, recompute in sorted({case[:2] for case in ACTIVATION_CASES}):
+        plans = {}
+        for seq, images in (case[2:] for case in ACTIVATION_CASES if case[:2] == (backend, recompute)):
+            config = TrainConfig(train_iters=1, global_batch_size=1, seq_length=seq, stage=2, unfreeze_vit=True,
+                                 packing_seq_length=seq, max_tiles_per_sequence=images, attention_backend=backend,
+                                 recompute_granularity=recompute)
+            plans[seq, images] = published_shape_plan(ACTIVATION_LLAVA, config, world_size=1, te=False, on_gpu=False)
+        ranks = {case: memory_plan(plan, 80 * GIB).ranks[0] for case, plan in plans.items()}
+        longest = plans[max(plans)]
+        arch = longest.arch
+        with as_rank(0, 1, 1):
+            model = trained_model(longest)
+            parameters = list(model.parameters())
+            for (seq, images), rank in ranks.items():
+                text = seq - images * (arch.img_seq_len - 1)  # each image token becomes img_seq_len positions
+                ids = torch.randint(0, arch.image_token_index, (1, text))
+                ids[0, 1:1 + images] = arch.image_token_index
+                # The unpacked rows' path (the layers' causal mask): a one-row micro batch on the CPU in
+                # fp32 goes through SDPA's masked kernel, which keeps an fp32 copy of the block mask in
+                # every layer; a GPU's varlen flash kernel keeps none (docs/gpu.md).
+                with saved_by_part(model, parameters) as saved:
+                    model(images=torch.randn(images, 3, arch.vision.image_size, arch.vision.image_size),
+                          input_ids=ids, position_ids=None, attention_mask=None,
+                          labels=torch.randint(0, arch.image_token_index, (1, text)), loss_mask=torch.ones(1, text))
+                out[backend, recompute, seq, images] = rank, saved
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend, recompute, seq, images", ACTIVATION_CASES)
+def test_activations_are_within_10_percent_of_what_a_real_forward_saves(activations_planned_and_saved, backend,
+                                                                        recompute, seq, images):
+    rank, (vision, rest) = activations_planned_and_saved[backend, recompute, seq, images]
+    assert rank.in_flight == 1
+    assert rank.lm_activations == pytest.approx(rest.bytes, rel=0.10)
+    assert rank.vision_activations == pytest.approx(vision.bytes, rel=0.10)
+    # The check has teeth: every part is there, the tower's grows with the images.
+    assert vision.bytes > images * 2**20 and rest.bytes > seq * 2**14
