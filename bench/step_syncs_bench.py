@@ -8,8 +8,9 @@ should be counted per step, never per layer. No GPU is needed to count them: the
 (`scripts/train/pretrain_llava.py`) runs under the GPU rehearsal (`tests/train/gpu_rehearsal.py`),
 whose ledger records every read by call site and every collective by name, on tiny random
 LLaVA-1.5 models (CLIP + GQA Llama) that differ only in their number of layers. Stage 2, sdpa,
-bf16, packed THD rows (micro batch 1), one process. Prints a Markdown table per kind, then a JSON
-line: {"reads": {site: [per step at 2 layers, at 4]}, "collectives": {...}}.
+bf16, packed THD rows (micro batch 1), one process. Each model runs `--iters` and twice as many steps;
+the difference, per step, leaves out start-up. Prints a Markdown table per kind, then a JSON line:
+{"reads": {site: [per step at 2 layers, at 4]}, "collectives": {...}}.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def dataset(root: Path) -> Path:
 
 
 def rehearsed_run(checkpoint: Path, data: Path, out: Path, iters: int, micro_batches: int) -> dict:
+    out.mkdir(parents=True)
     report = out / "report.json"
     args = ["--megatron-load-dir", checkpoint, "--data-path", data, "--save-dir", out / "run", "--stage", "2",
             "--micro-batch-size", "1", "--global-batch-size", str(micro_batches), "--seq-length", "128",
@@ -72,12 +74,19 @@ def _site(entry: str) -> str:
     return f"{path} {rest.partition(' ')[2]}"
 
 
-def per_step(counts: dict[str, int], iters: int) -> dict[str, float]:
-    totals: dict[str, float] = {}
+def _by_name(counts: dict[str, int]) -> dict[str, int]:
+    totals: dict[str, int] = {}
     for name, n in counts.items():
         key = _site(name) if ":" in name else name  # reads are keyed file:line (function)
-        totals[key] = totals.get(key, 0) + n / iters
+        totals[key] = totals.get(key, 0) + n
     return totals
+
+
+def per_step(short: dict[str, int], long: dict[str, int], iters: int) -> dict[str, float]:
+    """What `iters` more steps add, per step: start-up and the last step's logging cancel out."""
+    short, long = _by_name(short), _by_name(long)
+    return {name: (long.get(name, 0) - short.get(name, 0)) / iters for name in set(short) | set(long)
+            if long.get(name, 0) != short.get(name, 0)}
 
 
 @click.command()
@@ -87,11 +96,11 @@ def main(iters: int, micro_batches: int):
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         data = dataset(root)
-        runs = {layers: rehearsed_run(checkpoint, data, root / f"run{layers}", iters, micro_batches)
-                for layers, checkpoint in checkpoints(root).items()}
+        runs = {(layers, n): rehearsed_run(checkpoint, data, root / f"run{layers}-{n}", n, micro_batches)
+                for layers, checkpoint in checkpoints(root).items() for n in (iters, 2 * iters)}
     result = {}
     for kind in ("reads", "collectives"):
-        rows = {layers: per_step(run[kind], iters) for layers, run in runs.items()}
+        rows = {layers: per_step(runs[layers, iters][kind], runs[layers, 2 * iters][kind], iters) for layers in LAYERS}
         names = sorted(set().union(*rows.values()))
         result[kind] = {name: [rows[layers].get(name, 0) for layers in LAYERS] for name in names}
         print(f"\n| {kind} per step ({micro_batches} micro batches) | " + " | ".join(f"{n} layers" for n in LAYERS) + " |")

@@ -25,9 +25,9 @@ def mask_padded_vocab(output_layer, vocab_size: int, padded_vocab_size: int) -> 
         logits, bias = output
         width = logits.shape[-1]
         first = 0 if width == padded_vocab_size else parallel_state.get_tensor_model_parallel_rank() * width
-        padding = torch.arange(first, first + width, device=logits.device) >= vocab_size
-        if not padding.any():
+        if first + width <= vocab_size:  # decided on the host: no padding row on this shard
             return output
+        padding = torch.arange(first, first + width, device=logits.device) >= vocab_size
         return logits.masked_fill(padding, torch.finfo(logits.dtype).min), bias
 
     output_layer.register_forward_hook(hook)
