@@ -13,10 +13,13 @@ list of {"task", "metric", "score", "n"}, also printed as a table.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from megatron_ext.environ import environ_set
@@ -63,16 +66,26 @@ def _single_process_view():
 
 
 def evaluate_tasks(model, model_args: str, tasks: list[str], manager, limit: int | None, tracker=None,
-                   seeded: bool = True) -> dict:
+                   seeded: bool = True, task_files: Path | None = None) -> dict:
     """lmms-eval's `simple_evaluate` (collective for Megatron models); its results, samples included.
-    `seeded=False` leaves the random generators alone (lmms-eval reseeds them; a trainer must not)."""
+    `seeded=False` leaves the random generators alone (lmms-eval reseeds them; a trainer must not).
+    Files a task's scorer writes itself (COCO's server submissions) go under `task_files`, a
+    directory of this process's own: lmms-eval would put them in the working directory."""
     from lmms_eval.evaluator import simple_evaluate
 
     seeds = {} if seeded else dict(random_seed=None, numpy_random_seed=None, torch_random_seed=None)
-    with _single_process_view():
-        return simple_evaluate(model=model, model_args=model_args, tasks=tasks, task_manager=manager, limit=limit,
-                               log_samples=True, evaluation_tracker=tracker, bootstrap_iters=0,
-                               distributed_executor_backend="torchrun", verbosity="WARNING", **seeds)
+    with contextlib.ExitStack() as stack:
+        if task_files is None:
+            task_files = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lmms_eval_task_files_")))
+        # The only command-line arguments lmms-eval's evaluator and task scorers read from it.
+        cli_args = argparse.Namespace(output_path=str(task_files), process_with_media=True)
+        with _single_process_view():
+            results = simple_evaluate(model=model, model_args=model_args, tasks=tasks, task_manager=manager,
+                                      limit=limit, log_samples=True, evaluation_tracker=tracker, bootstrap_iters=0,
+                                      cli_args=cli_args, distributed_executor_backend="torchrun", verbosity="WARNING",
+                                      **seeds)
+    results["config"].pop("resolved_cli_args", None)  # ours, naming a temporary directory
+    return results
 
 
 class BenchmarkEvaluation:
@@ -172,18 +185,22 @@ def run_benchmark(source, *, tasks: list[str], include_path: str | None, output_
         output_rank = model.generator.is_output_rank
         model_name = MODEL_ID
     tracker = EvaluationTracker()  # its output path is set once the results are in
-    results = evaluate_tasks(model, model_args, tasks, manager, limit, tracker)
-    # What the results file records as the model (it would try to copy a model object).
-    tracker.general_config_tracker.model_source = model_name
-    rows = summarize(results)
+    with tempfile.TemporaryDirectory(prefix="lmms_eval_task_files_") as task_files:
+        results = evaluate_tasks(model, model_args, tasks, manager, limit, tracker, task_files=Path(task_files))
+        # What the results file records as the model (it would try to copy a model object).
+        tracker.general_config_tracker.model_source = model_name
+        rows = summarize(results)
+        if output_rank:
+            samples = results.pop("samples")
+            with atomic_output_dir(out) as tmp:
+                tracker.output_path = str(tmp)
+                tracker.save_results_aggregated(results=results, samples=samples, datetime_str=results["date"])
+                for task in results["configs"]:
+                    tracker.save_results_samples(task_name=task, samples=samples[task])
+                (tmp / SUMMARY_FILE).write_text(json.dumps(rows, indent=2))
+                for written in Path(task_files).iterdir():
+                    shutil.move(written, tmp / written.name)
     if output_rank:
-        samples = results.pop("samples")
-        with atomic_output_dir(out) as tmp:
-            tracker.output_path = str(tmp)
-            tracker.save_results_aggregated(results=results, samples=samples, datetime_str=results["date"])
-            for task in results["configs"]:
-                tracker.save_results_samples(task_name=task, samples=samples[task])
-            (tmp / SUMMARY_FILE).write_text(json.dumps(rows, indent=2))
         _log_scores(rows, tensorboard_dir, wandb_project, step=source.snapshot.iteration if source.snapshot else 0)
         print(_table(rows), end="")
         print(f"lmms-eval results and samples written to {out}")
