@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create ./.venv with PyTorch 2.13.0 and this package; `--dev` adds the test tools and the `eval`
-# extra (lmms-eval), which the tests exercise.
+# extra (lmms-eval), which the tests exercise, and Chromium for the page tests.
 # On a machine without a GPU, install PyTorch's CPU wheel of 2.13.0 (no CUDA packages needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,5 +21,13 @@ fi
 # they import this copy, outside site-packages, in a child process (tests/hf_reference says how).
 if [[ -n "$extras" ]]; then
   .venv/bin/pip install --quiet --no-deps --upgrade --target .venv/torchvision-reference torchvision==0.28.0
+fi
+# The page tests open our HTML pages in a real headless browser: Debian's Chromium.
+if [[ -n "$extras" ]] && ! command -v chromium >/dev/null; then
+  if command -v apt-get >/dev/null && [[ "$(id -u)" == 0 ]]; then
+    apt-get install -y -q chromium >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }
+  else
+    echo "the page tests need Chromium: install it (Debian/Ubuntu: sudo apt-get install chromium)" >&2
+  fi
 fi
 echo "environment ready: .venv ($(.venv/bin/python -c 'import torch, megatron.core; print("torch", torch.__version__, "megatron-core", megatron.core.__version__)'))"

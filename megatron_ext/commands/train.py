@@ -3,6 +3,7 @@
     megatron-ext-train -g 8 --tp 4 --pp 1 --name run1 --megatron-load-dir CKPT --save --save-dir OUT \
         --data-path DATA [--sif-path image.sif] --stage 2 -- --lr 1e-5 --seq-length 2048
     megatron-ext-train plan --layouts 4x2,8x1,2x4 -g 8 ... (the same flags): the memory plan of each layout
+    megatron-ext-train report SAVE_DIR [--png]: an HTML page of a run (going or done) from its records
 
 Trainer options without a flag here go after `--`. --dry-run prints the exact command and exits.
 Flags, defaults and examples: docs/launcher.md.
@@ -12,6 +13,7 @@ import sys
 
 import click
 
+from megatron_ext.errors import run_command
 from megatron_ext.launch.flags import invoke, launcher_options
 
 CONTEXT = {"max_content_width": 110, "help_option_names": ["-h", "--help"]}
@@ -38,10 +40,25 @@ def plan(passthrough, layouts, **values):
     return print_layout_plans(values, passthrough, layouts)
 
 
+@click.command(name="megatron-ext-train report", context_settings=CONTEXT)
+@click.argument("save_dir", type=click.Path(file_okay=False))
+@click.option("--output", type=click.Path(dir_okay=False), default=None, help="The page to write (default: SAVE_DIR/report.html).")
+@click.option("--png", is_flag=True, help="Also write each chart as a PNG, in report_png/ beside the page.")
+@click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True), default=989.0, show_default=True,
+              help="Peak dense TFLOP/s per GPU the MFU is taken against (989: H100 SXM bf16).")
+def report(save_dir, output, png, peak_tflops):
+    """An HTML page of the run in SAVE_DIR (its --save-dir), from its own records: works while it runs."""
+    from megatron_ext.pages.run_report import write_report
+
+    click.echo(f"Report written to {write_report(save_dir, output, png, peak_tflops)}")
+
+
 def main() -> None:
     argv = sys.argv[1:]
     if argv[:1] == ["plan"]:
         invoke(plan, argv[1:])
+    elif argv[:1] == ["report"]:
+        run_command(report, argv[1:])
     else:
         invoke(launch, argv)
 
