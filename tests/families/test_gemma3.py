@@ -95,15 +95,15 @@ def test_greedy_tokens_at_tp2_equal_transformers_and_stage2_trains_the_language_
 
     from megatron_ext import hf_loading
     from megatron_ext.convert.compare import compare, hf_logits, process_inputs, synthetic_image
-    from tests.helpers import run_script
+    from megatron_ext.convert.lora_export import write_peft_adapter
+    from megatron_ext.convert.to_hf import convert as to_hf
     from tests.train.conftest import train, trainer_args
 
     lora = tmp_path / "lora"
     train(1, *trainer_args(megatron, train_data, lora, stage=2, lr=1e-2, train_iters=2, chat_template="plain",
                            lora_rank=4, lora_alpha=8.0))
-    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
-    run_script("convert/convert_megatron_to_hf.py", "--megatron-dir", lora, "--hf-dir", merged, "--lora-merge",
-               "--lora-adapter-dir", adapter)
+    # In this process, not through the script (a process of imports): tests/train/test_lora.py runs its options.
+    merged, adapter = to_hf(lora, tmp_path / "merged", lora_merge=True), write_peft_adapter(lora, tmp_path / "adapter")
     assert compare(merged, lora).max_abs <= 1e-4
     batch = process_inputs(hf_loading.load_processor(str(merged), "--hf-dir"), [synthetic_image()])
     base = LlavaForConditionalGeneration.from_pretrained(llava_gemma3_siglip, dtype=torch.float32)

@@ -4,7 +4,7 @@ the host or on the GPU a real run would use, and mixing the two fails as it does
     torchrun --nproc-per-node 1 tests/train/gpu_rehearsal.py SCRIPT ARGS...
 
 runs SCRIPT (the trainer's scripts/train/pretrain_llava.py, a test worker) as `__main__` under the
-rehearsal. With REHEARSAL_REPORT=PATH set it writes there, at exit, how often each core attention
+rehearsal. With REHEARSAL_REPORT=PATH set, rank 0 writes there, at exit, how often each core attention
 layer ran, how often an attention kernel did, and the sync ledger: every read of a device tensor's
 values on the host (`.item()`, `.tolist()`, `bool()`/`int()`/`float()`, `nonzero`, boolean-mask
 indexing, a copy to the host...), each a stall of the CPU until a GPU has caught up, by call site;
@@ -434,7 +434,7 @@ def start() -> DeviceLedger:
     attention.varlen_attn = rehearsed_varlen_attn
     _host_batches(TrainData)
     ledger = DeviceLedger()
-    if os.environ.get("REHEARSAL_REPORT"):
+    if os.environ.get("REHEARSAL_REPORT") and os.environ.get("RANK", "0") == "0":  # one writer
         counts = _Counts()
         counts.watch(ledger)
         atexit.register(counts.write, os.environ["REHEARSAL_REPORT"], ledger)
