@@ -17,12 +17,18 @@ import transformers  # noqa: E402
 assert transformers.utils.is_torchvision_available(), "transformers does not see torchvision"
 
 
-def video_processor(settings: dict, videos: list, cpu_capability: str | None = None) -> dict:
-    """OneVision's video processor of `settings` on uint8 [n, H, W, 3] videos."""
-    if cpu_capability is not None:
-        torch.backends.cpu.get_cpu_capability = lambda: cpu_capability
-    processor = transformers.LlavaOnevisionVideoProcessor(**settings)
-    return {"pixel_values_videos": [processor(videos=[v], return_tensors="pt")["pixel_values_videos"][0] for v in videos]}
+def video_processors(cases: list) -> list[list]:
+    """OneVision's video processor on uint8 [n, H, W, 3] videos, for each case (settings, videos,
+    cpu capability or None), all in this one process: each case's pixel_values_videos."""
+    real_capability = torch.backends.cpu.get_cpu_capability
+    results = []
+    for settings, videos, cpu_capability in cases:
+        if cpu_capability is not None:
+            torch.backends.cpu.get_cpu_capability = lambda capability=cpu_capability: capability
+        processor = transformers.LlavaOnevisionVideoProcessor(**settings)
+        results.append([processor(videos=[v], return_tensors="pt")["pixel_values_videos"][0] for v in videos])
+        torch.backends.cpu.get_cpu_capability = real_capability
+    return results
 
 
 def saved_processor(hf_dir: str, messages: list, images: list, videos: list) -> dict:
@@ -77,6 +83,6 @@ def video_rates(settings: dict, frames, rounds: int, repeats: int) -> dict[str, 
 
 if __name__ == "__main__":
     request = torch.load(sys.argv[1], weights_only=False)
-    task = {"video_processor": video_processor, "saved_processor": saved_processor, "build_llava": build_llava,
+    task = {"video_processors": video_processors, "saved_processor": saved_processor, "build_llava": build_llava,
             "our_processor": our_processor, "video_rates": video_rates}[request.pop("task")]
     torch.save(task(**request), sys.argv[2])
