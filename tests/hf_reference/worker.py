@@ -1,4 +1,4 @@
-"""python worker.py REQUEST.pt RESULT.pt: one task of tests/hf_reference, with torchvision (see there)."""
+"""python worker.py REQUESTS.pt RESULTS.pt: tasks of tests/hf_reference, with torchvision (see there)."""
 
 from __future__ import annotations
 
@@ -17,18 +17,16 @@ import transformers  # noqa: E402
 assert transformers.utils.is_torchvision_available(), "transformers does not see torchvision"
 
 
-def video_processors(cases: list) -> list[list]:
-    """OneVision's video processor on uint8 [n, H, W, 3] videos, for each case (settings, videos,
-    cpu capability or None), all in this one process: each case's pixel_values_videos."""
+def video_processor(settings: dict, videos: list, cpu_capability: str | None = None) -> dict:
+    """OneVision's video processor of `settings` on uint8 [n, H, W, 3] videos."""
     real_capability = torch.backends.cpu.get_cpu_capability
-    results = []
-    for settings, videos, cpu_capability in cases:
-        if cpu_capability is not None:
-            torch.backends.cpu.get_cpu_capability = lambda capability=cpu_capability: capability
+    if cpu_capability is not None:
+        torch.backends.cpu.get_cpu_capability = lambda: cpu_capability
+    try:
         processor = transformers.LlavaOnevisionVideoProcessor(**settings)
-        results.append([processor(videos=[v], return_tensors="pt")["pixel_values_videos"][0] for v in videos])
+        return {"pixel_values_videos": [processor(videos=[v], return_tensors="pt")["pixel_values_videos"][0] for v in videos]}
+    finally:  # the next task of a batch runs on the real CPU
         torch.backends.cpu.get_cpu_capability = real_capability
-    return results
 
 
 def saved_processor(hf_dir: str, messages: list, images: list, videos: list) -> dict:
@@ -82,7 +80,7 @@ def video_rates(settings: dict, frames, rounds: int, repeats: int) -> dict[str, 
 
 
 if __name__ == "__main__":
-    request = torch.load(sys.argv[1], weights_only=False)
-    task = {"video_processors": video_processors, "saved_processor": saved_processor, "build_llava": build_llava,
-            "our_processor": our_processor, "video_rates": video_rates}[request.pop("task")]
-    torch.save(task(**request), sys.argv[2])
+    tasks = {"video_processor": video_processor, "saved_processor": saved_processor, "build_llava": build_llava,
+             "our_processor": our_processor, "video_rates": video_rates}
+    requests = torch.load(sys.argv[1], weights_only=False)
+    torch.save([tasks[request.pop("task")](**request) for request in requests], sys.argv[2])
