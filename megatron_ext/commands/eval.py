@@ -11,6 +11,8 @@ Hugging Face LLaVA checkpoint answers prompts, chats, is scored on a dataset spl
 (scripts/eval/generate.py, chat.py, evaluate.py and benchmark.py run the same commands.)
 """
 
+import functools
+
 import click
 
 from megatron_ext.errors import run_command
@@ -99,7 +101,7 @@ def evaluate(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, d
 
     setup_logging()
     options = make_sampling(max_new_tokens, temperature, top_p, seed)
-    source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype, image_aspect)
+    source = functools.partial(open_checkpoint, megatron_dir, hf_dir, chat_template, dtype, image_aspect)
     try:
         run_evaluation(source, options, data_path=data_path, split=split, fast_n=fast_n, output_dir=output_dir,
                        force=force, tp=tp, pp=pp, seq_length=seq_length)
@@ -130,7 +132,7 @@ def benchmark(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, 
     from megatron_ext.logs import setup_logging
 
     setup_logging()
-    source = open_checkpoint(megatron_dir, hf_dir, chat_template, dtype, image_aspect)
+    source = functools.partial(open_checkpoint, megatron_dir, hf_dir, chat_template, dtype, image_aspect)
     try:
         run_benchmark(source, tasks=[t for t in tasks.split(",") if t], include_path=include_path, output_dir=output_dir,
                       force=force, limit=limit, tp=tp, pp=pp, tensorboard_dir=tensorboard_dir, wandb_project=wandb_project,

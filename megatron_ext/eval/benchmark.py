@@ -20,11 +20,16 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_ext.environ import environ_set
 from megatron_ext.errors import UserError
 from megatron_ext.families.llava import DEFAULT_VIDEO_FRAMES
+
+if TYPE_CHECKING:
+    from megatron_ext.eval.checkpoints import ModelSource
 
 SUMMARY_FILE = "summary.json"
 EVAL_EXTRA = "pip install 'megatron-ext[eval]'"
@@ -154,11 +159,13 @@ def _log_scores(rows: list[dict], tensorboard_dir: str | None, wandb_project: st
             run.log(scalars, step=step)
 
 
-def run_benchmark(source, *, tasks: list[str], include_path: str | None, output_dir: str, force: bool,
-                  limit: int | None, tp: int | None, pp: int | None, tensorboard_dir: str | None = None,
-                  wandb_project: str | None = None, video_frames: int = DEFAULT_VIDEO_FRAMES) -> list[dict]:
-    """scripts/eval/benchmark.py: lmms-eval on `source` (an opened checkpoint), files in `output_dir`;
-    `video_frames`: frames per video on the Megatron path."""
+def run_benchmark(open_source: Callable[[], ModelSource], *, tasks: list[str], include_path: str | None,
+                  output_dir: str, force: bool, limit: int | None, tp: int | None, pp: int | None,
+                  tensorboard_dir: str | None = None, wandb_project: str | None = None,
+                  video_frames: int = DEFAULT_VIDEO_FRAMES) -> list[dict]:
+    """scripts/eval/benchmark.py: lmms-eval on the checkpoint `open_source()` opens once the flags and
+    tasks are checked (a bad one fails before it loads), files in `output_dir`; `video_frames`: frames
+    per video on the Megatron path."""
     from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 
     if limit is not None and limit < 1:
@@ -170,6 +177,7 @@ def run_benchmark(source, *, tasks: list[str], include_path: str | None, output_
     from lmms_eval.loggers import EvaluationTracker
 
     manager = task_manager(tasks, include_path)
+    source = open_source()
     if source.kind == "hf":
         import torch
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from megatron_ext.errors import UserError
@@ -148,14 +149,17 @@ def _table(result: dict) -> str:
     return captured.get()
 
 
-def run_evaluation(source: ModelSource, options: SamplingOptions, *, data_path: str, split: str, fast_n: int | None,
-                   output_dir: str, force: bool, tp: int | None, pp: int | None, seq_length: int | None) -> dict:
-    """scripts/eval/evaluate.py: predictions.jsonl + metrics.json in `output_dir`, a table on stdout."""
+def run_evaluation(open_source: Callable[[], ModelSource], options: SamplingOptions, *, data_path: str, split: str,
+                   fast_n: int | None, output_dir: str, force: bool, tp: int | None, pp: int | None,
+                   seq_length: int | None) -> dict:
+    """scripts/eval/evaluate.py: predictions.jsonl + metrics.json in `output_dir`, a table on stdout.
+    `open_source()` opens the checkpoint, once the flags are checked: a bad flag fails before it loads."""
     from megatron_ext.fsutil import atomic_output_dir, check_output_dir, write_jsonl
 
     if fast_n is not None and fast_n < 1:
         raise UserError(f"--fast-n must be at least 1, got {fast_n}")
     out = check_output_dir(output_dir, force, "--output-dir")
+    source = open_source()
     samples = read_samples(data_path, split, limit=fast_n)
     generator = source.generator(tp, pp)
     result = {"checkpoint": str(source.path), "format": source.kind, "data_path": str(data_path), "split": split,

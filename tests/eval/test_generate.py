@@ -41,21 +41,23 @@ def _expected(hf_reference, images: list[Path]) -> list[list[int]]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])  # TP1: test_a_bf16_hub_style_checkpoint_generates_on_cpu
 def test_megatron_greedy_tokens_equal_transformers_generate(layout, megatron_clip, images, hf_reference, tmp_path):
     requests, answers = _requests(tmp_path, images), tmp_path / "answers.jsonl"
-    args = ["--megatron-dir", megatron_clip, "--input-jsonl", requests, "--output-jsonl", answers,
-            "--max-new-tokens", MAX_NEW_TOKENS]
-    if layout == "tp1":
-        run_script("eval/generate.py", *args, timeout=120)
-    else:
-        run_torchrun(2, "scripts/eval/generate.py", *args, "--tp" if layout == "tp2" else "--pp", 2, timeout=180)
+    run_torchrun(2, "scripts/eval/generate.py", "--megatron-dir", megatron_clip, "--input-jsonl", requests,
+                 "--output-jsonl", answers, "--max-new-tokens", MAX_NEW_TOKENS, "--tp" if layout == "tp2" else "--pp", 2,
+                 timeout=180)
+    _check_answers(answers, hf_reference, images)
+
+
+def _check_answers(answers: Path, reference, images: list[Path]) -> None:
+    """The answers are transformers' greedy tokens and text for `_requests`, in order, cut at the length."""
     results = [json.loads(line) for line in answers.read_text().splitlines()]
     assert [r["id"] for r in results] == [1, "second", 3, "two"]
-    expected = _expected(hf_reference, images)
+    expected = _expected(reference, images)
     assert [r["token_ids"] for r in results] == expected
     assert all(len(ids) == MAX_NEW_TOKENS for ids in expected)  # no early stop: every position is compared
-    assert [r["answer"] for r in results] == [hf_reference.text(ids) for ids in expected]
+    assert [r["answer"] for r in results] == [reference.text(ids) for ids in expected]
     assert {r["finish_reason"] for r in results} == {"length"}
 
 
@@ -63,7 +65,8 @@ def test_megatron_greedy_tokens_equal_transformers_generate(layout, megatron_cli
 @pytest.mark.timeout(400)
 def test_a_bf16_hub_style_checkpoint_generates_on_cpu(llava_clip, images, tmp_path):
     """As the Hub ships LLaVA: bf16, sharded safetensors with an index. Converted to Megatron, it
-    generates on CPU in fp32 (the default there), the tokens transformers gives on the HF checkpoint."""
+    generates on CPU in fp32 (the default there), the tokens transformers gives on the HF checkpoint.
+    This is also the TP1 cell of the greedy-tokens test, and the run without a terminal shows no progress."""
     import torch
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
@@ -77,10 +80,10 @@ def test_a_bf16_hub_style_checkpoint_generates_on_cpu(llava_clip, images, tmp_pa
     assert (hub / "model.safetensors.index.json").is_file() and len(list(hub.glob("*.safetensors"))) > 1
     megatron = convert(hub, tmp_path / "megatron", tp=1, pp=1)
     requests, answers = _requests(tmp_path, images), tmp_path / "answers.jsonl"
-    run_script("eval/generate.py", "--megatron-dir", megatron, "--input-jsonl", requests, "--output-jsonl", answers,
-               "--max-new-tokens", MAX_NEW_TOKENS, timeout=120)
-    results = [json.loads(line) for line in answers.read_text().splitlines()]
-    assert [r["token_ids"] for r in results] == _expected(HFReference(hub), images)
+    proc = run_script("eval/generate.py", "--megatron-dir", megatron, "--input-jsonl", requests, "--output-jsonl",
+                      answers, "--max-new-tokens", MAX_NEW_TOKENS, timeout=120)
+    _check_answers(answers, HFReference(hub), images)
+    assert "answering" not in proc.stderr  # not a terminal: no progress bar
 
 
 @pytest.mark.multiprocess
@@ -141,4 +144,4 @@ def test_progress_is_shown_on_a_terminal_unless_quiet(llava_clip, images, tmp_pa
     shown = _on_a_terminal(*args)
     assert "answering: 100%" in shown and "4/4" in shown and "request/s" in shown, shown
     assert "answering" not in _on_a_terminal(*args, "--quiet")
-    assert "answering" not in run_script("eval/generate.py", *args, timeout=120).stderr  # not a terminal
+    # Not a terminal, no progress: test_a_bf16_hub_style_checkpoint_generates_on_cpu (the same progress bar).

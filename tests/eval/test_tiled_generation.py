@@ -129,8 +129,9 @@ def _decoded(reference, tokens: list[int]) -> str:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_lmms_eval_answers_the_same_through_hf_and_megatron(hf_dirs, converted, references, media, tmp_path):
-    """LLaVA-NeXT images through lmms-eval's llava_hf and through megatron_llava at TP2; OneVision
-    videos through megatron_llava (llava_hf cannot load OneVision's processor without torchvision)."""
+    """LLaVA-NeXT images through lmms-eval's llava_hf and through megatron_llava (the TP2 checkpoint
+    in one process; megatron_llava at TP2: test_benchmark); OneVision videos through megatron_llava
+    (llava_hf cannot load OneVision's processor without torchvision)."""
     question = "What is shown?"
     docs = {"tiny_vqa": [{"question_id": i, "image_path": str(media[key]), "question": question, "answers": ["a"] * 10}
                          for i, key in enumerate(["wide", "tall"])],
@@ -143,8 +144,8 @@ def test_lmms_eval_answers_the_same_through_hf_and_megatron(hf_dirs, converted, 
     common = ["--include-path", tasks, "--tasks"]
     run_script("eval/benchmark.py", "--hf-dir", hf_dirs["next"], *common, "tiny_vqa", "--output-dir", hf_out, env=env,
                timeout=240)
-    run_torchrun(2, "scripts/eval/benchmark.py", "--megatron-dir", converted["next"], "--tp", 2, *common, "tiny_vqa",
-                 "--output-dir", megatron_out, env=env, timeout=300)
+    run_script("eval/benchmark.py", "--megatron-dir", converted["next"], *common, "tiny_vqa", "--output-dir",
+               megatron_out, env=env, timeout=240)
     run_script("eval/benchmark.py", "--megatron-dir", converted["onevision"], *common, "tiny_video", "--video-frames",
                FRAMES, "--output-dir", video_out, env=env, timeout=240)
 

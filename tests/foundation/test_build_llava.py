@@ -234,28 +234,66 @@ def test_image_grid_pinpoints_are_given_as_sizes_that_are_multiples_of_the_tile(
     assert not (tmp_path / "bad").exists()
 
 
+ONEVISION_DIRS = ["llava_onevision_siglip", "onevision_own_video_settings"]
+BUILDS = {  # fixture: (text model, vision tower, build_llava options)
+    "llava_clip": ("text", "vision-clip", {}),
+    "llava_onevision_siglip": ("qwen2", "vision-siglip", {"arch": "llava-onevision", "anyres_max": 2}),
+}
+
+
+def _image_and_video():
+    from megatron_ext.convert.compare import synthetic_image
+
+    return synthetic_image(0, (83, 50)), np.stack([np.asarray(synthetic_image(10 + i, (90, 60))) for i in range(3)])
+
+
+STRUCTURED = [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+
+
+def _two_images():
+    from megatron_ext.convert.compare import synthetic_image
+
+    return [synthetic_image(0, (83, 50)), synthetic_image(1, (50, 117))]
+
+
+@pytest.fixture(scope="module")
+def with_torchvision(request, tiny_hf, tiny_qwen2_tied, tmp_path_factory) -> dict:
+    """What transformers gives where torchvision is installed (tests/hf_reference), for every test
+    below, all in one child: its start (torch, transformers, torchvision) is most of each one's time."""
+    from tests import hf_reference
+
+    image, video = _image_and_video()
+    work = tmp_path_factory.mktemp("with_torchvision")
+    requests = {}
+    for fixture in ONEVISION_DIRS:
+        requests["saved_processor", fixture] = ("saved_processor", {
+            "hf_dir": str(request.getfixturevalue(fixture)), "messages": STRUCTURED, "images": [image], "videos": [video]})
+    for fixture, (text, vision, options) in BUILDS.items():
+        text_model = tiny_qwen2_tied if text == "qwen2" else tiny_hf[text]
+        requests["build_llava", fixture] = ("build_llava", {
+            "save_dir": str(work / fixture), "text_model": str(text_model), "vision_model": str(tiny_hf[vision]), **options})
+        requests["our_processor", fixture] = ("our_processor", {
+            "hf_dir": str(request.getfixturevalue(fixture)), "images": _two_images()})
+    return dict(zip(requests, hf_reference.call_many(work / "child", list(requests.values())), strict=True))
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fixture", ["llava_onevision_siglip", "onevision_own_video_settings"])
-def test_onevision_directory_loads_in_transformers_with_its_video_processor(request, fixture, tmp_path):
+@pytest.mark.parametrize("fixture", ONEVISION_DIRS)
+def test_onevision_directory_loads_in_transformers_with_its_video_processor(request, fixture, with_torchvision):
     """With torchvision (a child: tests/hf_reference), AutoProcessor loads a built OneVision as the
     full class, video processor included, renders HF's structured image + video messages, and gives
     the ids and pixel values this project's prompt encoder gives without torchvision (images: both
     with transformers' PIL backend), also where the video processor's settings are not the image
     processor's."""
-    from megatron_ext.convert.compare import synthetic_image
     from megatron_ext.eval.prompts import PromptEncoder
     from megatron_ext.hf.processors import FrameProcessor, load_processor
-    from tests import hf_reference
 
     hf_dir = request.getfixturevalue(fixture)
     ours = load_processor(hf_dir, "--hf-dir")
     assert isinstance(ours.video_processor, FrameProcessor)
-    image = synthetic_image(0, (83, 50))
-    video = np.stack([np.asarray(synthetic_image(10 + i, (90, 60))) for i in range(3)])
-    structured = [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "What happens?"}]}]
-    hf = hf_reference.call("saved_processor", tmp_path, hf_dir=str(hf_dir), messages=structured,
-                           images=[image], videos=[video])
+    image, video = _image_and_video()
+    hf = with_torchvision["saved_processor", fixture]
     assert (hf["class"], hf["image_processor"], hf["video_processor"]) == (
         "LlavaOnevisionProcessor", "LlavaOnevisionImageProcessor", "LlavaOnevisionVideoProcessor")
     saved = json.loads((hf_dir / "processor_config.json").read_text())["video_processor"]
@@ -298,39 +336,26 @@ def test_video_frames_take_the_saved_video_processors_settings(llava_onevision_s
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fixture,text,vision,options", [
-    ("llava_clip", "text", "vision-clip", {}),
-    ("llava_onevision_siglip", "qwen2", "vision-siglip", {"arch": "llava-onevision", "anyres_max": 2}),
-])
-def test_processor_saved_with_and_without_torchvision_is_the_same(request, fixture, text, vision, options, tiny_hf,
-                                                                  tiny_qwen2_tied, tmp_path):
+@pytest.mark.parametrize("fixture", list(BUILDS))
+def test_processor_saved_with_and_without_torchvision_is_the_same(request, fixture, with_torchvision):
     """Where torchvision is installed build-llava saves transformers' own video processor
     (OneVision); without, the same processor_config.json."""
-    from tests import hf_reference
-
-    text_model = tiny_qwen2_tied if text == "qwen2" else tiny_hf[text]
-    with_torchvision = hf_reference.call("build_llava", tmp_path / "child", save_dir=str(tmp_path / "hf"),
-                                         text_model=str(text_model), vision_model=str(tiny_hf[vision]), **options)
     without = json.loads((request.getfixturevalue(fixture) / "processor_config.json").read_text())
-    assert with_torchvision == without
+    assert with_torchvision["build_llava", fixture] == without
     assert without.get("video_processor", {}).get("video_processor_type") == (
-        "LlavaOnevisionVideoProcessor" if options else None)
+        "LlavaOnevisionVideoProcessor" if BUILDS[fixture][2] else None)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fixture", ["llava_clip", "llava_onevision_siglip"])
-def test_where_torchvision_is_installed_our_processor_keeps_the_pil_images(request, fixture, tmp_path):
+@pytest.mark.parametrize("fixture", list(BUILDS))
+def test_where_torchvision_is_installed_our_processor_keeps_the_pil_images(request, fixture, with_torchvision):
     """transformers would load the torchvision-backend image processor there (its resize differs
     from the PIL one by a few levels); ours keeps the PIL one the data path reproduces: the same
     pixel values with and without torchvision."""
-    from megatron_ext.convert.compare import synthetic_image
     from megatron_ext.hf.processors import load_processor
-    from tests import hf_reference
 
-    path = request.getfixturevalue(fixture)
-    images = [synthetic_image(0, (83, 50)), synthetic_image(1, (50, 117))]
-    with_torchvision = hf_reference.call("our_processor", tmp_path, hf_dir=str(path), images=images)
-    without = load_processor(path, "--hf-dir").image_processor
-    assert with_torchvision["image_processor"] == type(without).__name__ and type(without).__name__.endswith("Pil")
-    assert torch.equal(with_torchvision["pixel_values"], without(images=images, return_tensors="pt")["pixel_values"])
+    hf = with_torchvision["our_processor", fixture]
+    without = load_processor(request.getfixturevalue(fixture), "--hf-dir").image_processor
+    assert hf["image_processor"] == type(without).__name__ and type(without).__name__.endswith("Pil")
+    assert torch.equal(hf["pixel_values"], without(images=_two_images(), return_tensors="pt")["pixel_values"])

@@ -29,11 +29,17 @@ def available() -> bool:
 
 def call(task: str, work: Path, timeout: float = 240, **arguments):
     """The result of worker.py's `task` on `arguments` (tensors, arrays, paths, plain values)."""
+    return call_many(work, [(task, arguments)], timeout)[0]
+
+
+def call_many(work: Path, requests: list[tuple[str, dict]], timeout: float = 240) -> list:
+    """The results of worker.py's tasks on their arguments, all in one child: its start (torch,
+    transformers, torchvision) is most of a task's time."""
     if not available():
         raise AssertionError(f"no torchvision at {TORCHVISION_DIR}: run `bash scripts/setup_env.sh --dev`")
     work.mkdir(parents=True, exist_ok=True)
-    request, result = work / f"{task}-request.pt", work / f"{task}-result.pt"
-    torch.save({"task": task, **arguments}, request)
+    request, result = work / "requests.pt", work / "results.pt"
+    torch.save([{"task": task, **arguments} for task, arguments in requests], request)
     env = child_env(PYTHONPATH=os.pathsep.join([str(TORCHVISION_DIR), str(WORKER.parents[2])]))
     run_python(WORKER, request, result, timeout=timeout, env=env)
     return torch.load(result, weights_only=False)

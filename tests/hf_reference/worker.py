@@ -1,4 +1,4 @@
-"""python worker.py REQUEST.pt RESULT.pt: one task of tests/hf_reference, with torchvision (see there)."""
+"""python worker.py REQUESTS.pt RESULTS.pt: tasks of tests/hf_reference, with torchvision (see there)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,14 @@ assert transformers.utils.is_torchvision_available(), "transformers does not see
 
 def video_processor(settings: dict, videos: list, cpu_capability: str | None = None) -> dict:
     """OneVision's video processor of `settings` on uint8 [n, H, W, 3] videos."""
+    real_capability = torch.backends.cpu.get_cpu_capability
     if cpu_capability is not None:
         torch.backends.cpu.get_cpu_capability = lambda: cpu_capability
-    processor = transformers.LlavaOnevisionVideoProcessor(**settings)
-    return {"pixel_values_videos": [processor(videos=[v], return_tensors="pt")["pixel_values_videos"][0] for v in videos]}
+    try:
+        processor = transformers.LlavaOnevisionVideoProcessor(**settings)
+        return {"pixel_values_videos": [processor(videos=[v], return_tensors="pt")["pixel_values_videos"][0] for v in videos]}
+    finally:  # the next task of a batch runs on the real CPU
+        torch.backends.cpu.get_cpu_capability = real_capability
 
 
 def saved_processor(hf_dir: str, messages: list, images: list, videos: list) -> dict:
@@ -76,7 +80,7 @@ def video_rates(settings: dict, frames, rounds: int, repeats: int) -> dict[str, 
 
 
 if __name__ == "__main__":
-    request = torch.load(sys.argv[1], weights_only=False)
-    task = {"video_processor": video_processor, "saved_processor": saved_processor, "build_llava": build_llava,
-            "our_processor": our_processor, "video_rates": video_rates}[request.pop("task")]
-    torch.save(task(**request), sys.argv[2])
+    tasks = {"video_processor": video_processor, "saved_processor": saved_processor, "build_llava": build_llava,
+             "our_processor": our_processor, "video_rates": video_rates}
+    requests = torch.load(sys.argv[1], weights_only=False)
+    torch.save([tasks[request.pop("task")](**request) for request in requests], sys.argv[2])
