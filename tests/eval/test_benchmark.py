@@ -12,7 +12,7 @@ import pytest
 
 from megatron_ext.convert.compare import synthetic_image
 from tests.eval.lmms_tasks import write_tasks
-from tests.helpers import child_env, run_script, run_torchrun
+from tests.helpers import REPO_ROOT, child_env, run_script, run_torchrun
 from tests.train.conftest import metrics, train, trainer_args
 
 MAX_NEW_TOKENS = 6
@@ -101,6 +101,9 @@ def test_hf_and_megatron_tp2_give_the_same_answers_and_lmms_eval_scores(llava_cl
     assert scores["tiny_mc", "exact_match"]["score"] == pytest.approx(sum(mc) / 3)
     assert scores["tiny_caption", "coco_CIDEr"]["score"] >= 0.0
     assert "tiny_vqa" in shown and f"lmms-eval results and samples written to {hf_out}" in shown
+    # What COCO's scorer writes for the evaluation server stays with the results.
+    for out in (hf_out, megatron_out):
+        assert json.loads((out / "submissions" / "coco_captions_val2014_alg_results.json").read_text())
 
     # The trainer at DP2, evaluating after an iteration that changed no weight (skipped), logs the same.
     save = tmp_path / "run"
@@ -110,6 +113,7 @@ def test_hf_and_megatron_tp2_give_the_same_answers_and_lmms_eval_scores(llava_cl
     logged = metrics(save, split="val")[1]
     for (task, metric), row in scores.items():
         assert logged[f"benchmark/{task}/{metric}"] == row["score"], (task, metric)
+    assert not (REPO_ROOT / "submissions").exists()  # the working directory of every run above
 
 
 @pytest.mark.multiprocess
