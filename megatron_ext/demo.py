@@ -3,7 +3,8 @@
 tiny HF models -> build_llava_jp.py -> convert_hf_to_megatron.py (TP2) -> a synthetic image
 dataset -> prepared energon shards -> run.py stage 1 then stage 2 (2 processes, TP2, with
 validation loss and scored answers) -> convert_megatron_to_hf.py -> generate.py answers a question
-about an image with the HF model -> evaluate.py scores the Megatron checkpoint on the val split.
+about an image with the HF model -> evaluate.py scores the Megatron checkpoint on the val split
+-> `megatron-ext-train report` draws the stage 2 run as an HTML page.
 
 Each step runs the real command in a subprocess (`python -m megatron_ext.commands.<group> <command>`,
 what the megatron-ext-* console scripts and the files under scripts/ run), so the demo works from an
@@ -79,37 +80,40 @@ def run_demo(out: Path, settings: DemoSettings = DemoSettings()) -> dict[str, Pa
         "trained HF LLaVA": out / "hf-trained",
         "answer (generate.py)": out / "answer.jsonl",
         "evaluation (evaluate.py)": out / "eval",
+        "stage 2 report (HTML page)": out / "stage2" / "report.html",
     }
     p = list(paths.values())
     train_common = ["-g", s.processes, "--tp", s.tp, "--pp", 1, "--data-path", p[4], "--save",
                     "--micro-batch-size", s.micro_batch_size, "--global-batch-size", s.global_batch_size,
                     "--num-workers", 0, "--log-interval", 10]
-    _run("1/10 tiny random HF models (Llama text with GQA, CLIP and SigLIP towers)", "demo tiny-models",
+    _run("1/11 tiny random HF models (Llama text with GQA, CLIP and SigLIP towers)", "demo tiny-models",
          "--save-dir", p[0], "--force", log=log)
-    _run("2/10 assemble an HF LLaVA checkpoint", "convert build-llava", "--save-dir", p[1],
+    _run("2/11 assemble an HF LLaVA checkpoint", "convert build-llava", "--save-dir", p[1],
          "--text-model", p[0] / "text", "--vision-model", p[0] / "vision-clip", "--force", log=log)
-    _run("3/10 convert it to a Megatron checkpoint for TP2", "convert hf-to-megatron", "--tp", s.tp,
+    _run("3/11 convert it to a Megatron checkpoint for TP2", "convert hf-to-megatron", "--tp", s.tp,
          "--pp", 1, "--hf-dir", p[1], "--megatron-dir", p[2], "--force", log=log)
-    _run("4/10 a synthetic image dataset (LLaVA JSON)", "data synthetic", "--output-dir", p[3],
+    _run("4/11 a synthetic image dataset (LLaVA JSON)", "data synthetic", "--output-dir", p[3],
          "--num-samples", s.samples, "--force", log=log)
-    _run("5/10 energon shards, prepared", "data build", p[3] / "llava.json", "--output-dir", p[4],
+    _run("5/11 energon shards, prepared", "data build", p[3] / "llava.json", "--output-dir", p[4],
          "--samples-per-shard", 16, "--num-workers", 0, "--force", log=log)
-    _run("6/10 stage 1: train the projector", "train", *train_common, "--stage", 1,
+    _run("6/11 stage 1: train the projector", "train", *train_common, "--stage", 1,
          "--megatron-load-dir", p[2], "--save-dir", p[5], "--",
          "--train-iters", s.stage1_iters, "--lr", 1e-3, "--seq-length", s.seq_length, log=log)
-    _run("7/10 stage 2: train the projector and the language model", "train", *train_common, "--stage", 2,
+    _run("7/11 stage 2: train the projector and the language model", "train", *train_common, "--stage", 2,
          "--megatron-load-dir", p[5], "--save-dir", p[6], "--",
          "--train-iters", s.stage2_iters, "--lr", 1e-3, "--seq-length", s.seq_length,
          "--eval-interval", s.stage2_iters, "--eval-generate-samples", s.eval_samples,
          "--eval-max-new-tokens", s.max_new_tokens, log=log)
-    _run("8/10 convert the trained checkpoint back to HF", "convert megatron-to-hf", "--tp", s.tp,
+    _run("8/11 convert the trained checkpoint back to HF", "convert megatron-to-hf", "--tp", s.tp,
          "--pp", 1, "--megatron-dir", p[6], "--hf-dir", p[7], "--tokenizer-dir", p[1], "--force", log=log)
     image, question, _ = first_sample(p[3])
-    _run("9/10 answer a question about an image with the trained HF model", "eval generate", "--hf-dir", p[7],
+    _run("9/11 answer a question about an image with the trained HF model", "eval generate", "--hf-dir", p[7],
          "--image", image, "--prompt", question, "--max-new-tokens", s.max_new_tokens, "--output-jsonl", p[8],
          log=log)
-    _run("10/10 evaluate the trained Megatron checkpoint on the val split (TP2 snapshot, one process)",
+    _run("10/11 evaluate the trained Megatron checkpoint on the val split (TP2 snapshot, one process)",
          "eval evaluate", "--megatron-dir", p[6], "--data-path", p[4], "--output-dir", p[9], "--force",
          "--fast-n", s.eval_samples, "--max-new-tokens", s.max_new_tokens, log=log)
+    _run("11/11 a report of the stage 2 run: loss, learning rate, throughput, checkpoints", "train report", p[6],
+         log=log)
     paths["demo log"] = log
     return paths

@@ -35,3 +35,11 @@ def test_demo_runs_the_whole_pipeline(tmp_path):
     assert scores["samples"] == 16 and scores["loss_tokens"] > 0 and f"loss {scores['loss']:.3f}" in proc.stdout
     model, info = LlavaForConditionalGeneration.from_pretrained(out / "hf-trained", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+    # The report of stage 2, opened in a browser: its 4 iterations, its checkpoint, no error.
+    from tests.pages.browser import opened
+
+    assert str(out / "stage2" / "report.html") in proc.stdout
+    with opened(out / "stage2" / "report.html") as shown:
+        assert "4 of 4" in shown.page.locator("#summary").inner_text()
+        assert shown.page.locator("#checkpoints td").all_inner_texts()[0] == "4"
+        assert shown.page.locator(".chart svg").count() == 6 and not shown.console_errors and not shown.requests
