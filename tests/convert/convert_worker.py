@@ -2,11 +2,13 @@
 
 Usage: convert_worker.py OUT NAME=HF_DIR [NAME=HF_DIR ...]
 
-For every HF checkpoint and every layout in LAYOUTS, the megatron parallel state is rebuilt over
-the same 4 processes (layouts smaller than 4 ranks get data-parallel replicas, which the converter
-must tolerate) and the converter's own per-rank code writes OUT/megatron/NAME/tpTppP. Then:
-- logits: each checkpoint converted at TP2 is loaded at every layout and its logits saved to
-  OUT/logits/NAME-tpTppP.pt (with the HF processor inputs in OUT/logits/NAME-inputs.pt);
+The first HF checkpoint is converted at every layout in LAYOUTS, the others at TP2 x PP2 (which
+splits both ways; the layouts differ only in the split, not per model): the megatron parallel state
+is rebuilt over the same 4 processes (layouts smaller than 4 ranks get data-parallel replicas, which
+the converter must tolerate) and the converter's own per-rank code writes OUT/megatron/NAME/tpTppP. Then:
+- logits: each checkpoint converted at TP2 x PP2 is loaded at TP1 and at TP2 x PP2 (the first at
+  every layout) and its logits saved to OUT/logits/NAME-tpTppP.pt (with the HF processor inputs in
+  OUT/logits/NAME-inputs.pt);
 - trained: the first checkpoint converted at TP1 is loaded at TP2, changed the way training would
   change it, and saved as a trainer snapshot (optimizer-like keys, iteration 5) in OUT/megatron/trained.
 """
@@ -30,7 +32,13 @@ def set_layout(tp, pp):
     init_parallel(tp, pp)
 
 
-def convert_all(out, fixtures):
+def first_at_every_layout(fixtures) -> dict:
+    """{name: its layouts}: the first checkpoint at every layout, the others at TP2 x PP2."""
+    return {name: LAYOUTS if i == 0 else [(2, 2)] for i, name in enumerate(fixtures)}
+
+
+def convert_all(out, fixtures, layouts):
+    """Each checkpoint of `fixtures` at each of its `layouts` ({name: [(tp, pp), ...]})."""
     import torch.distributed as dist
 
     from megatron_ext.convert.to_megatron import convert_in_world, plan_conversion
@@ -38,6 +46,8 @@ def convert_all(out, fixtures):
     for tp, pp in LAYOUTS:
         set_layout(tp, pp)
         for name, hf_dir in fixtures.items():
+            if (tp, pp) not in layouts[name]:
+                continue
             root = out / "megatron" / name / f"tp{tp}pp{pp}"
             if dist.get_rank() == 0:
                 root.mkdir(parents=True)
@@ -46,7 +56,7 @@ def convert_all(out, fixtures):
             assert not problems, problems
 
 
-def save_logits(out, fixtures):
+def save_logits(out, fixtures, layouts):
     import torch.distributed as dist
 
     from megatron_ext import families
@@ -66,7 +76,9 @@ def save_logits(out, fixtures):
     for tp, pp in LAYOUTS:
         set_layout(tp, pp)
         for name, batch in batches.items():
-            snapshot = find_snapshot(out / "megatron" / name / "tp2pp1")
+            if (tp, pp) not in {(1, 1), *layouts[name]}:
+                continue
+            snapshot = find_snapshot(out / "megatron" / name / "tp2pp2")
             arch = snapshot.arch
             model = build_model(arch, families.of(arch), ModelOptions(seq_length=256, init_weights=False, parallel_output=False))
             load_model_weights(model, snapshot.path)
@@ -110,8 +122,9 @@ def main():
 
     out = Path(sys.argv[1])
     fixtures = dict(arg.split("=", 1) for arg in sys.argv[2:])
-    convert_all(out, fixtures)
-    save_logits(out, fixtures)
+    layouts = first_at_every_layout(fixtures)
+    convert_all(out, fixtures, layouts)
+    save_logits(out, fixtures, layouts)
     save_trained(out, next(iter(fixtures)))
     shutdown()
 

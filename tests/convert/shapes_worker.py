@@ -1,11 +1,11 @@
-"""Worker for test_published_shapes (under torchrun with 8 processes): every model at every layout
+"""Worker for test_published_shapes (under torchrun): every model at every layout
 it takes, converted by the converter's own per-rank code, its logits, and the way back.
 
 Usage: shapes_worker.py OUT IN.json
 
 IN.json: {name: {"hf_dir": HF directory, "layouts": [[tp, pp], ...], "export": [[tp, pp], ...]}}. For every
 layout the megatron
-parallel state is rebuilt over the same 8 processes (smaller layouts get data-parallel replicas)
+parallel state is rebuilt over the same processes (smaller layouts get data-parallel replicas)
 and each model taking it is converted to OUT/megatron/NAME/tpTppP, loaded at that layout, and
 its logits on the model's own prompt (one image; a OneVision or NeXT image on a grid of several
 tiles) saved to OUT/logits/NAME-tpTppP.pt (the HF processor's inputs to OUT/logits/NAME-inputs.pt).
@@ -65,7 +65,7 @@ def main():
             logits = megatron_logits(model, images, batch["input_ids"], arch.img_seq_len, arch.text.vocab_size, layout)
             if dist.get_rank() == 0:
                 torch.save(logits, out / "logits" / f"{name}-tp{tp}pp{pp}.pt")
-    if dist.get_rank() == 0 and world == 1:
+    if dist.get_rank() == 0:
         for name, batch in batches.items():
             torch.save(dict(batch), out / "logits" / f"{name}-inputs.pt")
     exports = [f"{name}/tp{tp}pp{pp}" for name, m in models.items() for tp, pp in m["export"] if tp * pp == world]

@@ -1,9 +1,10 @@
-"""Worker for test_tiled_llava (run under torchrun with 4 processes): one launch, every layout.
+"""Worker for test_tiled_llava (run under torchrun with 4 processes): one launch, every layout it needs.
 
 Usage: tiled_worker.py OUT NAME=HF_DIR [NAME=HF_DIR ...]
 
-Converts every HF checkpoint at every layout of convert_worker.LAYOUTS to OUT/megatron/NAME/tpTppP
-(convert_worker.convert_all), then loads the one converted at TP2 x PP2 at each of LOGIT_LAYOUTS and
+Converts the first HF checkpoint at every layout of convert_worker.LAYOUTS and the others at TP2 x PP2
+to OUT/megatron/NAME/tpTppP (convert_worker.convert_all), then loads the one converted at TP2 x PP2 at
+TP2 x PP2 (loading at other layouts is test_roundtrip's) and
 saves the logits of every sample OUT/inputs/NAME/SAMPLE.pt (HF processor batches, written by the
 test) to OUT/logits/NAME/SAMPLE-tpTppP.pt.
 """
@@ -12,9 +13,9 @@ import sys
 from pathlib import Path
 
 import torch
-from convert_worker import convert_all, set_layout
+from convert_worker import convert_all, first_at_every_layout, set_layout
 
-LOGIT_LAYOUTS = [(2, 1), (1, 2), (2, 2)]
+LOGIT_LAYOUTS = [(2, 2)]
 
 
 def save_logits(out, names):
@@ -47,7 +48,7 @@ def main():
 
     out = Path(sys.argv[1])
     fixtures = dict(arg.split("=", 1) for arg in sys.argv[2:])
-    convert_all(out, fixtures)
+    convert_all(out, fixtures, first_at_every_layout(fixtures))
     save_logits(out, list(fixtures))
     shutdown()
 

@@ -1,9 +1,10 @@
 """Worker for test_backends: per-token losses of the same samples through megatron-core's LLaVAModel
 with each attention backend and batch layout (run under torchrun, 1 or 2 processes = TP1 / TP2).
 
-Usage: backend_worker.py MEGATRON_CHECKPOINT OUT_JSON [BACKENDS]   (default: local,sdpa)
+Usage: backend_worker.py MEGATRON_CHECKPOINT OUT_JSON [BACKENDS [TP1_KEYS]]   (default: local,sdpa)
 
-Writes {"<backend>/<layout>": {sample key: [loss of every trained position, in order]}}.
+Writes {"<backend>/<layout>": {sample key: [loss of every trained position, in order]}}, and under
+2 processes with TP1_KEYS (comma-separated "<backend>/<layout>"), "tp1": those losses at TP1.
 """
 
 import json
@@ -87,7 +88,6 @@ def main():
     from megatron_ext.model.sequence_alignment import SequenceAlignment
 
     snapshot = layout.find_snapshot(checkpoint)
-    init_parallel(int(os.environ.get("WORLD_SIZE", "1")), 1, seed=11)  # every process a TP rank
     arch = snapshot.arch
     encoders = {
         "": LlavaTaskEncoder.for_model(str(snapshot.tokenizer_dir), arch, seq_length=SEQ, packing_seq_length=SEQ),
@@ -95,27 +95,42 @@ def main():
         "aligned ": LlavaTaskEncoder.for_model(str(snapshot.tokenizer_dir), arch, seq_length=SEQ, packing_seq_length=SEQ,
                                                alignment=SequenceAlignment(total=16, per_sample=4)),
     }
-    results = {}
-    for backend in backends:
-        model = build_model(arch, families.of(arch), ModelOptions(seq_length=SEQ, init_weights=False,
-                                                                  execution=ModelExecution(attention_backend=backend))).eval()
-        load_model_weights(model, snapshot.path)
-        inputs = ModelInputs.for_model(arch, model, device())
-        for prefix, encoder in encoders.items():
-            for name in ("unpacked", "unpacked-rows", "packed", "packed-rows"):
-                if backend == "te" and name == "packed-rows":
-                    continue  # refused: Transformer Engine takes one packed sequence per micro batch
-                losses = {}
-                for batch in batches(encoder, name):
-                    losses.update(per_sample_losses(model, inputs, batch))
-                results[f"{backend}/{prefix}{name}"] = losses
-        unseparated = {}
-        for batch in batches(encoders[""], "packed"):
-            unseparated.update(per_sample_losses(model, inputs, batch, separate=False))
-        results[f"{backend}/packed, samples not kept apart"] = unseparated
-        results[f"{backend}/packs"] = [b.__key__[0].split(",") for b in batches(encoders[""], "packed")]
+
+    def losses_at(tp: int, only=None) -> dict:
+        """Every backend's losses at TP `tp` (the other ranks data-parallel replicas); `only`: just those keys."""
+        parallel_state.destroy_model_parallel()
+        init_parallel(tp, 1, seed=11)
+        results = {}
+        for backend in backends:
+            model = build_model(arch, families.of(arch), ModelOptions(seq_length=SEQ, init_weights=False,
+                                                                      execution=ModelExecution(attention_backend=backend))).eval()
+            load_model_weights(model, snapshot.path)
+            inputs = ModelInputs.for_model(arch, model, device())
+            for prefix, encoder in encoders.items():
+                for name in ("unpacked", "unpacked-rows", "packed", "packed-rows"):
+                    key = f"{backend}/{prefix}{name}"
+                    if (backend == "te" and name == "packed-rows") or (only is not None and key not in only):
+                        continue  # te: refused, Transformer Engine takes one packed sequence per micro batch
+                    losses = {}
+                    for batch in batches(encoder, name):
+                        losses.update(per_sample_losses(model, inputs, batch))
+                    results[key] = losses
+            if only is not None:
+                continue
+            unseparated = {}
+            for batch in batches(encoders[""], "packed"):
+                unseparated.update(per_sample_losses(model, inputs, batch, separate=False))
+            results[f"{backend}/packed, samples not kept apart"] = unseparated
+            results[f"{backend}/packs"] = [b.__key__[0].split(",") for b in batches(encoders[""], "packed")]
+        return results
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    results = losses_at(world)  # every process a TP rank
+    results["tp"] = parallel_state.get_tensor_model_parallel_world_size()
+    if world > 1 and len(sys.argv) > 4:
+        # In the same launch (one start instead of two): the named losses at TP1, to compare.
+        results["tp1"] = losses_at(1, only=sys.argv[4].split(","))
     if torch.distributed.get_rank() == 0:
-        results["tp"] = parallel_state.get_tensor_model_parallel_world_size()
         json.dump(results, open(out, "w"))
     shutdown()
 
