@@ -42,9 +42,9 @@ def launcher_args(gpus: int, checkpoint: Path, data: Path, save_dir: Path, **opt
             *_flags(rest, lambda name: "--" + name.replace("_", "-"))]
 
 
-def run_py(checkpoint: Path, data: Path, save: Path, iters: int) -> list[str]:
-    """The command of a small two-process run through the launcher, scripts/train/run.py."""
-    return [sys.executable, str(REPO_ROOT / "scripts/train/run.py"), "-g", "2", "--megatron-load-dir", str(checkpoint),
+def run_py(checkpoint: Path, data: Path, save: Path, iters: int, gpus: int = 2) -> list[str]:
+    """The command of a small run of `gpus` processes through the launcher, scripts/train/run.py."""
+    return [sys.executable, str(REPO_ROOT / "scripts/train/run.py"), "-g", str(gpus), "--megatron-load-dir", str(checkpoint),
             "--data-path", str(data), "--save", "--save-dir", str(save), "--save-interval", "2", "--micro-batch-size",
             "2", "--global-batch-size", "4", "--num-workers", "0", "--stage", "2",
             "--", "--train-iters", str(iters), "--seq-length", "128", "--lr", "1e-3"]

@@ -56,12 +56,13 @@ def test_a_bug_in_rank_1_shows_its_traceback_once(tmp_path, megatron_clip, train
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_runs_started_together_on_one_node_both_train(tmp_path, megatron_clip, train_data):
-    """Both find the default port free before either torchrun binds it: the second to claim it takes another."""
+    """Both find the default port free before either torchrun binds it: the second to claim it takes another.
+    One process each: torchrun binds the port whatever the number of ranks."""
     logs = [tmp_path / f"run{i}.log" for i in range(2)]
     with open(logs[0], "w") as first_log, open(logs[1], "w") as second_log, \
-            started(run_py(megatron_clip, train_data, tmp_path / "run0", 2), stdout=first_log,
+            started(run_py(megatron_clip, train_data, tmp_path / "run0", 2, gpus=1), stdout=first_log,
                     stderr=subprocess.STDOUT) as first, \
-            started(run_py(megatron_clip, train_data, tmp_path / "run1", 2), stdout=second_log,
+            started(run_py(megatron_clip, train_data, tmp_path / "run1", 2, gpus=1), stdout=second_log,
                     stderr=subprocess.STDOUT) as second:
         statuses = [first.wait(timeout=280), second.wait(timeout=280)]
     assert statuses == [0, 0], [log.read_text()[-3000:] for log in logs]

@@ -1,6 +1,7 @@
 """Every parallel layout trains like one process: the same global batches give the same losses and
-gradient norms (fp32, CPU) at TP2 x PP2, at DP2 with the distributed optimizer (the reference runs
-the plain one), and at TP2 with packed samples (THD attention)."""
+gradient norms (fp32, CPU) at TP2 x PP2, and at TP2 with packed samples (THD attention) of LLaVA-NeXT.
+TP2 x DP2 with the distributed optimizer and packed samples trains like transformers in one process
+(test_parity, to the same tolerance)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,6 @@ import pytest
 from tests.helpers import run_torchrun
 
 WORKER = str(Path(__file__).with_name("invariance_worker.py"))
-LAYOUTS = {
-    "tp2 x pp2": (4, {"tp": 2, "pp": 2}),
-    "dp2, distributed optimizer": (2, {"dist_optim": True}),
-    "tp2, packed": (2, {"tp": 2, "packing_seq_length": 192, "micro_batch_size": 1}),
-}
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -33,17 +29,13 @@ def reference(tmp_path_factory, megatron_clip, train_data) -> list[dict]:
     return _steps(tmp_path_factory.mktemp("tp1"), megatron_clip, train_data, 1, {"micro_batch_size": 2})
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_trains_like_one_process(tmp_path, megatron_clip, train_data, reference, name):
-    nproc, options = LAYOUTS[name]
-    steps = _steps(tmp_path, megatron_clip, train_data, nproc, options)
+def test_tp2_x_pp2_trains_like_one_process(tmp_path, megatron_clip, train_data, reference):
+    steps = _steps(tmp_path, megatron_clip, train_data, 4, {"tp": 2, "pp": 2})
     assert len(steps) == len(reference) == 3
     for got, expected in zip(steps, reference):
         assert got["tokens"] == expected["tokens"]
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-5)
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5, abs=1e-5)
-    if "packed" in name:
-        assert all(s["micro_batches"] < 4 for s in steps)  # samples really shared sequences
 
 
 def test_packed_anyres_samples_train_like_unpacked(tmp_path, llava_next_clip, train_data):
