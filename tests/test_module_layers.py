@@ -21,6 +21,7 @@ LAYERS = [
     ("eval", {"eval"}),
     ("train", {"train"}),
     ("launch", {"launch"}),
+    ("pages", {"pages"}),
     ("entry points", {"commands", "demo"}),
 ]
 LEVEL = {part: level for level, (_, parts) in enumerate(LAYERS) for part in parts}
