@@ -39,6 +39,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from megatron_ext.train.flops import H100_BF16_PEAK_TFLOPS  # noqa: E402  (the checkout, put on the path above)
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -250,7 +252,7 @@ def sweep(argv: list[str]) -> dict:
 @click.option("--fp8", is_flag=True, help="FP8 through Transformer Engine (--attention-backend te).")
 @click.option("--iters", type=int, default=10, show_default=True, help="Timed optimizer steps.")
 @click.option("--warmup", type=int, default=3, show_default=True, help="Untimed steps first.")
-@click.option("--peak-tflops", type=float, default=989.0, show_default=True,
+@click.option("--peak-tflops", type=float, default=H100_BF16_PEAK_TFLOPS, show_default=True,
               help="Peak dense TFLOP/s the MFU is taken against (989: H100 SXM bf16).")
 @click.option("--sweep", "run_sweep", is_flag=True, help="Run every variant of BENCHMARKS.md, each in its own process.")
 def main(preset, attention_backend, packing, recompute_granularity, fp8, iters, warmup, peak_tflops, run_sweep):

@@ -15,6 +15,7 @@ import click
 
 from megatron_ext.errors import run_command
 from megatron_ext.launch.flags import invoke, launcher_options
+from megatron_ext.train.flops import H100_BF16_PEAK_TFLOPS
 
 CONTEXT = {"max_content_width": 110, "help_option_names": ["-h", "--help"]}
 
@@ -44,7 +45,7 @@ def plan(passthrough, layouts, **values):
 @click.argument("save_dir", type=click.Path(file_okay=False))
 @click.option("--output", type=click.Path(dir_okay=False), default=None, help="The page to write (default: SAVE_DIR/report.html).")
 @click.option("--png", is_flag=True, help="Also write each chart as a PNG, in report_png/ beside the page.")
-@click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True), default=989.0, show_default=True,
+@click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True), default=H100_BF16_PEAK_TFLOPS, show_default=True,
               help="Peak dense TFLOP/s per GPU the MFU is taken against (989: H100 SXM bf16).")
 def report(save_dir, output, png, peak_tflops):
     """An HTML page of the run in SAVE_DIR (its --save-dir), from its own records: works while it runs."""

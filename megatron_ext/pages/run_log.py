@@ -79,7 +79,6 @@ def read_run(save_dir: str | Path) -> RunLog:
         path = save_dir / layout.snapshot_name(iteration)
         saved_at = datetime.fromtimestamp((path / layout.METADATA_FILE).stat().st_mtime, timezone.utc)
         checkpoints.append(SavedCheckpoint(iteration, path, saved_at))
-    config = {}
-    if checkpoints:
-        config = json.loads((checkpoints[-1].path / layout.METADATA_FILE).read_text()).get("run_config") or {}
+    newest = layout.latest_complete_snapshot(save_dir)
+    config = newest.run_config if newest else {}
     return RunLog(save_dir, splits.get("train", []), splits.get("val", []), segments, checkpoints, config)

@@ -15,11 +15,10 @@ from pathlib import Path
 from megatron_ext.fsutil import atomic_output_dir, atomic_write_text
 from megatron_ext.pages.charts import Chart, Series, svg, write_png
 from megatron_ext.pages.run_log import RunLog, read_run
+from megatron_ext.train.flops import H100_BF16_PEAK_TFLOPS
 
 REPORT_FILE = "report.html"
 PNG_DIR = "report_png"
-# bench/gpu_bench.py's default: H100 SXM dense bf16.
-DEFAULT_PEAK_TFLOPS = 989.0
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 70em; color: #222; }
@@ -103,9 +102,9 @@ def _table(rows: list[tuple[str, str]], header: tuple[str, ...] = ()) -> str:
     return f"<table>{head}{body}</table>"
 
 
-def render(run: RunLog, peak_tflops: float = DEFAULT_PEAK_TFLOPS) -> str:
+def render(run: RunLog, drawn: list[Chart], peak_tflops: float = H100_BF16_PEAK_TFLOPS) -> str:
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    figures = "".join(f'<div class="chart" id="{c.name}">{svg(c)}</div>' for c in charts(run))
+    figures = "".join(f'<div class="chart" id="{c.name}">{svg(c)}</div>' for c in drawn)
     checkpoints = _table([(c.iteration, str(c.path), c.saved_at.strftime("%Y-%m-%d %H:%M:%S UTC"))
                           for c in run.checkpoints], ("iteration", "path", "saved")) if run.checkpoints else \
         "<p>No checkpoint saved yet.</p>"
@@ -124,14 +123,15 @@ def render(run: RunLog, peak_tflops: float = DEFAULT_PEAK_TFLOPS) -> str:
 
 
 def write_report(save_dir: str | Path, output: str | Path | None = None, png: bool = False,
-                 peak_tflops: float = DEFAULT_PEAK_TFLOPS) -> Path:
+                 peak_tflops: float = H100_BF16_PEAK_TFLOPS) -> Path:
     """Write the page (default SAVE_DIR/report.html), and with `png` each chart under report_png/ beside it."""
     run = read_run(save_dir)
     output = Path(output) if output else run.save_dir / REPORT_FILE
     output.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(output, render(run, peak_tflops))
+    drawn = charts(run)
+    atomic_write_text(output, render(run, drawn, peak_tflops))
     if png:
         with atomic_output_dir(output.parent / PNG_DIR) as tmp:
-            for chart in charts(run):
+            for chart in drawn:
                 write_png(chart, tmp)
     return output

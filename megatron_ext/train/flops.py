@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from megatron_ext.model.arch import LlavaArch
 
+# What MFU is taken against unless told otherwise: an H100 SXM's dense bf16 TFLOP/s.
+H100_BF16_PEAK_TFLOPS = 989.0
+
 
 def _transformer_flops(tokens: float, attention_pairs: float, layers: int, hidden: int, ffn: int, heads: int,
                        groups: int, head_dim: int, gated: bool) -> float:
