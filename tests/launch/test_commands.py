@@ -30,11 +30,13 @@ def split_torchrun(argv: list[str]):
     return opts, _trainer.main(argv[cut + 1:], standalone_mode=False)
 
 
-def launch(launcher, inputs, *args, gpus=0, env=None, check=True):
-    """run.py with stand-ins. Dry runs and GPU launches would compute a memory plan (importing
-    megatron-core, seconds per call): these tests check the command, so they pass --no-memory-check
-    but for one GPU launch in test_gpus_all_and_gpu_ids (tests/launch/test_memory_check.py checks the plan)."""
-    result = launcher.run("--megatron-load-dir", inputs.checkpoint, "--data-path", inputs.data, *args, gpus=gpus, env=env)
+def launch(launcher, inputs, *args, gpus=0, env=None, check=True, memory_plan=False):
+    """run.py with stand-ins. Dry runs and GPU launches compute a memory plan (importing megatron-core,
+    seconds per call): these tests check the command, so the plan runs only where a test asks for it
+    (tests/launch/test_memory_check.py checks the plan itself)."""
+    plan_flags = () if memory_plan else ("--no-memory-check",)  # before args: they may end with `-- trainer options`
+    result = launcher.run("--megatron-load-dir", inputs.checkpoint, "--data-path", inputs.data, *plan_flags, *args,
+                          gpus=gpus, env=env)
     if check:
         assert result.returncode == 0, result.stderr
     return result
@@ -42,8 +44,7 @@ def launch(launcher, inputs, *args, gpus=0, env=None, check=True):
 
 def test_single_node_cpu_and_dry_run_prints_exactly_what_runs(launcher, inputs):
     port = free_port()
-    args = ("-g", "2", "--tp", "2", "--micro-batch-size", "4", "--global-batch-size", "8", "-p", port, "--name", "exp",
-            "--no-memory-check")
+    args = ("-g", "2", "--tp", "2", "--micro-batch-size", "4", "--global-batch-size", "8", "-p", port, "--name", "exp")
     dry = launch(launcher, inputs, *args, "--dry-run")
     assert launcher.records() == []  # a dry run starts nothing
     launch(launcher, inputs, *args)
@@ -120,7 +121,7 @@ SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLUR
 ])
 def test_slurm_environment(launcher, inputs, flags, expected):
     env = launcher.env(gpus=8, **SLURM)
-    result = launch(launcher, inputs, "--slurm-output-name", "logs/exp", "--no-memory-check", *flags, env=env)
+    result = launch(launcher, inputs, "--slurm-output-name", "logs/exp", *flags, env=env)
     started = launcher.launched()
     opts, _ = split_torchrun(started["argv"])
     assert opts == expected
@@ -135,12 +136,12 @@ def test_gpus_all_and_gpu_ids(launcher, inputs):
     launch(launcher, inputs)  # no CUDA: one CPU process
     assert split_torchrun(launcher.launched()["argv"])[0]["--nproc-per-node"] == "1"
 
-    launch(launcher, inputs, "--tp", "8", gpus=8)  # the one launch here whose memory plan runs
+    launch(launcher, inputs, "--tp", "8", gpus=8, memory_plan=True)  # a GPU launch computes its plan
     started = launcher.launched()
     assert split_torchrun(started["argv"])[0]["--nproc-per-node"] == "8"
     assert "CUDA_VISIBLE_DEVICES" not in started["env"]
 
-    launch(launcher, inputs, "--gpu-ids", "1,3", "--no-memory-check", gpus=8)
+    launch(launcher, inputs, "--gpu-ids", "1,3", gpus=8)
     started = launcher.launched()
     assert split_torchrun(started["argv"])[0]["--nproc-per-node"] == "2"
     assert started["env"]["CUDA_VISIBLE_DEVICES"] == "1,3"
@@ -148,10 +149,10 @@ def test_gpus_all_and_gpu_ids(launcher, inputs):
 
 def test_interface_fp8_deterministic_and_debug(launcher, inputs, tmp_path):
     # A machine with GPUs where Transformer Engine is installed (an empty stand-in package: run.py only looks for it).
-    # The memory plan is left out: it imports megatron-core, which reads the stand-in's missing package version.
+    # (No memory plan: it imports megatron-core, which reads the stand-in's missing package version.)
     (tmp_path / "site" / "transformer_engine").mkdir(parents=True)
     (tmp_path / "site" / "transformer_engine" / "__init__.py").write_text("")
-    launch(launcher, inputs, "--interface", "lo", "--fp8", "--deterministic", "--debug", "-g", "2", "--no-memory-check", gpus=2,
+    launch(launcher, inputs, "--interface", "lo", "--fp8", "--deterministic", "--debug", "-g", "2", gpus=2,
            env=launcher.env(gpus=2, PYTHONPATH=str(tmp_path / "site")))
     started = launcher.launched()
     env = started["env"]
@@ -171,7 +172,7 @@ def test_sif_path_singularity(launcher, inputs, tmp_path):
     sif.write_text("image")
     save_dir = inputs.root / "saves" / "run1"  # not there yet: its existing parent is bound
     launch(launcher, inputs, "--sif-path", sif, "--gpu-ids", "2,3", "--tp", "2", "--save", "--save-dir", save_dir,
-           "--tokenizer-load-dir", inputs.tokenizer, "--no-memory-check", gpus=4)
+           "--tokenizer-load-dir", inputs.tokenizer, gpus=4)
     started = launcher.launched()
     assert started["name"] == "singularity"
     argv = started["argv"]
