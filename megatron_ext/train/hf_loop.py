@@ -5,7 +5,8 @@ What it copies from the Trainer: the loss is the model's own (`labels`, with `nu
 the trained tokens of the whole global batch, so every token weighs the same); AdamW
 (torch.optim.AdamW) with weight decay on the parameters `Trainer.get_decay_parameter_names` names;
 `clip_grad_norm_` over every trained parameter; the schedule from `transformers.get_scheduler`.
-Each sample runs alone (no padding, no packing), as a micro batch of one.
+Each sample runs alone (no padding, no packing), as a micro batch of one. In bf16 (on a GPU) the
+weights and AdamW stay fp32 and the forward runs under `torch.autocast`, as the Trainer's `bf16=True`.
 """
 
 from __future__ import annotations
@@ -115,11 +116,14 @@ def global_normalizer(batches: list[list[HfSample]]) -> list[int]:
 
 
 class HfLoop:
-    def __init__(self, hf_dir: str, hyper: Hyper, img_seq_len: int):
-        """`img_seq_len`: image tokens per image in HF's input (our `LlavaArch.img_seq_len`)."""
+    def __init__(self, hf_dir: str, hyper: Hyper, img_seq_len: int, device: str = "cpu", dtype: str = "float32"):
+        """`img_seq_len`: image tokens per image in HF's input (our `LlavaArch.img_seq_len`); `dtype`: the
+        compute dtype (float32, or bfloat16 through autocast)."""
         from transformers import LlavaForConditionalGeneration
 
-        self.model = LlavaForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32)
+        self.device = torch.device(device)
+        self.autocast = torch.autocast(self.device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
+        self.model = LlavaForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).to(self.device)
         self.model.train()
         self.img_seq_len = img_seq_len
         self.config = self.model.config
@@ -141,8 +145,11 @@ class HfLoop:
         loss = 0.0
         for batch, normalizer in zip(batches, global_normalizer(batches)):
             for s in batch:
-                out = self.model(input_ids=s.input_ids, pixel_values=s.pixel_values, labels=s.labels,
-                                 num_items_in_batch=torch.tensor(normalizer))
+                pixels = None if s.pixel_values is None else s.pixel_values.to(self.device)
+                with self.autocast:
+                    out = self.model(input_ids=s.input_ids.to(self.device), pixel_values=pixels,
+                                     labels=s.labels.to(self.device),
+                                     num_items_in_batch=torch.tensor(normalizer, device=self.device))
                 out.loss.backward()
                 loss += out.loss.item()
         norm = torch.nn.utils.clip_grad_norm_(self.trained, self.clip_grad if self.clip_grad else math.inf)

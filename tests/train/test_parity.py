@@ -6,6 +6,7 @@ trainer, that it must catch. Each layout's run is made once; each check replays 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def ours(our_runs):
 
 def _report(ours, hf_dir) -> parity.Report:
     model, results = parity.run_hf(hf_dir, ours, progress=lambda line: None)
-    return parity.compare(ours, results, model, hf_dir)
+    return parity.compare(ours, results, model)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -65,6 +66,19 @@ def test_trains_like_transformers(our_runs, layout, llava_clip):
     assert report.modules["vision_tower"] == (0.0, False)
     assert report.modules["multi_modal_projector"][1] and report.modules["lm_head"][1]
     assert all(diff <= report.weight_atol for diff, trained in report.modules.values() if trained)
+
+
+def test_bf16_compares_transformers_under_autocast_with_bf16_tolerances(ours, llava_clip):
+    """The GPU's default dtype, on the CPU: transformers' loop runs its forward under bf16 autocast
+    (fp32 weights), as the Trainer's bf16=True, and the check applies the bf16 tolerances. Our run
+    here is fp32, so the sides differ by bf16 rounding alone: within them, but not equal."""
+    bf16 = dataclasses.replace(ours, plan=dataclasses.replace(ours.plan, dtype="bfloat16"))
+    model, results = parity.run_hf(llava_clip, bf16, progress=lambda line: None)
+    report = parity.compare(bf16, results, model)
+    assert report.ok and (report.dtype, report.rtol) == ("bfloat16", parity.BF16_RTOL), report.table()
+    assert all(r.ours[0] != r.hf[0] for r in report.rows)
+    assert max(r.rel[0] for r in report.rows) > parity.FP32_RTOL
+    assert report.weight_atol > parity.weight_bound(BASE["lr"], STEPS)
 
 
 def test_the_parallel_layout_ran_packed_micro_batches_of_one_on_two_replicas(our_runs):
