@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from megatron_ext.errors import UserError
 from megatron_ext.train.activation_model import Measured, Recompute, lm_layers_bytes, measure, with_sequence_parallel
-from megatron_ext.train.memory_state import StateBytes, state_bytes
+from megatron_ext.train.memory_state import StateBytes, ddp_bucket_size, state_bytes
 from megatron_ext.train.plan import RunPlan
 
 GIB = 2**30
@@ -146,7 +146,8 @@ def _rank_memory(plan: RunPlan, knobs: Knobs, model, m: Measured, stage: int, tp
     tiles = micro_batch * vision_inputs_per_sequence(plan)
     vision = tiles * m.vision_tile
     in_flight = min(knobs.pp - stage, plan.num_microbatches)
-    return RankMemory(stage=stage, tp_ranks=(tp_rank,), state=state_bytes(model, knobs.dist_optim, dp),
+    bucket_size = ddp_bucket_size(plan.execution.overlap_grad_reduce, plan.execution.ddp_bucket_size, dp, stage)
+    return RankMemory(stage=stage, tp_ranks=(tp_rank,), state=state_bytes(model, knobs.dist_optim, dp, bucket_size),
                       lm_activations=in_flight * lm, vision_activations=in_flight * vision, in_flight=in_flight)
 
 

@@ -81,6 +81,12 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log({f"{prefix}/{k}": v for k, v in numbers.items()}, step=step)
 
+    def note(self, record: dict, prefix: str) -> None:
+        """A record for metrics.jsonl alone (not numbers to plot): e.g. what each rank holds."""
+        if self.enabled and self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"split": prefix, **record}) + "\n")
+
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()

@@ -38,6 +38,9 @@ from megatron_ext.train.step import StepResult, train_step
 
 log = logging.getLogger(__name__)
 
+# metrics.jsonl's "state" record: one row per rank.
+STATE_COLUMNS = ["pp_rank", "tp_rank", "dp_rank", "param_bytes", "grad_bytes", "optimizer_bytes"]
+
 # --eval-generate-samples: SAVE_DIR/predictions/iter_N.jsonl holds the answers of evaluation N.
 PREDICTIONS_DIR = "predictions"
 
@@ -124,6 +127,7 @@ class Trainer:
                              and parallel_state.get_pipeline_model_parallel_rank() == 0
                              and parallel_state.get_context_parallel_rank() == 0)
         self.last_saved = plan.resume.path if plan.resume else None
+        self.held_state_recorded = False
 
     # --- one iteration ------------------------------------------------------------------------
     def _lr(self) -> float:
@@ -164,6 +168,25 @@ class Trainer:
         keys = [None] * torch.distributed.get_world_size(self.dp_group)
         torch.distributed.all_gather_object(keys, [k for b in micro_batches for k in b["keys"]], group=self.dp_group)
         return samples_digest([k for rank_keys in keys for k in rank_keys])
+
+    def _record_held_state(self) -> None:
+        """Once per process, after its first update (Adam's moments exist from then): the bytes each
+        rank holds for parameters, gradient buffers and optimizer state, which the memory plan
+        (docs/gpu.md) predicts exactly. One object all-gather, before the steps that follow."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_ext.train.memory_state import held_state_bytes
+
+        mine = [ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+                ps.get_data_parallel_rank(), *held_state_bytes(self.trained)]
+        ranks = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(ranks, mine)
+        self.metrics.note({"iteration": self.iteration, "columns": STATE_COLUMNS, "ranks": ranks}, prefix="state")
+        largest = max(ranks, key=lambda r: sum(r[3:]))
+        if torch.distributed.get_rank() == 0:
+            log.info("held by the largest rank (pp %d, tp %d, dp %d): parameters %.3f GiB, gradients %.3f GiB, "
+                     "optimizer %.3f GiB", *largest[:3], *(b / 2**30 for b in largest[3:]))
+        self.held_state_recorded = True
 
     def _check_finite(self, result: StepResult | None) -> None:
         if result is None or result.finite:
@@ -248,6 +271,8 @@ class Trainer:
             start, lr = time.perf_counter(), self._lr()
             result, micro_batches, batch, stop = self._iteration()
             record = self._record(result, batch, time.perf_counter() - start, lr)
+            if result is not None and result.updated and not self.held_state_recorded:
+                self._record_held_state()
             if self._due(cfg.log_interval) or self.iteration == self.plan.train_iters or not (result is None or result.finite):
                 self.metrics.log({**record, "samples_digest": self._samples_digest(micro_batches)})
             self._check_finite(result)

@@ -62,3 +62,33 @@ def metrics(save_dir: Path, split: str = "train") -> dict[int, dict]:
         if record["split"] == split:
             records[record["iteration"]] = record
     return records
+
+
+def assert_held_state_is_planned(save_dir: Path, plan=None) -> None:
+    """What the trainer recorded each rank to hold (metrics.jsonl's "state" record) is the memory
+    plan's (docs/gpu.md), exactly: parameters and gradient buffers on every rank; of the optimizer
+    state, the largest data-parallel share (with --dist-optim the shares differ where bucket padding
+    falls) and, all shares together, every trained element's state once. `plan`: the run's; by
+    default rebuilt from its last checkpoint, as a user's `plan` command would."""
+    from megatron_ext.checkpoint import layout
+    from megatron_ext.train.memory_plan import memory_plan
+    from megatron_ext.train.memory_state import MASTER_BYTES, MOMENT_BYTES
+    from megatron_ext.train.options import TrainConfig
+    from megatron_ext.train.plan import make_plan
+
+    (record,) = [r for r in map(json.loads, (Path(save_dir) / "metrics.jsonl").read_text().splitlines())
+                 if r["split"] == "state"]
+    rows = [dict(zip(record["columns"], row)) for row in record["ranks"]]
+    if plan is None:
+        config = TrainConfig(**layout.latest_complete_snapshot(Path(save_dir)).trainer_options)
+        plan = make_plan(config, len(rows), on_gpu=False, te=False)
+    assert len(rows) == plan.world_size
+    planned = {(kind.stage, tp): kind.state for kind in memory_plan(plan, 80 * 2**30).ranks for tp in kind.tp_ranks}
+    per_element = MOMENT_BYTES + (MASTER_BYTES if plan.dtype != "float32" else 0)
+    for (stage, tp), state in planned.items():
+        mine = [r for r in rows if (r["pp_rank"], r["tp_rank"]) == (stage, tp)]
+        assert {(r["param_bytes"], r["grad_bytes"]) for r in mine} == {(state.param_bytes, state.grad_bytes)}, (stage, tp)
+        shares = [r["optimizer_bytes"] for r in mine]
+        assert max(shares) == state.optimizer_bytes, (stage, tp, shares)
+        whole = state.trained * per_element
+        assert sum(shares) == (whole if plan.config.dist_optim else whole * len(mine)), (stage, tp, shares)

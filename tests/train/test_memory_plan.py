@@ -30,11 +30,11 @@ def cpu_plan(**options):
 def real_state(plan) -> tuple[int, int, int]:
     """(parameter, gradient buffer, optimizer state) bytes of the trainer's model for `plan`, after one
     Adam step (its moments exist from then), in a process group of one."""
-    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
     from megatron_ext import cpu_support
+    from megatron_ext.train.memory_state import held_state_bytes
     from megatron_ext.train.model_setup import build_training_model
 
     cpu_support.apply()
@@ -43,20 +43,9 @@ def real_state(plan) -> tuple[int, int, int]:
         parallel_state.initialize_model_parallel(1, 1)
         tensor_parallel.model_parallel_cuda_manual_seed(1)
         trained = build_training_model(plan)
-        params = sum(p.numel() * p.element_size() for p in trained.model.parameters())
-        grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in trained.ddp.buffers)
         trained.ddp.zero_grad_buffer()
         trained.optimizer.step()
-        by_param = {id(p): p for p in trained.model.parameters()}
-        optimizer = 0
-        for inner in (trained.optimizer.optimizer,):
-            for p, state in inner.state.items():
-                # Adam's moments; torch's Adam also keeps a 0-dim step counter per tensor (not counted).
-                optimizer += sum(t.numel() * t.element_size() for t in state.values()
-                                 if torch.is_tensor(t) and t.numel() == p.numel())
-                if id(p) not in by_param:  # an fp32 master copy of a 16-bit parameter
-                    optimizer += p.numel() * p.element_size()
-        return params, grads, optimizer
+        return held_state_bytes(trained)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.train import hf_loop, parity
+from tests.train.conftest import assert_held_state_is_planned
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -85,6 +86,14 @@ def test_the_parallel_layout_ran_packed_micro_batches_of_one_on_two_replicas(our
     micro_batches = parity.global_batch(our_runs("tp2-dp2-dist-optim-packed"), 1)
     assert len(micro_batches) == 4  # 2 replicas x 2 accumulated micro batches
     assert all(b["input_ids"].shape[0] == 1 and b["segment_ids"].max() > 1 for b in micro_batches)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_rank_held_the_state_its_memory_plan_counts(our_runs, layout):
+    """Issue 36: the plan's parameters, gradient buffers and optimizer state equal the bytes each rank
+    of the run held: at TP1, and at TP2 x DP2 with the distributed optimizer's padded buffers."""
+    ours = our_runs(layout)
+    assert_held_state_is_planned(ours.hf_out.parent / "ours", ours.plan)
 
 
 def _problems(ours, hf_dir) -> str:

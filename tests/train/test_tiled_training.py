@@ -1,7 +1,8 @@
 """Tiled LLaVAs (OneVision) trained on a prepared mix of anyres images, multi-image samples and
 videos: bad input is reported by reason when the dataset is prepared, an over-long sample is
 skipped and counted at train time, stage 1 (TP2) trains exactly the projector and the image
-newline, stage 2 (PP2, the tower unfrozen at --vision-lr 0) the language model too, the loss falls.
+newline, stage 2 (PP2, the tower unfrozen at --vision-lr 0) the language model too, the loss falls;
+each rank holds the parameters, gradients and optimizer state its memory plan counts.
 
 Checked on the weights a user gets back: the checkpoints exported to HF, tensor by tensor.
 """
@@ -15,7 +16,7 @@ import pytest
 from megatron_ext.convert.compare import synthetic_image
 from tests.helpers import run_script
 from tests.tiled_data import SEQ, turns
-from tests.train.conftest import launcher_args, metrics
+from tests.train.conftest import assert_held_state_is_planned, launcher_args, metrics
 from tests.train.test_stages import _changed_prefixes, _hf_tensors
 
 pytestmark = [pytest.mark.multiprocess]
@@ -53,6 +54,8 @@ def test_stages_train_exactly_their_modules(tmp_path, llava_onevision_siglip, me
     for save, expected in ((stage1, {"multi_modal_projector", "image_newline"}),
                            (stage2, {"multi_modal_projector", "image_newline", "language_model"})):
         _loss_falls(save)
+        # Issue 36: each rank held what the memory plan counts (stage 1 at TP2; PP2, the tower trained).
+        assert_held_state_is_planned(save)
         # 32 samples drawn at random from 15: the over-long ones among them are skipped and counted.
         assert max(r["skipped_samples"] for r in metrics(save).values()) >= 1
         prefixes, changed = _changed_prefixes(original, _hf_tensors(convert(save, tmp_path / f"hf_{save.name}")))
