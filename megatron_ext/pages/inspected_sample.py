@@ -58,9 +58,9 @@ class Inspected:
     shown: bool
     skip_reason: str = ""  # why the trainer would skip it ("" when it trains on it)
     skip_detail: str = ""
-    pieces: list[Piece] = field(default_factory=list)
-    media: list[ShownMedia] = field(default_factory=list)
-    text_tokens: int = 0  # tokens that are not image or video features
+    pieces: list[Piece] = field(default_factory=list)  # of a shown sample; the others are only counted
+    media: list[ShownMedia] = field(default_factory=list)  # likewise
+    text_tokens: int = 0  # kept tokens that are not image or video features
     trained_tokens: int = 0
     image_positions: int = 0
     images: int = 0
@@ -103,15 +103,16 @@ class SampleReader:
             found.packable = copy.copy(encoded)
             found.packable.images = [None] * len(encoded.images)  # packing reads how many, not their pixels
         kept = encoded.lengths[0]  # the tokens after it are alignment padding
-        loss_mask = encoded.loss_mask[:kept].numpy() > 0
-        found.truncated = bool(encoded.num_truncated)
+        ids, loss_mask = encoded.input_ids[:kept].numpy(), encoded.loss_mask[:kept].numpy() > 0
         positions = self._positions(rows, len(sources))
-        found.pieces = self._pieces(sample, kept, loss_mask, positions)
-        found.text_tokens = sum(1 for p in found.pieces if not p.cut and p.media is None)
-        found.trained_tokens = sum(p.trained for p in found.pieces)
-        found.image_positions = sum(p.positions for p in found.pieces if not p.cut and p.media is not None)
-        found.images = sum(p.role == IMAGE for p in found.pieces)
+        # Truncation never cuts an image or video, so all of them are in `positions`.
+        found.text_tokens = int(kept - np.isin(ids, list(self.media_tokens)).sum())
+        found.trained_tokens = int(loss_mask.sum())
+        found.image_positions = sum(positions)
+        found.images = len(sources) if self.encoder.media is None else sum(r.kind == tiling.IMAGE for r in rows)
+        found.truncated = bool(encoded.num_truncated)
         if shown:
+            found.pieces = self._pieces(sample, kept, loss_mask, positions)
             processed = self.encoder.postencode_sample(encoded).images  # [3, H, W] tensors, tiles in token order
             tiles = torch.stack(processed) if processed else None
             found.media = self._media(sample, sources, rows, tiles, positions)

@@ -140,8 +140,6 @@ def run_inspection(source: SampleSource, encoder: InspectorEncoder, everything: 
             found.shown.append(sample)
         if sample.skip_reason:
             found.skipped[sample.skip_reason] += 1
-        if not sample.shown:
-            sample.pieces = []  # only the counts of a sample that is not shown are kept
     found.skipped.update(source.load_errors)
     missing = sorted(set(keys) - {s.key for s in found.shown})
     if missing:
