@@ -3,7 +3,8 @@ options, every sample read put through it, and what the summary and the packing 
 
 The encoder is `train.data.task_encoder`, the trainer's own, with the options a trained
 checkpoint was trained with (its stored trainer options) unless a flag says otherwise, and one
-GPU's sequence alignment (no sequence or context parallelism).
+GPU's sequence alignment (no sequence or context parallelism). The stage is not among them: it
+chooses which weights train, not what a sample becomes.
 """
 
 from __future__ import annotations

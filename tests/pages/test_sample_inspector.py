@@ -176,3 +176,23 @@ def test_the_command_takes_a_trained_checkpoints_options_and_refuses_bad_input_i
         assert command(*args, "--megatron-load-dir", checkpoint, "--output", tmp_path / "bad.html") != 0
         assert capsys.readouterr().err.strip().splitlines() == [f"error: {message}"]
     assert not (tmp_path / "bad.html").exists()
+
+
+def test_a_llava_next_image_has_the_processors_positions_and_its_grid(tiled_mix, llava_next_clip):
+    from transformers.image_processing_utils import select_best_resolution
+
+    from megatron_ext.pages.media_views import model_html
+
+    mix = Path(tiled_mix[1].input)
+    encoder = build_encoder(EncoderSetup(tokenizer_load_dir=str(llava_next_clip), options={"seq_length": SEQ}))
+    found = run_inspection(open_source(mix, "train", None, Selection(samples=1, keys=(ONE_IMAGE,))), encoder,
+                           everything=False, keys=(ONE_IMAGE,))
+    (sample,) = found.shown
+    image = Image.open(mix.parent / "0.png")
+    assert sample.image_positions == _hf_image_positions(llava_next_clip, image)
+    arch = read_llava(json.loads((llava_next_clip / "config.json").read_text()))
+    height, width = select_best_resolution((image.height, image.width), arch.tiling.grid_pinpoints)
+    rows, cols = height // arch.vision.image_size, width // arch.vision.image_size
+    (media,) = sample.media
+    assert len(media.tiles) == rows * cols + 1
+    assert f'data-rows="{rows}" data-cols="{cols}"' in model_html(media, found.tiled)
