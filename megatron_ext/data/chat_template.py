@@ -179,15 +179,16 @@ class ChatTokenizer:
         return ids, assistant
 
     def token_roles(self, messages: list[dict]) -> list[int | None]:
-        """For each token `encode` gives, the index of the message whose rendered text it starts in;
-        None for text the template adds outside every message (a BOS, a default system prompt)."""
+        """For each token `encode` gives, the index of the message whose rendered text it starts in
+        (what the template renders before the first message counts with it, the assistant's header
+        with the reply); None for the tokens the tokenizer adds itself (a BOS in front, an EOS)."""
         text, _ = self.render(messages)
         ends = [len(self._apply(messages[: i + 1], generation_prompt=False)) for i in range(len(messages))]
         starts = [0] + ends[:-1]
         _, offsets = self._tokens(text)
         roles = []
         for start, end in offsets:
-            # Special tokens added by the tokenizer have an empty span; the BOS in front belongs to no message.
+            # The tokenizer's own special tokens have an empty span at 0.
             owner = next((i for i, (a, b) in enumerate(zip(starts, ends)) if a <= start < b), None)
             roles.append(None if end == start == 0 else owner)
         return roles

@@ -23,7 +23,7 @@ from megatron_ext.model import tiling
 from megatron_ext.pages.inspect_sources import skip_reason
 
 IMAGE, VIDEO = "image", "video"
-TEMPLATE = "template"  # text the chat template adds outside every message
+ADDED = "added"  # a token the tokenizer adds itself (a BOS in front, an EOS), in no message
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Piece:
     """A token of the sample, or one image / video as a block of its positions."""
 
     text: str
-    role: str  # the message's role, TEMPLATE, or IMAGE / VIDEO for a block
+    role: str  # the message's role, ADDED, or IMAGE / VIDEO for a block
     trained: bool = False
     cut: bool = False  # truncation dropped it
     media: int | None = None  # index into `Inspected.media` for a block
@@ -129,7 +129,7 @@ class SampleReader:
         """The whole rendered chat as pieces, each image or video one block; the encoder's ids are
         these tokens with the media expanded, of which it kept the first `kept` (truncation)."""
         _, messages = conversation_of(sample)
-        roles = [TEMPLATE if r is None else messages[r]["role"] for r in self.encoder.chat.token_roles(messages)]
+        roles = [ADDED if r is None else messages[r]["role"] for r in self.encoder.chat.token_roles(messages)]
         chat_ids, _ = self.encoder.chat.encode(messages)
         pieces, at, media = [], 0, iter(enumerate(positions))
         for token, role in zip(chat_ids, roles):

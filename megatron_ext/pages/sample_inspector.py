@@ -42,7 +42,7 @@ img.frame { width: 7em; image-rendering: pixelated; }
 .tokens { white-space: pre-wrap; font-family: ui-monospace, monospace; font-size: 0.9em; line-height: 1.8; }
 .tok { border-bottom: 3px solid transparent; }
 .role-system { background: #eee8f8; } .role-user { background: #e6f0fb; }
-.role-assistant { background: #fdf1dc; } .role-template { background: #eee; }
+.role-assistant { background: #fdf1dc; } .role-added { background: #eee; }
 .tok.trained { border-bottom-color: #c60; font-weight: 600; }
 .tok.cut, .block.cut { opacity: 0.45; text-decoration: line-through; }
 .block { background: #335; color: #fff; border-radius: 3px; padding: 0 0.4em; }
@@ -144,10 +144,11 @@ def _sample(sample: Inspected, found: Inspection) -> str:
 
 
 _LEGEND = ('<p class="legend">Roles: <span class="role-system">system</span><span class="role-user">user</span>'
-           '<span class="role-assistant">assistant</span><span class="role-template">template (outside every message)'
-           '</span>; <span class="tok trained">underlined bold</span>: trained (the model learns to predict the token: '
-           'the loss mask is 1 at the position before it); <span class="block">image 1: N positions</span>: an image or '
-           'video as the positions the model expands it to; struck out: cut by truncation.</p>')
+           '<span class="role-assistant">assistant</span><span class="role-added">added by the tokenizer (BOS, EOS)'
+           '</span> (what the template renders around a message counts with it); <span class="tok trained">underlined '
+           'bold</span>: trained (the model learns to predict the token: the loss mask is 1 at the position before it); '
+           '<span class="block">image 1: N positions</span>: an image or video as the positions the model expands it '
+           'to; struck out: cut by truncation.</p>')
 
 
 def render(found: Inspection) -> str:

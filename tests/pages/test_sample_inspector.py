@@ -119,6 +119,10 @@ def test_a_template_that_trains_the_assistant_header_shows_it_trained(tmp_path, 
         with opened(page) as shown:
             assert shown.console_errors == [] and shown.requests == []
             trained[name] = [_trained_text(shown.page, key) for key in (TEXT, ONE_IMAGE)]
+            text = shown.page.locator(f'section[data-key="{TEXT}"]')
+            assert text.locator(".tok.trained:not(.role-assistant)").count() == 0
+            assert "".join(text.locator(".role-user").all_inner_texts()) == "<|user|>\nSay hi.<|end|>\n"
+            assert text.locator(".role-added").all_inner_texts() == ["<s>"]  # the tokenizer's BOS
             block = shown.page.locator(f'section[data-key="{ONE_IMAGE}"] .block').inner_text()
             assert block == f"image 1: {_hf_image_positions(llava_clip, image)} positions"
     assert trained["right"] == ["Hi.<|end|>", "Noise.<|end|>"]
