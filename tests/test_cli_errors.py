@@ -21,6 +21,7 @@ CASES = {
     "convert/convert_megatron_to_hf.py": (["--megatron-dir", MISSING, "--hf-dir", "OUT"], f"--megatron-dir {MISSING}"),
     "convert/compare_hf_megatron.py": (["--hf-dir", MISSING, "--megatron-dir", MISSING], MISSING),
     "data/build_energon_dataset.py": ([f"{MISSING}.json", "--output-dir", "OUT"], f"INPUT {MISSING}.json does not exist"),
+    "data/inspect_dataset.py": ([MISSING, "--tokenizer-load-dir", MISSING], f"DATA {MISSING} does not exist"),
     "data/make_synthetic_dataset.py": (["--output-dir", "OUT", "--num-samples", "0"], "--num-samples"),
     "demo/make_tiny_hf_models.py": (["--save-dir", "OUT", "--text-arch", "gpt5"], "--text-arch"),
     "demo/run_demo.py": (["--output-dir", "OUT", "--stage1-iter", "3"], "No such option '--stage1-iter'"),

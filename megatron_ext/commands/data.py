@@ -2,12 +2,16 @@
 
     megatron-ext-data build INPUT --output-dir OUT [--image-root DIR] [--split-ratio 9,1,0]
     megatron-ext-data synthetic --output-dir D [--num-samples N] [--lang en|ja]
+    megatron-ext-data inspect DATA --megatron-load-dir CKPT [--samples N] [--all] [--output page.html]
 
-(scripts/data/build_energon_dataset.py and make_synthetic_dataset.py run the same commands.)
+(scripts/data/build_energon_dataset.py, make_synthetic_dataset.py and inspect_dataset.py run the same commands.)
 """
+
+import logging
 
 import click
 
+from megatron_ext.data.image_aspects import IMAGE_ASPECTS
 from megatron_ext.data.synthetic import SyntheticSpec
 from megatron_ext.errors import run_command
 from megatron_ext.progress import quiet_option
@@ -59,7 +63,50 @@ def synthetic(output_dir, num_samples, multi_turn_fraction, min_size, max_size, 
     click.echo(f"wrote {num_samples} samples to {path}")
 
 
-group = click.Group("megatron-ext-data", help=__doc__.split("\n")[0], commands=[build, synthetic])
+@click.command("inspect")
+@quiet_option
+@click.argument("data", metavar="DATA", type=click.Path())
+@click.option("--output", type=click.Path(dir_okay=False), default="sample_inspector.html", show_default=True,
+              help="The HTML page to write.")
+@click.option("--megatron-load-dir", type=click.Path(), help="The checkpoint whose inputs to show (its tokenizer, "
+              "processor and, for a trained one, the data options it was trained with).")
+@click.option("--tokenizer-load-dir", type=click.Path(), help="HF LLaVA directory (tokenizer, processor, config.json): "
+              "instead of a checkpoint, or to override its tokenizer.")
+@click.option("--split", default="train", show_default=True, help="Split of a prepared dataset.")
+@click.option("--image-root", type=click.Path(file_okay=False), help="LLaVA JSON input: the folder its image paths are "
+              "relative to (default: DATA's folder).")
+@click.option("--samples", type=click.IntRange(min=1), default=8, show_default=True, help="Samples shown (drawn with --seed).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--keys", help="Show these samples instead (comma-separated keys, e.g. 000000012).")
+@click.option("--all", "everything", is_flag=True, help="Count every sample of the split in the summary (else the shown ones).")
+@click.option("--seq-length", type=click.IntRange(min=1), help="As the trainer's (default: the checkpoint's, else min(2048, model max)).")
+@click.option("--packing-seq-length", type=click.IntRange(min=1), help="As the trainer's: show the packed rows.")
+@click.option("--chat-template", help="As the trainer's: 'tokenizer', a bundled name or a .jinja file.")
+@click.option("--lang", type=click.Choice(["en", "ja", "jp"]), help="As the trainer's (selects the default template).")
+@click.option("--image-aspect", type=click.Choice(IMAGE_ASPECTS), help="As the trainer's (LLaVA-1.5 models).")
+@click.option("--video-frames", type=click.IntRange(min=1), help="As the trainer's (tiled models).")
+@click.option("--max-tiles-per-sequence", type=click.IntRange(min=1), help="As the trainer's.")
+def inspect(data, output, megatron_load_dir, tokenizer_load_dir, split, image_root, samples, seed, keys, everything,
+            **options):
+    """Write one self-contained HTML page of what the model sees of DATA (a prepared energon dataset or
+    metadataset YAML, or LLaVA JSON / JSONL before it is prepared) through the trainer's task encoder:
+    images as the model gets them, tokens by role with the trained ones marked, lengths, packing."""
+    from megatron_ext.logs import setup_logging
+    from megatron_ext.pages.inspect_sources import Selection
+    from megatron_ext.pages.inspection import EncoderSetup
+    from megatron_ext.pages.sample_inspector import write_inspection
+
+    setup_logging()
+    # How the encoder preprocesses is on the page; on the terminal it would only hide an error line.
+    logging.getLogger("megatron_ext.data").setLevel(logging.WARNING)
+    keys = tuple(k.strip() for k in keys.split(",") if k.strip()) if keys else ()
+    selection = Selection(samples=len(keys) or samples, seed=seed, keys=keys, everything=everything)
+    setup = EncoderSetup(megatron_load_dir, tokenizer_load_dir, options)
+    page = write_inspection(data, output, setup, selection, split, image_root)
+    click.echo(f"wrote {page}")
+
+
+group = click.Group("megatron-ext-data", help=__doc__.split("\n")[0], commands=[build, synthetic, inspect])
 
 
 def main() -> None:

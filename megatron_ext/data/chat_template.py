@@ -161,15 +161,34 @@ class ChatTokenizer:
                 spans.append((len(prompt), end))
         return text, spans
 
-    def encode(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids (int64, one image token per `<image>`) and a bool mask of assistant tokens."""
-        text, spans = self.render(messages)
+    def _tokens(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, their character spans [n, 2]) of a rendered conversation."""
         encoding = self.tokenizer(text, add_special_tokens=needs_special_tokens(self.tokenizer, text),
                                   return_offsets_mapping=True)
         ids = np.asarray(encoding["input_ids"], dtype=np.int64)
-        offsets = np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        return ids, np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+
+    def encode(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids (int64, one image token per `<image>`) and a bool mask of assistant tokens."""
+        text, spans = self.render(messages)
+        ids, offsets = self._tokens(text)
         assistant = np.zeros(len(ids), dtype=bool)
         for start, end in spans:
             assistant |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
         assistant &= ids != self.image_token_id
         return ids, assistant
+
+    def token_roles(self, messages: list[dict]) -> list[int | None]:
+        """For each token `encode` gives, the index of the message whose rendered text it starts in
+        (what the template renders before the first message counts with it, the assistant's header
+        with the reply); None for the tokens the tokenizer adds itself (a BOS in front, an EOS)."""
+        text, _ = self.render(messages)
+        ends = [len(self._apply(messages[: i + 1], generation_prompt=False)) for i in range(len(messages))]
+        starts = [0] + ends[:-1]
+        _, offsets = self._tokens(text)
+        roles = []
+        for start, end in offsets:
+            # The tokenizer's own special tokens have an empty span at 0.
+            owner = next((i for i, (a, b) in enumerate(zip(starts, ends)) if a <= start < b), None)
+            roles.append(None if end == start == 0 else owner)
+        return roles

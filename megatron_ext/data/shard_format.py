@@ -17,6 +17,7 @@ image) are read too: `conversation_of` takes either.
 
 
 import io
+import json
 import re
 from dataclasses import field
 from pathlib import Path
@@ -131,6 +132,16 @@ def conversation_fields(raw: dict) -> dict:
     videos = [value for name, value in raw.items() if _is_video_part(name)]
     return {"images": images, "videos": videos,
             "messages": sample_messages(meta.get("conversations") or meta.get("question"), raw.get("txt"))}
+
+
+def decoded_sample(parts: dict) -> ConversationSample:
+    """The `ConversationSample` energon would load from a sample's encoded `parts` (a
+    `sources.ShardSample`'s), without writing a shard; raises BadConversation as loading does."""
+    raw = {"__key__": parts["__key__"], "json": json.loads(parts["json"]), "txt": parts["txt"]}
+    for name, data in parts.items():
+        if name not in raw:
+            raw[name] = _image_in_its_own_mode(name, data)
+    return ConversationSample(__key__=parts["__key__"], __restore_key__=(), **conversation_fields(raw))
 
 
 class ConversationWebdataset(StandardWebdatasetFactory[ConversationSample]):

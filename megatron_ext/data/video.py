@@ -52,6 +52,18 @@ def read_frames(video, frames: int, name: str | None = None) -> np.ndarray:
     return np.stack(picked)
 
 
+def sampled_frame_times(video, frames: int) -> list[float] | None:
+    """Seconds into `video` (a file path or its bytes) of the frames `read_frames` samples; None
+    for a list of frames or a stream without a frame rate."""
+    if isinstance(video, (list, tuple)):
+        return None
+    with _open(video) as container:
+        rate = container.streams.video[0].average_rate
+    if not rate:
+        return None
+    return [index / float(rate) for index in uniform_indices(_frame_count(video), frames)]
+
+
 def _open(video):
     import av
 

@@ -33,7 +33,7 @@ class EvalSample:
         return self.messages[-1]["content"]
 
 
-class _DecodedSamples(TaskEncoder):
+class DecodedSamples(TaskEncoder):
     """Leaves samples decoded but otherwise untouched; a 'batch' is the list of its samples."""
 
     decoder = ImageModeKeepingDecoder()
@@ -55,7 +55,7 @@ def read_samples(data_path: str | Path, split: str = "val", limit: int | None = 
     # One reader for the whole split, whatever the data-parallel layout: callers split the samples themselves.
     whole_split = WorkerConfig(rank=0, world_size=1, num_workers=0)
     dataset = get_val_dataset(str(data_path), split_part=split, worker_config=whole_split, batch_size=1,
-                              limit=limit, task_encoder=_DecodedSamples())
+                              limit=limit, task_encoder=DecodedSamples())
     samples = []
     for batch in get_loader(dataset):
         for sample in batch:

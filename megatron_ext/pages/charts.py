@@ -1,4 +1,5 @@
-"""Line charts as inline SVG (or PNG files), drawn by matplotlib without its global pyplot state."""
+"""Line charts and histograms as inline SVG (line charts also as PNG files), drawn by matplotlib without
+its global pyplot state."""
 
 from __future__ import annotations
 
@@ -52,14 +53,50 @@ def _figure(chart: Chart):
     return figure
 
 
-def svg(chart: Chart) -> str:
+def _inline_svg(figure) -> str:
     buffer = io.StringIO()
-    _figure(chart).savefig(buffer, format="svg")
+    figure.savefig(buffer, format="svg")
     text = buffer.getvalue()
     return text[text.index("<svg"):]  # inline: no XML declaration or DOCTYPE
+
+
+def svg(chart: Chart) -> str:
+    return _inline_svg(_figure(chart))
 
 
 def write_png(chart: Chart, directory: Path) -> Path:
     path = directory / f"{chart.name}.png"
     _figure(chart).savefig(path, format="png", dpi=120)
     return path
+
+
+@dataclass
+class Histogram:
+    title: str
+    xlabel: str
+    series: dict[str, list[float]]  # label -> values, drawn side by side
+    integer_bins: bool = False  # one bar per integer value (counts such as images per sample)
+
+
+def histogram_svg(histogram: Histogram) -> str:
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    figure = Figure(figsize=(4.8, 2.8), layout="constrained")
+    axes = figure.add_subplot()
+    values = [v for vs in histogram.series.values() for v in vs]
+    if histogram.integer_bins:
+        bins = [b - 0.5 for b in range(int(min(values, default=0)), int(max(values, default=0)) + 2)]
+    else:
+        bins = min(20, max(1, len(set(values))))
+    axes.hist(list(histogram.series.values()), bins=bins, label=list(histogram.series))
+    axes.set_title(histogram.title)
+    axes.set_xlabel(histogram.xlabel)
+    axes.set_ylabel("samples")
+    axes.yaxis.set_major_locator(MaxNLocator(integer=True))
+    if histogram.integer_bins:
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    if len(histogram.series) > 1:
+        axes.legend(fontsize="small")
+    axes.grid(alpha=0.3)
+    return _inline_svg(figure)

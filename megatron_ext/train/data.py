@@ -11,6 +11,9 @@ from pathlib import Path
 
 from megatron_ext.data.loader import restore_loader_state, save_loader_state, train_loader, val_loader
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
+from megatron_ext.model.arch import LlavaArch
+from megatron_ext.model.sequence_alignment import SequenceAlignment
+from megatron_ext.train.options import TrainConfig
 from megatron_ext.train.plan import RunPlan
 
 
@@ -19,13 +22,19 @@ def samples_digest(keys: list[str]) -> str:
     return hashlib.sha1("\n".join(keys).encode()).hexdigest()[:12]
 
 
-def _encoder(plan: RunPlan) -> LlavaTaskEncoder:
-    cfg = plan.config
+def task_encoder(tokenizer_dir: str | Path, arch: LlavaArch, cfg: TrainConfig, seq_length: int,
+                 alignment: SequenceAlignment) -> LlavaTaskEncoder:
+    """The encoder the trainer feeds a model of `arch` with under the options `cfg` (the sample
+    inspector builds its own with it)."""
     return LlavaTaskEncoder.for_model(
-        str(plan.tokenizer_dir), plan.arch, seq_length=plan.seq_length, pad_token_id=plan.arch.pad_token_id,
+        str(tokenizer_dir), arch, seq_length=seq_length, pad_token_id=arch.pad_token_id,
         chat_template=cfg.chat_template, lang=cfg.lang, image_aspect=cfg.image_aspect, packing_seq_length=cfg.packing_seq_length,
-        alignment=plan.execution.alignment, video_frames=cfg.video_frames, max_tiles=cfg.max_tiles_per_sequence,
+        alignment=alignment, video_frames=cfg.video_frames, max_tiles=cfg.max_tiles_per_sequence,
     )
+
+
+def _encoder(plan: RunPlan) -> LlavaTaskEncoder:
+    return task_encoder(plan.tokenizer_dir, plan.arch, plan.config, plan.seq_length, plan.execution.alignment)
 
 
 class TrainData:

@@ -29,6 +29,12 @@ from megatron_ext.train.tokens import TokenizerFiles
 DEFAULT_MAX_SEQ_LENGTH = 2048
 
 
+def default_seq_length(arch: LlavaArch, alignment: int) -> int:
+    """Without --seq-length: min(2048, the model's maximum) rounded down to the layout's alignment."""
+    default = min(DEFAULT_MAX_SEQ_LENGTH, arch.text.max_position_embeddings)
+    return default - default % alignment
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """Each value is kept once; what follows from others (lengths, micro batches) is computed from them."""
@@ -59,10 +65,7 @@ class RunPlan:
     @property
     def seq_length(self) -> int:
         """--seq-length (checked against the alignment), else min(2048, the model's maximum) rounded down to it."""
-        if self.config.seq_length:
-            return self.config.seq_length
-        default = min(DEFAULT_MAX_SEQ_LENGTH, self.arch.text.max_position_embeddings)
-        return default - default % self.execution.alignment.total
+        return self.config.seq_length or default_seq_length(self.arch, self.execution.alignment.total)
 
     @property
     def num_microbatches(self) -> int:

@@ -1,0 +1,170 @@
+"""One sample put through the trainer's task encoder, read back for the page: its tokens with the
+role of the message each comes from and whether it is trained, its images and videos as the
+model gets them, and its counts.
+
+Nothing here recomputes what the encoder decides: ids, loss mask, truncation, tiles and media rows
+are the encoder's own (`preencode_sample`, `postencode_sample`); this module only lines them up
+with the roles of the rendered messages. A token is marked trained when the model learns to
+predict it: position t's loss mask is 1 when token t + 1 is trained, so the marked tokens are as
+many as the loss mask's sum. What truncation cut is the rest of the rendered chat.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from megatron_ext.data.shard_format import conversation_of, videos_of
+from megatron_ext.data.task_encoder import LlavaTaskEncoder
+from megatron_ext.model import tiling
+from megatron_ext.pages.inspect_sources import skip_reason
+
+IMAGE, VIDEO = "image", "video"
+ADDED = "added"  # a token the tokenizer adds itself (a BOS in front, an EOS), in no message
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A token of the sample, or one image / video as a block of its positions."""
+
+    text: str
+    role: str  # the message's role, ADDED, or IMAGE / VIDEO for a block
+    trained: bool = False
+    cut: bool = False  # truncation dropped it
+    media: int | None = None  # index into `Inspected.media` for a block
+    positions: int = 1
+
+
+@dataclass
+class ShownMedia:
+    """An image or a video of the sample: the original and what the model gets."""
+
+    kind: str  # IMAGE or VIDEO
+    number: int  # 1-based among the sample's images (or videos)
+    positions: int  # language-model positions it expands to
+    original: object  # PIL image, or uint8 frames [n, H, W, 3] as sampled from the video
+    tiles: np.ndarray  # uint8 [n, H, W, 3] rendered back from the pixel values
+    row: tiling.Media | None = None  # its media-layout row (tiled models)
+    times: list[float] | None = None  # a video's sampled frames, seconds
+
+
+@dataclass
+class Inspected:
+    index: int
+    key: str
+    shown: bool
+    skip_reason: str = ""  # why the trainer would skip it ("" when it trains on it)
+    skip_detail: str = ""
+    pieces: list[Piece] = field(default_factory=list)  # of a shown sample; the others are only counted
+    media: list[ShownMedia] = field(default_factory=list)  # likewise
+    text_tokens: int = 0  # kept tokens that are not image or video features
+    trained_tokens: int = 0
+    image_positions: int = 0
+    images: int = 0
+    truncated: bool = False
+    packable: object = None  # with packing: the encoded sample, its pixels dropped
+
+    @property
+    def positions(self) -> int:
+        return self.text_tokens + self.image_positions
+
+    @property
+    def cut(self) -> list[Piece]:
+        return [p for p in self.pieces if p.cut]
+
+
+class SampleReader:
+    """Puts samples through `encoder` and reads the results back (`read`)."""
+
+    def __init__(self, encoder: LlavaTaskEncoder, arch, pixels):
+        """`pixels`: a `media_views.PixelsBack` for this encoder's processors."""
+        self.encoder = encoder
+        self.arch = arch
+        self.pixels = pixels
+        self.tokenizer = encoder.chat.tokenizer
+        media_tokens = [arch.image_token_index]
+        if encoder.media is not None and encoder.media.video_token is not None:
+            media_tokens.append(encoder.media.video_token)
+        self.media_tokens = set(media_tokens)
+
+    def read(self, index: int, key: str, shown: bool, sample) -> Inspected:
+        found = Inspected(index, key, shown)
+        try:
+            encoded = self.encoder.preencode_sample(sample)
+        except Exception as exc:  # energon's error handler skips a sample for any error; so does the page
+            found.skip_reason, found.skip_detail = skip_reason(exc)
+            return found
+        sources = list(encoded.images)  # PIL images (LLaVA-1.5) or one MediaGroup (tiled), before postencode
+        rows = list(encoded.media)
+        if self.encoder.packing:
+            found.packable = copy.copy(encoded)
+            found.packable.images = [None] * len(encoded.images)  # packing reads how many, not their pixels
+        kept = encoded.lengths[0]  # the tokens after it are alignment padding
+        ids, loss_mask = encoded.input_ids[:kept].numpy(), encoded.loss_mask[:kept].numpy() > 0
+        positions = self._positions(rows, len(sources))
+        # Truncation never cuts an image or video, so all of them are in `positions`.
+        found.text_tokens = int(kept - np.isin(ids, list(self.media_tokens)).sum())
+        found.trained_tokens = int(loss_mask.sum())
+        found.image_positions = sum(positions)
+        found.images = len(sources) if self.encoder.media is None else sum(r.kind == tiling.IMAGE for r in rows)
+        found.truncated = bool(encoded.num_truncated)
+        if shown:
+            found.pieces = self._pieces(sample, kept, loss_mask, positions)
+            processed = self.encoder.postencode_sample(encoded).images  # [3, H, W] tensors, tiles in token order
+            tiles = torch.stack(processed) if processed else None
+            found.media = self._media(sample, sources, rows, tiles, positions)
+        return found
+
+    def _positions(self, rows: list[tiling.Media], images: int) -> list[int]:
+        """Positions of each image / video in token order: its features (tiled), else img_seq_len."""
+        if self.encoder.media is None:
+            return [self.arch.img_seq_len] * images
+        layout = self.encoder.media.layout
+        return [tiling.feature_count(row, layout.tiling, layout.tile, layout.side) for row in rows]
+
+    def _pieces(self, sample, kept: int, loss_mask: np.ndarray, positions: list[int]) -> list[Piece]:
+        """The whole rendered chat as pieces, each image or video one block; the encoder's ids are
+        these tokens with the media expanded, of which it kept the first `kept` (truncation)."""
+        _, messages = conversation_of(sample)
+        roles = [ADDED if r is None else messages[r]["role"] for r in self.encoder.chat.token_roles(messages)]
+        chat_ids, _ = self.encoder.chat.encode(messages)
+        pieces, at, media = [], 0, iter(enumerate(positions))
+        for token, role in zip(chat_ids, roles):
+            if token in self.media_tokens:
+                number, count = next(media)
+                width = count if self.encoder.media is not None else 1  # tiled ids hold every feature
+                kind = VIDEO if token != self.arch.image_token_index else IMAGE
+                pieces.append(Piece(kind, kind, cut=at >= kept, media=number, positions=count))
+                at += width
+                continue
+            trained = 0 < at < kept and bool(loss_mask[at - 1])
+            pieces.append(Piece(self.tokenizer.decode([int(token)]), role, trained, at >= kept))
+            at += 1
+        return pieces
+
+    def _media(self, sample, sources: list, rows: list, tiles, positions: list[int]) -> list[ShownMedia]:
+        if not sources:  # a text-only conversation
+            return []
+        if self.encoder.media is None:  # LLaVA-1.5: one tile per image
+            return [ShownMedia(IMAGE, i + 1, count, image, self.pixels.image(tile[None]))
+                    for i, (image, tile, count) in enumerate(zip(sources, tiles, positions))]
+        from megatron_ext.data.video import sampled_frame_times
+
+        group = sources[0]
+        images, videos = iter(group.images), iter(zip(group.videos, videos_of(sample)))
+        shown, start, numbers = [], 0, {IMAGE: 0, VIDEO: 0}
+        for row, count in zip(rows, positions):
+            own = tiles[start:start + row.tiles]
+            start += row.tiles
+            if row.kind == tiling.IMAGE:
+                numbers[IMAGE] += 1
+                shown.append(ShownMedia(IMAGE, numbers[IMAGE], count, next(images), self.pixels.image(own), row))
+            else:
+                numbers[VIDEO] += 1
+                frames, video = next(videos)
+                shown.append(ShownMedia(VIDEO, numbers[VIDEO], count, frames, self.pixels.video(own), row,
+                                        sampled_frame_times(video, self.encoder.media.video_frames)))
+        return shown

@@ -1,0 +1,144 @@
+"""A sample's images and videos on the page, as the model gets them: pixel values turned back into
+pixels (the processor's rescale and normalize undone), an any-resolution image's grid drawn over
+its tiles (tile edges, the unpadded feature area, one newline per feature row), a video's sampled
+frames as a strip with their times. Every picture is a data: URI, so the page needs no files."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+
+import numpy as np
+import torch
+
+from megatron_ext.model import tiling
+from megatron_ext.pages.inspected_sample import IMAGE, ShownMedia
+
+ORIGINAL_SIDE = 320  # originals are shown at most this large (the tiles at their own size)
+FRAME_SIDE = 112  # a video strip's frames
+
+
+def _affine(mean, std, scale):
+    """(multiplier, offset) per channel that map a normalized value back to 0..255."""
+    mean = torch.zeros(3) if mean is None else torch.as_tensor(mean, dtype=torch.float64).flatten().expand(3)
+    std = torch.ones(3) if std is None else torch.as_tensor(std, dtype=torch.float64).flatten().expand(3)
+    return std / (scale or 1.0), mean / (scale or 1.0)
+
+
+class PixelsBack:
+    """pixel values [n, 3, H, W] -> uint8 pixels [n, H, W, 3] for an encoder's image and video processors."""
+
+    def __init__(self, encoder):
+        processor = encoder.images.processor if encoder.media is None else encoder.media.anyres.processor
+        normalize = processor.do_normalize
+        self._image = _affine(processor.image_mean if normalize else None, processor.image_std if normalize else None,
+                              processor.rescale_factor if processor.do_rescale else None)
+        video = encoder.media.video if encoder.media is not None else None
+        if video is not None:
+            fused = video.normalize  # mean and std already carry the rescale factor (FusedNormalize)
+            self._video = _affine(fused.mean, fused.std, fused.scale if fused.mean is None else None)
+
+    @staticmethod
+    def _back(values: torch.Tensor, affine) -> np.ndarray:
+        multiplier, offset = affine
+        pixels = values.double() * multiplier.view(1, 3, 1, 1) + offset.view(1, 3, 1, 1)
+        return pixels.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+    def image(self, values: torch.Tensor) -> np.ndarray:
+        return self._back(values, self._image)
+
+    def video(self, values: torch.Tensor) -> np.ndarray:
+        return self._back(values, self._video)
+
+
+def data_uri(picture, max_side: int | None = None) -> str:
+    """A PNG data: URI of a PIL image or a uint8 [H, W, 3] array, shrunk to `max_side` if larger."""
+    from PIL import Image
+
+    image = picture if isinstance(picture, Image.Image) else Image.fromarray(picture)
+    if max_side and max(image.size) > max_side:
+        image = image.copy()
+        image.thumbnail((max_side, max_side))
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def _figure(body: str, caption: str, css: str = "") -> str:
+    return f'<figure class="{css}">{body}<figcaption>{html.escape(caption)}</figcaption></figure>'
+
+
+def _img(uri: str, alt: str, css: str = "") -> str:
+    return f'<img class="{css}" src="{uri}" alt="{html.escape(alt)}">'
+
+
+def original_html(media: ShownMedia) -> str:
+    if media.kind != IMAGE:
+        frames = media.original
+        return _figure("", f"video {media.number}: {len(frames)} frames sampled, {frames.shape[2]}x{frames.shape[1]}")
+    width, height = media.original.size
+    return _figure(_img(data_uri(media.original, ORIGINAL_SIDE), f"image {media.number}", "original"),
+                   f"image {media.number}: original {width}x{height}", "original")
+
+
+def model_html(media: ShownMedia, layout) -> str:
+    """What the model gets; `layout`: the encoder's `anyres.FeatureLayout` (tiled models) or None."""
+    tiles = media.tiles
+    side = f"{tiles.shape[2]}x{tiles.shape[1]}"
+    if media.kind != IMAGE:
+        return _video_strip(media)
+    if layout is None or len(tiles) == 1:
+        what = "its one tile" if layout is not None else "the processed image"
+        return _figure(_img(data_uri(tiles[0]), "model input", "tile"),
+                       f"{what}, {side}: {media.positions:,} positions", "model")
+    return (_figure(_img(data_uri(tiles[0]), "base tile", "tile"), f"base tile {side}: {layout.side ** 2:,} positions", "model")
+            + _grid_figure(media, layout))
+
+
+def grid_facts(row: tiling.Media, layout) -> dict:
+    """The grid of an image cut into tiles, in feature rows and columns: its tiles, the unpadded box
+    (top, bottom, left, right), the feature grid after downsampling and the newlines (one a row)."""
+    rows, cols = tiling.grid_shape(row.height, row.width, layout.tiling, layout.tile)
+    box = tiling.unpadded_box(rows * layout.side, cols * layout.side, row.height, row.width)
+    final = tiling.downsampled(box[1] - box[0], box[3] - box[2], layout.side, layout.tiling.max_tiles)
+    return {"rows": rows, "cols": cols, "box": box, "final": final, "newlines": final[0]}
+
+
+def _grid_figure(media: ShownMedia, layout) -> str:
+    facts = grid_facts(media.row, layout)
+    rows, cols, tile = facts["rows"], facts["cols"], layout.tile
+    grid = media.tiles[1:].reshape(rows, cols, tile, tile, 3).swapaxes(1, 2).reshape(rows * tile, cols * tile, 3)
+    width, height = cols * tile, rows * tile
+    scale = tile / layout.side  # pixels per feature
+    top, bottom, left, right = (v * scale for v in facts["box"])
+    margin = max(tile // 4, 6)
+    edges = [f'<line class="tile-edge" x1="0" y1="{r * tile}" x2="{width}" y2="{r * tile}"/>' for r in range(1, rows)]
+    edges += [f'<line class="tile-edge" x1="{c * tile}" y1="0" x2="{c * tile}" y2="{height}"/>' for c in range(1, cols)]
+    final_rows, final_cols = facts["final"]
+    step = (bottom - top) / final_rows
+    newlines = [f'<circle class="newline" cx="{right + margin / 2:.1f}" cy="{top + (k + 0.5) * step:.1f}" '
+                f'r="{min(step, margin) / 4:.1f}"/>' for k in range(final_rows)]
+    svg = (f'<svg class="grid" viewBox="0 0 {width + margin} {height}" data-rows="{rows}" data-cols="{cols}" '
+           f'data-newlines="{final_rows}">'
+           f'<image href="{data_uri(grid)}" width="{width}" height="{height}"/>{"".join(edges)}'
+           f'<rect class="unpadded" x="{left:.1f}" y="{top:.1f}" width="{right - left:.1f}" height="{bottom - top:.1f}"/>'
+           f'{"".join(newlines)}</svg>')
+    box = facts["box"]
+    feature_rows, feature_cols = box[1] - box[0], box[3] - box[2]
+    sized = (f", downsampled to {final_rows}x{final_cols}" if (final_rows, final_cols) != (feature_rows, feature_cols) else "")
+    caption = (f"grid {rows}x{cols} tiles of {tile} px; features {rows * layout.side}x{cols * layout.side}, unpadded to "
+               f"{feature_rows}x{feature_cols} (green){sized}, + {final_rows} newlines (red): "
+               f"{final_rows * (final_cols + 1):,} positions")
+    return _figure(svg, caption, "model anyres")
+
+
+def _video_strip(media: ShownMedia) -> str:
+    frames = []
+    for i, frame in enumerate(media.tiles):
+        when = f"{media.times[i]:.2f} s" if media.times else f"frame {i + 1}"
+        frames.append(_figure(_img(data_uri(frame, FRAME_SIDE), when, "frame"), when, "frame"))
+    size = f"{media.tiles.shape[2]}x{media.tiles.shape[1]}"
+    return (f'<div class="strip">{"".join(frames)}</div>'
+            f'<p class="caption">video {media.number}: {len(media.tiles)} frames of {size}, pooled, + 1 newline: '
+            f'{media.positions:,} positions</p>')
