@@ -1,8 +1,9 @@
 """Our trainer trains the model transformers would (issue 35): the parity check (megatron_ext/train/
-parity.py) on LLaVA-1.5 Llama-GQA + CLIP, stage 2, fp32 on CPU, in two layouts that between them
+parity.py), fp32 on CPU, on LLaVA-1.5 Llama-GQA + CLIP (stage 2) in two layouts that between them
 cover TP1 and TP2, DP2 with the distributed optimizer, unpacked micro batches of two and packed ones
-of one, with gradient accumulation; defects planted in the transformers loop, and one in our
-trainer, that it must catch. Each layout's run is made once; each check replays its recorded batches."""
+of one, with gradient accumulation; on Qwen2 (tied embeddings, qkv bias) + SigLIP in stage 1 at TP2,
+and on Gemma 3 + SigLIP in stage 2 at PP2. Defects planted in the transformers loop, and one in our
+trainer, that it must catch. Each run is made once; each check replays its recorded batches."""
 
 from __future__ import annotations
 
@@ -19,35 +20,43 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 STEPS = 2
 BASE = {"stage": 2, "lr": 1e-3, "seq_length": 128, "weight_decay": 0.1}
-LAYOUTS = {  # name: (processes, options over BASE)
+RUNS = {  # name: (the HF checkpoint's fixture, processes, options over BASE)
     # Two unpacked micro batches of two samples per step.
-    "tp1": (1, {"micro_batch_size": 2, "global_batch_size": 4}),
+    "tp1": ("llava_clip", 1, {"micro_batch_size": 2, "global_batch_size": 4}),
     # TP2 x DP2, optimizer state sharded over the replicas; each replica: two micro batches of one
     # packed sequence (THD attention, RoPE restarting at every sample).
-    "tp2-dp2-dist-optim-packed": (4, {"tp": 2, "dist_optim": True, "micro_batch_size": 1, "global_batch_size": 4,
-                                      "seq_length": 256, "packing_seq_length": 256}),
+    "tp2-dp2-dist-optim-packed": ("llava_clip", 4, {"tp": 2, "dist_optim": True, "micro_batch_size": 1,
+                                                    "global_batch_size": 4, "seq_length": 256,
+                                                    "packing_seq_length": 256}),
+    # Stage 1: the projector alone trains, the language model split over two tensor ranks.
+    "qwen2-siglip-stage1-tp2": ("llava_qwen2_siglip", 2, {"stage": 1, "tp": 2, "micro_batch_size": 2,
+                                                          "global_batch_size": 4}),
+    # Two pipeline stages, four micro batches of one: Gemma's (1 + w) norms, sliding window, scaled embeddings.
+    "gemma3-siglip-pp2": ("llava_gemma3_siglip", 2, {"pp": 2, "micro_batch_size": 1, "global_batch_size": 4}),
 }
 CLIP_PER_RANK = Path(__file__).with_name("clip_per_rank")  # its sitecustomize: each rank clips by its own norm
 
 
 @pytest.fixture(scope="module")
-def our_runs(tmp_path_factory, llava_clip, megatron_clip, train_data):
-    """Our trainer's run in a layout of LAYOUTS, made when a test first asks for it."""
+def our_runs(request, tmp_path_factory, megatron_clip, train_data):
+    """Our trainer's run of RUNS, made when a test first asks for it: (the run, its HF checkpoint)."""
     made = {}
 
-    def run(layout: str) -> parity.OurRun:
-        if layout not in made:
-            processes, options = LAYOUTS[layout]
-            made[layout] = parity.run_ours(llava_clip, str(train_data), tmp_path_factory.mktemp(layout), STEPS,
-                                           processes, {**BASE, **options}, quiet=True, megatron_dir=megatron_clip)
-        return made[layout]
+    def run(name: str) -> tuple[parity.OurRun, Path]:
+        if name not in made:
+            fixture, processes, options = RUNS[name]
+            hf_dir = request.getfixturevalue(fixture)
+            converted = megatron_clip if fixture == "llava_clip" else None
+            made[name] = parity.run_ours(hf_dir, str(train_data), tmp_path_factory.mktemp(name), STEPS, processes,
+                                         {**BASE, **options}, quiet=True, megatron_dir=converted), hf_dir
+        return made[name]
 
     return run
 
 
 @pytest.fixture(scope="module")
 def ours(our_runs):
-    return our_runs("tp1")
+    return our_runs("tp1")[0]
 
 
 def _report(ours, hf_dir) -> parity.Report:
@@ -55,17 +64,23 @@ def _report(ours, hf_dir) -> parity.Report:
     return parity.compare(ours, results, model)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_trains_like_transformers(our_runs, layout, llava_clip):
-    ours = our_runs(layout)
-    report = _report(ours, llava_clip)
+@pytest.mark.parametrize("name", RUNS)
+def test_trains_like_transformers(our_runs, name):
+    ours, hf_dir = our_runs(name)
+    report = _report(ours, hf_dir)
     assert report.ok, report.table()
     assert [r.step for r in report.rows] == [1, 2]
     for r in report.rows:
         assert r.ours[0] == pytest.approx(r.hf[0], rel=1e-5) and r.ours[1] == pytest.approx(r.hf[1], rel=1e-5)
-    # The vision tower is frozen in stage 2: bit-identical; what trained moved, by float noise only.
+    # The vision tower is frozen in both stages, the language model in stage 1: bit-identical; what
+    # trained moved, by float noise only.
     assert report.modules["vision_tower"] == (0.0, False)
-    assert report.modules["multi_modal_projector"][1] and report.modules["lm_head"][1]
+    stage1 = RUNS[name][2].get("stage") == 1
+    assert report.modules["multi_modal_projector"][1]
+    assert all(trained != stage1 for module, (_, trained) in report.modules.items()
+               if module.startswith("language_model") or module == "embed_tokens")
+    if stage1:
+        assert all(diff == 0.0 for module, (diff, _) in report.modules.items() if module != "multi_modal_projector")
     assert all(diff <= report.weight_atol for diff, trained in report.modules.values() if trained)
 
 
@@ -83,16 +98,17 @@ def test_bf16_compares_transformers_under_autocast_with_bf16_tolerances(ours, ll
 
 
 def test_the_parallel_layout_ran_packed_micro_batches_of_one_on_two_replicas(our_runs):
-    micro_batches = parity.global_batch(our_runs("tp2-dp2-dist-optim-packed"), 1)
+    micro_batches = parity.global_batch(our_runs("tp2-dp2-dist-optim-packed")[0], 1)
     assert len(micro_batches) == 4  # 2 replicas x 2 accumulated micro batches
     assert all(b["input_ids"].shape[0] == 1 and b["segment_ids"].max() > 1 for b in micro_batches)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_each_rank_held_the_state_its_memory_plan_counts(our_runs, layout):
+@pytest.mark.parametrize("name", RUNS)
+def test_each_rank_held_the_state_its_memory_plan_counts(our_runs, name):
     """Issue 36: the plan's parameters, gradient buffers and optimizer state equal the bytes each rank
-    of the run held: at TP1, and at TP2 x DP2 with the distributed optimizer's padded buffers."""
-    ours = our_runs(layout)
+    of the run held: at TP1, TP2 x DP2 with the distributed optimizer's padded buffers, stage 1 at
+    TP2, PP2."""
+    ours, _ = our_runs(name)
     assert_held_state_is_planned(ours.hf_out.parent / "ours", ours.plan)
 
 
