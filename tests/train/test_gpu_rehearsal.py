@@ -15,6 +15,7 @@ import torch
 
 from megatron_ext.checkpoint import layout
 from tests.helpers import child_env, run_torchrun
+from tests.tiled_data import SEQ
 from tests.train.conftest import metrics, trainer_args
 from tests.train.gpu_rehearsal import DEVICE, HOST, DeviceLedger, DeviceMixError, mark, place
 
@@ -41,18 +42,27 @@ def rehearse(tmp_path, script, *args, check=True, nproc=1):
     dict(pp=2, attention_backend="local", micro_batch_size=1),
     # two data-parallel ranks, the distributed optimizer's buckets; sdpa on packed rows: the mask built on the device
     dict(dist_optim=True, attention_backend="sdpa", micro_batch_size=2),
-], ids=["tp2-lora-sdpa-thd", "pp2-local", "dp2-dist-optim-sdpa-rows"])
-def test_trainer_iterations_at_every_layout(tmp_path, megatron_clip, train_data, options):
+    # OneVision at TP2 on anyres images, several images and videos: tiles, grids and newlines on the
+    # device (the mix has no validation split)
+    dict(tp=2, attention_backend="sdpa", micro_batch_size=1, seq_length=SEQ, packing_seq_length=SEQ, video_frames=4,
+         max_tiles_per_sequence=64, eval_interval=None),
+], ids=["tp2-lora-sdpa-thd", "pp2-local", "dp2-dist-optim-sdpa-rows", "tp2-onevision-tiled-sdpa-thd"])
+def test_trainer_iterations_at_every_layout(request, tmp_path, train_data, options):
     """Two ranks: every collective megatron-core makes (also through its import-time aliases) checked,
     in training, evaluation and saving. One rank: the sync-ledger test below."""
     save = tmp_path / "run"
-    args = trainer_args(megatron_clip, train_data, save, global_batch_size=4, train_iters=2, packing_seq_length=128,
-                        dtype="bfloat16", eval_interval=2, eval_iters=1, save_interval=2, **options)
+    tiled = "video_frames" in options
+    checkpoint = request.getfixturevalue("megatron_onevision" if tiled else "megatron_clip")
+    data = request.getfixturevalue("tiled_mix")[0] if tiled else train_data
+    run = {"global_batch_size": 4, "train_iters": 2, "packing_seq_length": 128, "dtype": "bfloat16",
+           "eval_interval": 2, "eval_iters": 1, "save_interval": 2, **options}
+    args = trainer_args(checkpoint, data, save, **run)
     _, counts = rehearse(tmp_path, "scripts/train/pretrain_llava.py", *args, nproc=2)
     records = metrics(save)
     assert sorted(records) == [1, 2]
-    assert all(r["update"] and math.isfinite(r["loss"]) and r["samples"] > 2 for r in records.values())
-    assert math.isfinite(metrics(save, "val")[2]["loss"])
+    # The tiled mix holds over-long samples, skipped and counted (test_tiled_training).
+    assert all(r["update"] and math.isfinite(r["loss"]) and r["samples"] > (0 if tiled else 2) for r in records.values())
+    assert tiled or math.isfinite(metrics(save, "val")[2]["loss"])
     assert layout.find_snapshot(save).iteration == 2
     if options["attention_backend"] == "sdpa":
         # One attention kernel call per layer and micro batch, packed or not.
