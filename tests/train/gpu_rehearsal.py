@@ -24,13 +24,19 @@ device indices, `.numpy()` of a device tensor, and a collective given a host ten
 that is NCCL on a GPU (every group but megatron-core's gloo ones; the group read by keyword or
 position; megatron-core's import-time aliases of the collectives included). `nn.Parameter(t)`
 keeps `t`'s place; `.device`, `is_cuda` and `get_device()` agree. Tensors of unknown origin
-(autograd's gradients, numpy's) are neither. Autograd's backward is not watched (it runs where
-the forward's tensors are).
+(numpy's) are neither.
+
+Backward is watched where Python runs in it: custom autograd functions' backward (megatron-core's
+tensor-parallel linears and their gradient all-reduces, vocab-parallel cross entropy, activation
+recomputation, which reruns the forward) and megatron-core DDP's gradient hooks (the buckets'
+reduce or reduce-scatter) run under the ledger, autograd's gradients in them counted as the device
+tensors a GPU run makes them (torch's function modes do not reach into backward by themselves).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import inspect
 import json
@@ -159,6 +165,11 @@ class DeviceLedger(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.on_call is not None:
             self.on_call(func)
+        if torch._C._current_autograd_node() is not None:
+            # In backward: autograd's gradients of device tensors are device tensors.
+            for t in (*_tensors(args), *_tensors(kwargs)):
+                if place(t) is None:
+                    mark(t, DEVICE)
         if _is_read(func, args, kwargs):
             site = _call_site()
             self.reads[site] = self.reads.get(site, 0) + 1
@@ -421,6 +432,28 @@ class _Counts:
                        "collectives": COLLECTIVE_CALLS}, f)
 
 
+def _watch_backward() -> None:
+    """The Python autograd runs in backward, under the function modes active now (the ledger, and
+    cpu_support's CUDA-to-CPU mode in a run), as in the forward (see the module doc)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    modes = torch.overrides._get_current_function_mode_stack()
+
+    def watched(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with contextlib.ExitStack() as active:
+                for mode in modes:
+                    active.enter_context(mode)
+                return fn(*args, **kwargs)
+        return run
+
+    function = torch.autograd.function.BackwardCFunction
+    function.apply = watched(function.apply)
+    make_hook = DistributedDataParallel._make_backward_post_hook
+    DistributedDataParallel._make_backward_post_hook = lambda self, param: watched(make_hook(self, param))
+
+
 def start() -> DeviceLedger:
     """Rehearse in this process: megatron-core on the CPU naming cuda:0, the ledger watching."""
     from megatron_ext import cpu_support
@@ -439,6 +472,7 @@ def start() -> DeviceLedger:
         counts.watch(ledger)
         atexit.register(counts.write, os.environ["REHEARSAL_REPORT"], ledger)
     ledger.__enter__()
+    _watch_backward()
     return ledger
 
 

@@ -258,3 +258,35 @@ def test_a_parameter_keeps_the_place_of_its_data():
                 weight @ adapter
     finally:
         torch.nn.Parameter.__new__ = new
+
+
+def test_backward_is_watched(monkeypatch):
+    """The planted defect: a custom autograd function (as megatron-core's tensor-parallel linears,
+    cross entropy and recomputation are) whose backward scales the gradient by a host tensor. Its
+    forward is clean, so only a watched backward sees it."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    from tests.train.gpu_rehearsal import _watch_backward
+
+    backward = torch.autograd.function.BackwardCFunction
+    monkeypatch.setattr(backward, "apply", backward.apply)  # restored after the test
+    monkeypatch.setattr(DistributedDataParallel, "_make_backward_post_hook",
+                        DistributedDataParallel._make_backward_post_hook)
+
+    class Scaled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, scale):
+            ctx.scale = scale
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * ctx.scale, None
+
+    with DeviceLedger():
+        _watch_backward()
+        x = mark(torch.ones(3, requires_grad=True), DEVICE)
+        Scaled.apply(x, mark(torch.full((3,), 2.0), DEVICE)).sum().backward()
+        assert x.grad.tolist() == [2.0, 2.0, 2.0]
+        with pytest.raises(DeviceMixError, match="cuda:0 and cpu"):
+            Scaled.apply(x, mark(torch.full((3,), 2.0), HOST)).sum().backward()
