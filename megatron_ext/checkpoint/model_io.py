@@ -20,14 +20,17 @@ _EXTRA_STATE = "_extra_state"
 def save_model_weights(model, snapshot_dir: str | Path, extra: dict | None = None, sharded_strategy=None,
                        select=None) -> None:
     """Collective: every rank of the world calls it. `extra`: more sharded entries (optimizer, ...).
-    `sharded_strategy`: megatron-core's default torch_dist one unless given (the converter's computes its tensors).
+    `sharded_strategy`: torch_dist written in this process (in_process_save.py) unless given (the converter's
+    computes its tensors).
     `select` (state-dict name -> bool): only the tensors it selects (a LoRA run's trained ones)."""
     from megatron.core import dist_checkpointing
+
+    from megatron_ext.checkpoint.in_process_save import InProcessSaveStrategy
 
     Path(snapshot_dir).mkdir(parents=True, exist_ok=True)
     model_state = {name: entry for name, entry in model.sharded_state_dict().items() if select is None or select(name)}
     state = {MODEL_KEY: model_state, **(extra or {})}
-    dist_checkpointing.save(state, str(snapshot_dir), sharded_strategy=sharded_strategy)
+    dist_checkpointing.save(state, str(snapshot_dir), sharded_strategy=sharded_strategy or InProcessSaveStrategy())
 
 
 def _stored_keys(snapshot_dir: Path) -> set[str]:

@@ -10,7 +10,8 @@ the converter must tolerate) and the converter's own per-rank code writes OUT/me
   every layout) and its logits saved to OUT/logits/NAME-tpTppP.pt (with the HF processor inputs in
   OUT/logits/NAME-inputs.pt);
 - trained: the first checkpoint converted at TP1 is loaded at TP2, changed the way training would
-  change it, and saved as a trainer snapshot (optimizer-like keys, iteration 5) in OUT/megatron/trained.
+  change it, and saved as a trainer snapshot (optimizer-like keys, iteration 5) in OUT/megatron/trained;
+- export: every checkpoint under OUT/megatron back to HF, OUT/hf/... (export_worker.py), shared out over the ranks.
 """
 
 import shutil
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+from export_worker import export_all
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 TRAINED_ITERATION = 5
@@ -126,6 +128,7 @@ def main():
     convert_all(out, fixtures, layouts)
     save_logits(out, fixtures, layouts)
     save_trained(out, next(iter(fixtures)))
+    export_all(out)
     shutdown()
 
 

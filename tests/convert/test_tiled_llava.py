@@ -4,7 +4,7 @@ match transformers' at TP2 x PP2 on two images of different aspect ratios, a tex
 OneVision an image whose grid is downsampled (anyres_max), two images of one tile each, and a 4-frame
 video. (Loading a checkpoint at other layouts than it was converted at: test_roundtrip.)
 
-Two process launches do all the work (tiled_worker.py, export_worker.py).
+One process launch does all the work (tiled_worker.py, exporting through export_worker.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import hf_tensors, run_python, run_torchrun
+from tests.helpers import hf_tensors, run_torchrun
 
 FIXTURES = {"next": "llava_next_clip", "onevision": "llava_onevision_siglip"}
 LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"]
@@ -70,8 +70,7 @@ def converted(request, tmp_path_factory):
         (out / "inputs" / name).mkdir(parents=True)
         for sample, batch in _samples(name, hf_dir).items():
             torch.save(batch, out / "inputs" / name / f"{sample}.pt")
-    run_torchrun(4, "tests/convert/tiled_worker.py", out, *(f"{n}={p}" for n, p in hf_dirs.items()), timeout=400)
-    run_python("tests/convert/export_worker.py", out, timeout=200)
+    run_torchrun(4, "tests/convert/tiled_worker.py", out, *(f"{n}={p}" for n, p in hf_dirs.items()), timeout=600)
     return out, hf_dirs
 
 

@@ -6,7 +6,7 @@ Converts the first HF checkpoint at every layout of convert_worker.LAYOUTS and t
 to OUT/megatron/NAME/tpTppP (convert_worker.convert_all), then loads the one converted at TP2 x PP2 at
 TP2 x PP2 (loading at other layouts is test_roundtrip's) and
 saves the logits of every sample OUT/inputs/NAME/SAMPLE.pt (HF processor batches, written by the
-test) to OUT/logits/NAME/SAMPLE-tpTppP.pt.
+test) to OUT/logits/NAME/SAMPLE-tpTppP.pt; then exports every checkpoint back to HF, OUT/hf/... (export_worker.py).
 """
 
 import sys
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from convert_worker import convert_all, first_at_every_layout, set_layout
+from export_worker import export_all
 
 LOGIT_LAYOUTS = [(2, 2)]
 
@@ -50,6 +51,7 @@ def main():
     fixtures = dict(arg.split("=", 1) for arg in sys.argv[2:])
     convert_all(out, fixtures, first_at_every_layout(fixtures))
     save_logits(out, list(fixtures))
+    export_all(out)
     shutdown()
 
 

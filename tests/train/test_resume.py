@@ -1,5 +1,5 @@
-"""Resuming: kill -9 after a checkpoint, --exit-interval, a failed save, and resuming a TP2 run at TP1
-or PP2; the run continues exactly (or, into another layout, to float noise)."""
+"""Resuming: --exit-interval, kill -9 while saving and at a random moment, a failed save, and resuming a
+TP2 run at TP1 x PP2; the run continues exactly (or, into another layout, to float noise)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from megatron_ext.checkpoint import layout
-from tests.helpers import child_env, kill_tree, run_python, run_script, started
+from tests.helpers import child_env, kill_tree, run_torchrun, started
 from tests.train.conftest import metrics, train, trainer_args
 
 ITERS, EVERY = 12, 2
@@ -56,11 +56,12 @@ def _kill(command, save_dir, log, when) -> bool:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-def test_stopped_and_killed_again_and_again_the_run_ends_as_if_never_stopped(tmp_path, megatron_clip, train_data):
-    """--exit-interval, then kill -9 of the whole run at random moments, once in the middle of writing a
-    snapshot, each time resumed by the same command (optimizer state, data position, RNG, schedule
-    restored without --load-optim): every iteration's loss, gradient norm and samples equal an
-    uninterrupted run's; W&B continues one run, TensorBoard has each iteration once."""
+def test_stopped_failed_and_killed_again_and_again_the_run_ends_as_if_never_stopped(tmp_path, megatron_clip, train_data):
+    """--exit-interval, kill -9 of the whole run in the middle of writing a snapshot, a save whose writer
+    fails, kill -9 at a random moment, each time resumed by the same command (optimizer state, data
+    position, RNG, schedule restored without --load-optim): every pass of every iteration (the killed
+    and failed runs' too) has an uninterrupted run's loss, gradient norm and samples; a failed save
+    leaves the previous checkpoint current; W&B continues one run, TensorBoard has each iteration once."""
     reference = tmp_path / "uninterrupted"
     train(2, *_args(reference, megatron_clip, train_data), timeout=300)
 
@@ -69,28 +70,30 @@ def test_stopped_and_killed_again_and_again_the_run_ends_as_if_never_stopped(tmp
     assert layout.find_snapshot(save).iteration == 2 and sorted(metrics(save)) == [1, 2]
 
     command = _command(save, megatron_clip, train_data)
-    def after_checkpoint():
-        snapshot = layout.latest_complete_snapshot(save)
-        return snapshot is not None and snapshot.iteration >= 4
+    kills = _kill(command, save, log, lambda: bool(list(save.glob(".tmp-iter_*"))))  # while a snapshot is being written
+    before = _published_snapshots_are_complete(save)
 
-    moments = [
-        after_checkpoint,
-        lambda: bool(list(save.glob(".tmp-iter_*"))),  # while a snapshot is being written
-        _after(random.Random(7).uniform(4.0, 12.0)),  # at a random moment (start-up included)
-    ]
-    kills = 0
-    for when in moments:
-        kills += _kill(command, save, log, when)
-        _published_snapshots_are_complete(save)
-    assert kills >= 2, f"the run ended before it could be killed {len(moments)} times; see {log}"
+    # The writer writes the run's second snapshot, then raises (a full disk): it is never published.
+    failed = run_torchrun(2, "tests/train/failing_save.py", *_args(save, megatron_clip, train_data),
+                          env=child_env(FAIL_SAVE="2"), check=False, timeout=300)
+    assert failed.returncode != 0 and "injected checkpoint writer failure" in failed.stderr
+    assert _published_snapshots_are_complete(save) == before + EVERY == layout.find_snapshot(save).iteration
+    lost = before + 2 * EVERY
+    assert not (save / layout.snapshot_name(lost)).exists() and (save / f".tmp-{layout.snapshot_name(lost)}").is_dir()
+
+    kills += _kill(command, save, log, _after(random.Random(7).uniform(4.0, 12.0)))  # at a random moment (start-up included)
+    _published_snapshots_are_complete(save)
+    assert kills >= 2, f"the run ended before it could be killed twice; see {log}"
     _kill(command, save, log, lambda: False)  # and finally to the end
-    assert _published_snapshots_are_complete(save) == ITERS
+    assert _published_snapshots_are_complete(save) == ITERS and not list(save.glob(".tmp-*"))
 
     expected, got = metrics(reference), metrics(save)
     assert sorted(got) == list(range(1, ITERS + 1))
-    for iteration in range(1, ITERS + 1):
+    for record in _records(save):
         for key in ("samples_digest", "loss", "grad_norm", "lr"):
-            assert got[iteration][key] == expected[iteration][key], (iteration, key)
+            assert record[key] == expected[record["iteration"]][key], (record["iteration"], key)
+    # What the failed save lost was trained again after resuming from the snapshot before it.
+    assert [r["iteration"] for r in _records(save)].count(lost) >= 2
     assert log.read_text().count("resumed from") >= kills
     # TensorBoard dropped what a killed run logged after its checkpoint: each iteration once, as resumed.
     assert _events(save / "tensorboard", "train/loss") == [(i, pytest.approx(got[i]["loss"]))
@@ -184,22 +187,3 @@ def test_resume_into_another_layout(tmp_path, tp2_run, megatron_clip, train_data
         assert got[iteration]["samples_digest"] == expected[iteration]["samples_digest"]
         assert got[iteration]["loss"] == pytest.approx(expected[iteration]["loss"], rel=1e-5)
         assert got[iteration]["lr"] == pytest.approx(expected[iteration]["lr"], rel=1e-12)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(400)
-def test_a_failed_save_leaves_the_previous_checkpoint_current(tmp_path, megatron_clip, train_data):
-    save = tmp_path / "run"
-    args = trainer_args(megatron_clip, train_data, save, train_iters=3, save_interval=1, save_optim=True)
-    proc = run_python("tests/train/failing_save.py", *args, env=child_env(FAIL_SAVE="2"), check=False, timeout=300)
-    assert proc.returncode != 0 and "injected checkpoint writer failure" in proc.stderr
-    # The failed snapshot was never published: the latest is the last complete one.
-    assert (save / layout.LATEST_FILE).read_text().strip() == "1"
-    assert layout.find_snapshot(save).iteration == 1
-    assert not (save / "iter_0000002").exists() and (save / ".tmp-iter_0000002").is_dir()
-
-    run_script("train/pretrain_llava.py", *args, timeout=300)
-    assert layout.find_snapshot(save).iteration == 3 and not list(save.glob(".tmp-*"))
-    second = [r for r in _records(save) if r["iteration"] == 2]
-    assert len(second) == 2  # before the failed save, and again after resuming from iteration 1
-    assert second[0]["loss"] == second[1]["loss"] and second[0]["samples_digest"] == second[1]["samples_digest"]
