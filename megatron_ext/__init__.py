@@ -7,4 +7,8 @@ encoder), `train/` (the trainer), `launch/` (torchrun / Singularity / SLURM comm
 `eval/` (generation, chat, evaluation).
 """
 
+from megatron_ext import quick_exit
+
 __version__ = "0.1.0"
+
+quick_exit.install()
