@@ -15,6 +15,7 @@ from pathlib import Path
 from megatron_ext.fsutil import atomic_output_dir, atomic_write_text
 from megatron_ext.pages.charts import Chart, Series, svg, write_png
 from megatron_ext.pages.run_log import RunLog, read_run
+from megatron_ext.pages.tables import table
 from megatron_ext.train.flops import H100_BF16_PEAK_TFLOPS
 
 REPORT_FILE = "report.html"
@@ -96,16 +97,10 @@ def _share(value: float) -> str:
     return f"{value:.2%}" if value >= 1e-4 else f"{value * 100:.2g}%"  # a CPU run's MFU is tiny, not zero
 
 
-def _table(rows: list[tuple[str, str]], header: tuple[str, ...] = ()) -> str:
-    head = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>" if header else ""
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table>{head}{body}</table>"
-
-
 def render(run: RunLog, drawn: list[Chart], peak_tflops: float = H100_BF16_PEAK_TFLOPS) -> str:
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     figures = "".join(f'<div class="chart" id="{c.name}">{svg(c)}</div>' for c in drawn)
-    checkpoints = _table([(c.iteration, str(c.path), c.saved_at.strftime("%Y-%m-%d %H:%M:%S UTC"))
+    checkpoints = table([(c.iteration, str(c.path), c.saved_at.strftime("%Y-%m-%d %H:%M:%S UTC"))
                           for c in run.checkpoints], ("iteration", "path", "saved")) if run.checkpoints else \
         "<p>No checkpoint saved yet.</p>"
     config = ("<details><summary>trainer options, run plan and model (as the newest checkpoint stores them)</summary>"
@@ -116,7 +111,7 @@ def render(run: RunLog, drawn: list[Chart], peak_tflops: float = H100_BF16_PEAK_
     return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{_STYLE}</style></head><body>\n<h1>{html.escape(title)}</h1>\n"
             f"<p>{html.escape(str(run.save_dir))}, read {now}.</p>\n"
-            f'<h2>Summary</h2>\n<div id="summary">{_table(summary(run, peak_tflops))}</div>\n'
+            f'<h2>Summary</h2>\n<div id="summary">{table(summary(run, peak_tflops))}</div>\n'
             f'<h2>Charts</h2>\n<div class="charts">{figures}</div>\n'
             f'<h2>Checkpoints</h2>\n<div id="checkpoints">{checkpoints}</div>\n'
             f'<h2>Resolved configuration</h2>\n<div id="config">{config}</div>\n</body></html>\n')

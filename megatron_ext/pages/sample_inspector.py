@@ -19,6 +19,7 @@ from megatron_ext.pages.inspect_sources import Selection, open_source
 from megatron_ext.pages.inspected_sample import Inspected, Piece
 from megatron_ext.pages.inspection import EncoderSetup, Inspection, build_encoder, run_inspection
 from megatron_ext.pages.media_views import model_html, original_html
+from megatron_ext.pages.tables import table
 
 PAGE_FILE = "sample_inspector.html"
 
@@ -49,12 +50,6 @@ img.frame { width: 7em; image-rendering: pixelated; }
 .legend span { margin-right: 1em; padding: 0 0.3em; }
 .skipped { color: #a00; }
 """
-
-
-def _table(rows: list[tuple], header: tuple[str, ...] = (), css: str = "") -> str:
-    head = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>" if header else ""
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
-    return f'<table class="{css}">{head}{body}</table>'
 
 
 def _share(part: int, whole: int) -> str:
@@ -100,7 +95,7 @@ def _packing(found: Inspection) -> str:
             for i, r in enumerate(found.rows) if shown & set(r.keys)]
     return ('<h2>Packed rows</h2>\n<p>The rows the trainer\'s packing makes of the samples counted, a packing buffer at a '
             'time (training draws them shuffled, so its rows mix other samples); those holding a shown sample:</p>\n'
-            '<div id="packing">' + _table(rows, ("row", "samples", "positions each", "row length", "padding"), "packing")
+            '<div id="packing">' + table(rows, ("row", "samples", "positions each", "row length", "padding"), "packing")
             + "</div>\n")
 
 
@@ -139,7 +134,7 @@ def _sample(sample: Inspected, found: Inspection) -> str:
     media = "".join(f'<div class="medium">{original_html(m)}{model_html(m, found.tiled)}</div>' for m in sample.media)
     tokens = "".join(_piece(p, sample) for p in sample.pieces)
     return (f'<section class="sample" data-key="{html.escape(sample.key)}"><h3>{html.escape(title)}</h3>'
-            f'{_table(stats, css="stats")}<div class="media">{media}</div>'
+            f'{table(stats, css="stats")}<div class="media">{media}</div>'
             f'<div class="tokens">{tokens}</div></section>')
 
 
@@ -158,8 +153,8 @@ def render(found: Inspection) -> str:
     return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title>"
             f"<style>{_STYLE}</style></head><body>\n<h1>{title}</h1>\n"
             f"<p>{html.escape(found.source)} through the trainer's task encoder, read {now}.</p>\n"
-            f'<div id="encoder">{_table(found.encoder)}</div>\n'
-            f'<h2>Summary</h2>\n<div id="summary">{_table(summary_rows(found))}</div>\n{_charts(found)}\n'
+            f'<div id="encoder">{table(found.encoder)}</div>\n'
+            f'<h2>Summary</h2>\n<div id="summary">{table(summary_rows(found))}</div>\n{_charts(found)}\n'
             f"{_packing(found)}<h2>Samples</h2>\n{_LEGEND}\n{samples}\n</body></html>\n")
 
 
