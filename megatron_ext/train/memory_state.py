@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron_ext.model.sequence_alignment import round_up
+
 # megatron-core's DDP keeps gradients in fp32: the trainer sets grad_reduce_in_fp32 (model_setup.py).
 GRAD_BYTES = 4
 # Adam's two moments are fp32; a 16-bit model also gets an fp32 master copy of each trained
@@ -47,10 +49,6 @@ class Bucket:
     params: tuple[tuple[int, int], ...]  # each parameter's (start, end) in the buffer
 
 
-def _pad(n: int, divisor: int) -> int:
-    return -(-n // divisor) * divisor
-
-
 def buffer_layout(params: list, dist_optim: bool, dp: int, bucket_size: int | None) -> list[Bucket]:
     """Where megatron-core 0.16's `_ParamAndGradBuffer` puts `params` (one dtype's trained parameters,
     in the module's order): from the last parameter back, in buckets of about `bucket_size`
@@ -61,14 +59,14 @@ def buffer_layout(params: list, dist_optim: bool, dp: int, bucket_size: int | No
 
     def close(end: int) -> int:
         nonlocal current, bucket_start
-        end = _pad(end, end_divisor)
+        end = round_up(end, end_divisor)
         buckets.append(Bucket(bucket_start, end, tuple(current)))
         current, bucket_start = [], end
         return end
 
     for param in reversed(params):
         own_bucket = dist_optim and getattr(param, "shared_embedding", False)
-        start = _pad(start, 64) if dist_optim else start
+        start = round_up(start, 64) if dist_optim else start
         if own_bucket and current:
             start = close(start)
         end = start + param.numel()

@@ -68,9 +68,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         print(f"[{prefix}] " + " | ".join(_fmt(k, v) for k, v in record.items()), flush=True)
-        if self.path is not None:
-            with self.path.open("a") as f:
-                f.write(json.dumps({"split": prefix, **record}) + "\n")
+        self.note(record, prefix)
         step = record["iteration"]
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iteration"
                    and math.isfinite(v)}
@@ -82,7 +80,8 @@ class MetricsLogger:
             self.wandb.log({f"{prefix}/{k}": v for k, v in numbers.items()}, step=step)
 
     def note(self, record: dict, prefix: str) -> None:
-        """A record for metrics.jsonl alone (not numbers to plot): e.g. what each rank holds."""
+        """The record's line in metrics.jsonl; alone, for records that are not numbers to plot (what
+        each rank holds)."""
         if self.enabled and self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps({"split": prefix, **record}) + "\n")

@@ -182,8 +182,8 @@ class Trainer:
         ranks = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(ranks, mine)
         self.metrics.note({"iteration": self.iteration, "columns": STATE_COLUMNS, "ranks": ranks}, prefix="state")
-        largest = max(ranks, key=lambda r: sum(r[3:]))
         if torch.distributed.get_rank() == 0:
+            largest = max(ranks, key=lambda r: sum(r[3:]))
             log.info("held by the largest rank (pp %d, tp %d, dp %d): parameters %.3f GiB, gradients %.3f GiB, "
                      "optimizer %.3f GiB", *largest[:3], *(b / 2**30 for b in largest[3:]))
         self.held_state_recorded = True

@@ -76,8 +76,7 @@ def assert_held_state_is_planned(save_dir: Path, plan=None) -> None:
     from megatron_ext.train.options import TrainConfig
     from megatron_ext.train.plan import make_plan
 
-    (record,) = [r for r in map(json.loads, (Path(save_dir) / "metrics.jsonl").read_text().splitlines())
-                 if r["split"] == "state"]
+    (record,) = metrics(save_dir, "state").values()
     rows = [dict(zip(record["columns"], row)) for row in record["ranks"]]
     if plan is None:
         config = TrainConfig(**layout.latest_complete_snapshot(Path(save_dir)).trainer_options)
