@@ -36,8 +36,12 @@ class HfSample:
 def hf_samples(micro_batch: dict, image_token_index: int, img_seq_len: int) -> list[HfSample]:
     """Every sample of one of our micro batches (rows, packed samples in order), in HF's token space.
     Our rows hold one image token per image, and position t is trained where loss_mask[t] (its label
-    being token t + 1); HF's hold `img_seq_len` tokens per image and labels that transformers shifts."""
-    images = iter(micro_batch["images"])
+    being token t + 1); HF's hold `img_seq_len` tokens per image and labels that transformers shifts.
+    A DPO pair batch holds each pair's images once: its `image_index` names the image each image token uses."""
+    images = micro_batch["images"]
+    if "image_index" in micro_batch:
+        images = images[micro_batch["image_index"]]
+    images = iter(images)
     out = []
     for ids, labels, mask, segments in zip(micro_batch["input_ids"], micro_batch["labels"], micro_batch["loss_mask"],
                                            micro_batch["segment_ids"]):
