@@ -1,0 +1,162 @@
+"""TRL's DPO numbers for our pair micro batches: the reference our DPO trainer is tested against.
+
+Our pair micro batch is an SFT micro batch (megatron_ext/data/batching.py) whose rows hold whole
+pairs: segments 2k+1 and 2k+2 of a row are one pair's chosen and rejected sequence, `images` holds
+each pair's images once and `image_index` names the one each image token uses. `trl_batch` turns
+micro batches into the padded batch TRL's collator would build; `trl_dpo_metrics` and `trl_dpo_step`
+run a real `trl.DPOTrainer`'s own loss on it (CPU, fp32). `per_pair_logps` is an independent
+computation of the answers' log-probs with the plain HF model.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+
+from megatron_ext.train.hf_loop import IGNORE, HfSample, hf_samples
+
+# TRL's `_metrics["train"]` keys besides the loss that `trl_dpo_metrics` returns; `num_tokens`, a
+# running total over the trainer's life, is left out.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy")
+
+# Any id but the image token's serves: the attention mask hides padding and right padding leaves
+# the real tokens' positions as they are.
+PAD = 0
+
+
+def pair_samples(micro_batches: list[dict], image_token_index: int,
+                 img_seq_len: int) -> list[tuple[HfSample, HfSample]]:
+    """(chosen, rejected) of every pair, in pair order, in HF's token space."""
+    pairs = []
+    for batch in micro_batches:
+        counts = batch["segment_ids"].max(dim=1).values
+        if (counts % 2).any():
+            raise ValueError(f"rows hold {counts.tolist()} sequences: a pair batch's rows hold whole pairs")
+        samples = hf_samples(batch, image_token_index, img_seq_len)
+        pairs += zip(samples[0::2], samples[1::2])
+    return pairs
+
+
+def trl_batch(micro_batches: list[dict], image_token_index: int, img_seq_len: int) -> dict:
+    """The pairs of `micro_batches` as TRL's preference collator lays them out: rows [chosen_1..chosen_P,
+    rejected_1..rejected_P], right padded; `completion_mask` marks the answer tokens; `pixel_values`
+    the images of every row in row order (each pair's twice: chosen, rejected)."""
+    if image_token_index == PAD:
+        raise ValueError(f"the image token {image_token_index} is the padding id")
+    chosen, rejected = zip(*pair_samples(micro_batches, image_token_index, img_seq_len))
+    rows = [*chosen, *rejected]
+    shape = (len(rows), max(s.input_ids.shape[1] for s in rows))
+    input_ids = torch.full(shape, PAD, dtype=torch.long)
+    attention_mask = torch.zeros(shape, dtype=torch.long)
+    completion_mask = torch.zeros(shape, dtype=torch.long)
+    for row, s in enumerate(rows):
+        n = s.input_ids.shape[1]
+        input_ids[row, :n] = s.input_ids[0]
+        attention_mask[row, :n] = 1
+        completion_mask[row, :n] = s.labels[0] != IGNORE
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": completion_mask}
+    pixels = [s.pixel_values for s in rows if s.pixel_values is not None]
+    if pixels:
+        batch["pixel_values"] = torch.cat(pixels)
+    return batch
+
+
+@torch.no_grad()
+def per_pair_logps(model, micro_batches: list[dict], image_token_index: int, img_seq_len: int) -> torch.Tensor:
+    """[P, 2] float: the summed log-probs of each pair's chosen and rejected answer tokens, each
+    sequence run alone through the plain HF model (logits, log-softmax; no TRL)."""
+    out = []
+    for pair in pair_samples(micro_batches, image_token_index, img_seq_len):
+        row = []
+        for s in pair:
+            pixels = None if s.pixel_values is None else s.pixel_values.to(model.device)
+            logits = model(input_ids=s.input_ids.to(model.device), pixel_values=pixels).logits[0, :-1].float()
+            targets = s.labels[0, 1:].to(model.device)
+            trained = targets != IGNORE
+            logps = logits[trained].log_softmax(-1).gather(-1, targets[trained, None])
+            row.append(logps.sum())
+        out.append(torch.stack(row))
+    return torch.stack(out).cpu()
+
+
+def dpo_trainer(policy, reference, output_dir: str, *, beta: float, loss_type: str, label_smoothing: float,
+                rpo_alpha: float | None):
+    """A `trl.DPOTrainer` on `policy` (CPU, fp32, no gradient checkpointing, no truncation).
+    `reference` None: a PEFT policy's reference is the policy with its adapters off (see below; a
+    plain model's, the checkpoint TRL loads again from `config._name_or_path`). RPO is TRL 1.16's
+    `loss_type=["sigmoid", "sft"]`, `loss_weights=[1, rpo_alpha]`: its "sft" term is the mean NLL
+    over the batch's chosen answer tokens, the old `rpo_alpha` term.
+
+    Side effects of TRL's constructor: it seeds the global RNGs (`args.seed`), turns dropout off in
+    both models and patches a fused LM head onto their forward (calls without `fused_lm_head=True`
+    run the original). Its processor comes from `config._name_or_path`."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    losses, weights = [loss_type], None
+    if rpo_alpha is not None:
+        if loss_type != "sigmoid":
+            raise ValueError(f"RPO adds its NLL term to the sigmoid loss, not to {loss_type!r}")
+        losses, weights = ["sigmoid", "sft"], [1.0, rpo_alpha]
+    args = DPOConfig(output_dir=output_dir, beta=beta, loss_type=losses, loss_weights=weights,
+                     label_smoothing=label_smoothing, precompute_ref_log_probs=False, report_to=[], use_cpu=True,
+                     bf16=False, gradient_checkpointing=False, max_length=None)
+    # TRL wants a train dataset; an "images" column makes it a vision dataset, which TRL leaves
+    # unprocessed (its collator, which we replace with trl_batch, would process it on the fly).
+    dummy = Dataset.from_dict({"prompt": ["-"], "chosen": ["-"], "rejected": ["-"], "images": [[]]})
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=dummy)
+    if reference is None and "ref" in getattr(policy, "peft_config", {}):
+        # Given a PeftModel, TRL copies its adapter into a frozen "ref" adapter, the reference; ours is
+        # the base model, TRL's rule for an adapter it adds itself (`peft_config`): adapters off.
+        policy.delete_adapter("ref")
+    # TRL files the metrics under "train" only for a model in training mode.
+    trainer.model.train()
+    return trainer
+
+
+def _metrics(trainer, loss: torch.Tensor) -> dict:
+    logged = trainer._metrics["train"]
+    out = {"loss": loss.item(), **{key: logged[key][-1] for key in METRICS}}
+    logged.clear()
+    return out
+
+
+def trl_dpo_metrics(policy, reference, micro_batches: list[dict], *, image_token_index: int, img_seq_len: int,
+                    beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                    rpo_alpha: float | None = None) -> dict:
+    """TRL's DPO loss and metrics on all pairs of `micro_batches` as one batch: {"loss", *METRICS},
+    floats, as `DPOTrainer._compute_loss` logs them (means over the pairs)."""
+    with tempfile.TemporaryDirectory() as output_dir, torch.no_grad():
+        trainer = dpo_trainer(policy, reference, output_dir, beta=beta, loss_type=loss_type,
+                              label_smoothing=label_smoothing, rpo_alpha=rpo_alpha)
+        batch = trl_batch(micro_batches, image_token_index, img_seq_len)
+        return _metrics(trainer, trainer.compute_loss(trainer.model, batch))
+
+
+def trl_dpo_step(policy, reference, micro_batches: list[dict], *, image_token_index: int, img_seq_len: int,
+                 lr: float, optimizer: str = "sgd", beta: float = 0.1, loss_type: str = "sigmoid",
+                 label_smoothing: float = 0.0, rpo_alpha: float | None = None) -> tuple[dict, dict]:
+    """(metrics before, metrics after) one optimizer step of TRL's loss on `micro_batches`, both as
+    `trl_dpo_metrics` returns them, on the same batch. The step: torch.optim.SGD (no momentum) or
+    torch.optim.AdamW (default betas and eps, no weight decay) at `lr` over the policy's parameters
+    that require grad, no clipping, no schedule. It updates `policy` in place."""
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainer = dpo_trainer(policy, reference, output_dir, beta=beta, loss_type=loss_type,
+                              label_smoothing=label_smoothing, rpo_alpha=rpo_alpha)
+        batch = trl_batch(micro_batches, image_token_index, img_seq_len)
+        trained = [p for p in trainer.model.parameters() if p.requires_grad]
+        if optimizer == "sgd":
+            step = torch.optim.SGD(trained, lr=lr)
+        elif optimizer == "adamw":
+            step = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
+        else:
+            raise ValueError(f"optimizer {optimizer!r}: sgd or adamw")
+        step.zero_grad()
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        before = _metrics(trainer, loss)
+        step.step()
+        with torch.no_grad():
+            return before, _metrics(trainer, trainer.compute_loss(trainer.model, batch))
