@@ -1,7 +1,7 @@
 """megatron-ext-data: prepared energon datasets from LLaVA JSON / JSONL, and a synthetic one to try.
 
-    megatron-ext-data build INPUT --output-dir OUT [--image-root DIR] [--split-ratio 9,1,0]
-    megatron-ext-data synthetic --output-dir D [--num-samples N] [--lang en|ja]
+    megatron-ext-data build INPUT --output-dir OUT [--image-root DIR] [--split-ratio 9,1,0] [--task sft|preference]
+    megatron-ext-data synthetic --output-dir D [--num-samples N] [--lang en|ja] [--task sft|preference]
     megatron-ext-data inspect DATA --megatron-load-dir CKPT [--samples N] [--all] [--output page.html]
 
 (scripts/data/build_energon_dataset.py, make_synthetic_dataset.py and inspect_dataset.py run the same commands.)
@@ -13,6 +13,7 @@ import click
 
 from megatron_ext.data.image_aspects import IMAGE_ASPECTS
 from megatron_ext.data.synthetic import SyntheticSpec
+from megatron_ext.data.tasks import SFT, TASKS
 from megatron_ext.errors import run_command
 from megatron_ext.progress import quiet_option
 
@@ -27,15 +28,24 @@ from megatron_ext.progress import quiet_option
 @click.option("--num-workers", type=click.IntRange(min=0), default=4, show_default=True, help="Processes that check and encode images.")
 @click.option("--strict", is_flag=True, help="Fail on the first bad sample instead of skipping it.")
 @click.option("--force", is_flag=True, help="Replace a non-empty --output-dir.")
-def build(input_path, output_dir, image_root, split_ratio, samples_per_shard, num_workers, strict, force):
+@click.option("--task", type=click.Choice(TASKS), default=SFT, show_default=True,
+              help="sft: conversations; preference: chosen/rejected pairs for DPO (LLaVA conversations with "
+              "rejected_conversations or chosen/rejected, RLAIF-V rows, or TRL prompt/chosen/rejected/images).")
+@click.option("--tokenizer-load-dir", type=click.Path(), help="With --seq-length, --task preference: skip pairs whose "
+              "prompt alone reaches --seq-length tokens of this HF tokenizer (a rough count: the prompt's text "
+              "without a chat template, plus one token per image or video).")
+@click.option("--seq-length", type=click.IntRange(min=1), help="The sequence length the pairs are trained at (with --tokenizer-load-dir).")
+def build(input_path, output_dir, image_root, split_ratio, samples_per_shard, num_workers, strict, force, task,
+          tokenizer_load_dir, seq_length):
     """Build a prepared energon dataset from LLaVA conversation JSON or question/answer JSONL (text-only,
-    one-image and multi-image conversations); bad samples are skipped and listed in OUT/build_report.json."""
+    one-image and multi-image conversations), or of preference pairs (--task preference); bad records
+    are skipped and listed in OUT/build_report.json."""
     from megatron_ext.data.build import REPORT_FILE, build_energon_dataset
     from megatron_ext.logs import setup_logging
 
     setup_logging()
     report = build_energon_dataset(input_path, output_dir, image_root, split_ratio, samples_per_shard,
-                                   num_workers, strict, force)
+                                   num_workers, strict, force, task, tokenizer_load_dir, seq_length)
     click.echo(report.summary())
     click.echo(f"report: {report.output_dir}/{REPORT_FILE}")
 
@@ -50,17 +60,20 @@ def build(input_path, output_dir, image_root, split_ratio, samples_per_shard, nu
 @click.option("--lang", type=click.Choice(["en", "ja"]), default="en", show_default=True, help="Language of questions and answers.")
 @click.option("--image-format", type=click.Choice(["jpg", "png"]), default="jpg", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--task", type=click.Choice(TASKS), default=SFT, show_default=True,
+              help="preference: D/preference.json, the last question's true answer chosen and one with a wrong "
+              "colour or shape rejected (build it with --task preference).")
 @click.option("--force", is_flag=True, help="Replace a non-empty --output-dir.")
-def synthetic(output_dir, num_samples, multi_turn_fraction, min_size, max_size, lang, image_format, seed, force):
+def synthetic(output_dir, num_samples, multi_turn_fraction, min_size, max_size, lang, image_format, seed, task, force):
     """Write a synthetic LLaVA conversation dataset (coloured shapes + questions) for demos and tests."""
     from megatron_ext.data.synthetic import make_synthetic_dataset
     from megatron_ext.fsutil import check_output_dir
 
     check_output_dir(output_dir, force, "--output-dir")
     spec = SyntheticSpec(num_samples=num_samples, multi_turn_fraction=multi_turn_fraction, min_size=min(min_size, max_size),
-                         max_size=max(min_size, max_size), lang=lang, image_format=image_format, seed=seed)
+                         max_size=max(min_size, max_size), lang=lang, image_format=image_format, seed=seed, task=task)
     path = make_synthetic_dataset(output_dir, spec)
-    click.echo(f"wrote {num_samples} samples to {path}")
+    click.echo(f"wrote {num_samples} {'pairs' if task != SFT else 'samples'} to {path}")
 
 
 @click.command("inspect")

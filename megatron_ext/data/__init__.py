@@ -1,7 +1,7 @@
 """energon datasets for LLaVA training.
 
 Building (no torch needed until `energon prepare`): `sources` (LLaVA JSON / JSONL records ->
-webdataset samples or skip reasons), `build` (shards + `energon prepare` + report, all or nothing),
+webdataset samples or preference pairs, or skip reasons; `tasks` names the two), `build` (shards + `energon prepare` + report, all or nothing),
 `synthetic` (a demo dataset). Reading: `prepared` (sample counts per split, torch-free),
 `conversation` (chat messages from samples), `chat_template` (templates and the assistant-token
 mask), `packing` (knapsack, packed attention masks), `task_encoder` (the energon TaskEncoder and

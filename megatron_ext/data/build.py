@@ -1,8 +1,9 @@
-"""Build a prepared energon dataset from LLaVA JSON or JSONL plus an image folder.
+"""Build a prepared energon dataset from LLaVA JSON or JSONL plus an image folder: conversations
+(``task="sft"``) or preference pairs for DPO (``task="preference"``, the record shapes of `sources`).
 
 Order of work: read the records; check each one and load its image in worker processes (in
 input order); write webdataset shards ``NNNNNN.tar`` into a temporary directory; run
-``energon prepare`` there non-interactively and write the dataset.yaml of `shard_format`; check that the
+``energon prepare`` there non-interactively and write the task's dataset.yaml of `shard_format`; check that the
 prepared sample count is what was written; write ``build_report.json``; only then rename the
 temporary directory to the output directory. A failure anywhere leaves no output behind.
 """
@@ -23,8 +24,9 @@ from pathlib import Path
 import yaml
 
 from megatron_ext.data.prepared import META_DIR, dir_split_counts
-from megatron_ext.data.shard_format import DATASET_YAML
-from megatron_ext.data.sources import Skip, read_records, shard_sample
+from megatron_ext.data.shard_format import DATASET_YAML, PREFERENCE_DATASET_YAML
+from megatron_ext.data.sources import PromptLimit, Skip, preference_sample, read_records, shard_sample
+from megatron_ext.data.tasks import PREFERENCE, SFT, TASKS
 from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 from megatron_ext.progress import QUIET_ENV, progress
@@ -38,6 +40,7 @@ REPORT_FILE = "build_report.json"
 class BuildReport:
     input: str
     output_dir: str
+    task: str = SFT
     written: int = 0
     text_only: int = 0  # written samples without an image
     multi_image: int = 0  # ... with several
@@ -48,14 +51,20 @@ class BuildReport:
     skipped: dict = field(default_factory=dict)  # reason -> count
     skipped_samples: list = field(default_factory=list)  # one dict per skipped sample
 
+    @property
+    def unit(self) -> str:
+        """What one written sample is: a sample (conversation) or a pair."""
+        return "pair" if self.task == PREFERENCE else "sample"
+
     def summary(self) -> str:
-        lines = [f"wrote {self.written} samples in {self.shards} shards to {self.output_dir}",
+        unit = self.unit
+        lines = [f"wrote {self.written} {unit}s in {self.shards} shards to {self.output_dir}",
                  f"  {self.text_only} text-only ({_share(self.text_only, self.written)}), {self.multi_image} with "
-                 f"several images ({_share(self.multi_image, self.written)}, up to {self.max_images} in one sample)",
+                 f"several images ({_share(self.multi_image, self.written)}, up to {self.max_images} in one {unit})",
                  f"  {self.videos} with a video ({_share(self.videos, self.written)})",
                  "splits: " + ", ".join(f"{k} {v}" for k, v in self.splits.items())]
         total = sum(self.skipped.values())
-        lines.append(f"skipped {total} samples" + (":" if total else ""))
+        lines.append(f"skipped {total} {unit}s" + (":" if total else ""))
         lines += [f"  {count:6d}  {reason}" for reason, count in sorted(self.skipped.items(), key=lambda kv: -kv[1])]
         return "\n".join(lines)
 
@@ -74,9 +83,9 @@ def parse_split_ratio(text: str) -> str:
     return ",".join(f"{p:g}" for p in parts)
 
 
-def _samples(kind: str, image_root: Path, records: list, num_workers: int):
-    """shard_sample for every record, in input order, on `num_workers` processes."""
-    work = functools.partial(shard_sample, kind, image_root)
+def _samples(work, records: list, num_workers: int):
+    """`work((index, record))` (a ShardSample or a Skip) for every record, in input order, on
+    `num_workers` processes."""
     if num_workers <= 1:
         yield from map(work, enumerate(records))
         return
@@ -92,7 +101,7 @@ def _write_shards(samples, out: Path, total: int, samples_per_shard: int, strict
         for sample in progress(samples, total=total, desc="writing shards", unit="sample"):
             if isinstance(sample, Skip):
                 if strict:
-                    raise UserError(f"{report.input}: {sample.describe()} (--strict stops at the first bad sample)")
+                    raise UserError(f"{report.input}: {sample.describe(report.unit)} (--strict stops at the first bad {report.unit})")
                 skipped[sample.reason] += 1
                 report.skipped_samples.append(asdict(sample))
                 continue
@@ -114,7 +123,21 @@ def run_energon_prepare(path: Path, split_ratio: str, num_workers: int) -> None:
     if proc.returncode != 0:
         tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["no output"]
         raise UserError(f"energon prepare failed on the new shards: {tail[0]}")
-    (path / META_DIR / "dataset.yaml").write_text(yaml.safe_dump(DATASET_YAML, sort_keys=False))
+
+
+def _prompt_limit(task: str, tokenizer_load_dir, seq_length: int | None) -> PromptLimit | None:
+    """The --tokenizer-load-dir / --seq-length check of preference prompts, its tokenizer loaded."""
+    if tokenizer_load_dir is None and seq_length is None:
+        return None
+    if task != PREFERENCE:
+        raise UserError("--tokenizer-load-dir and --seq-length apply to --task preference")
+    if tokenizer_load_dir is None or seq_length is None:
+        raise UserError("--tokenizer-load-dir and --seq-length go together")
+    if seq_length < 1:
+        raise UserError(f"--seq-length {seq_length} must be at least 1")
+    limit = PromptLimit(str(Path(tokenizer_load_dir).expanduser()), seq_length)
+    limit.load()
+    return limit
 
 
 def build_energon_dataset(
@@ -126,27 +149,39 @@ def build_energon_dataset(
     num_workers: int = 4,
     strict: bool = False,
     force: bool = False,
+    task: str = SFT,
+    tokenizer_load_dir: str | Path | None = None,
+    seq_length: int | None = None,
 ) -> BuildReport:
-    """Write a prepared energon dataset to `output_dir`; returns what was written and skipped."""
+    """Write a prepared energon dataset to `output_dir`; returns what was written and skipped.
+    `task` "preference" writes preference pairs, skipping those whose prompt alone reaches
+    `seq_length` tokens of the tokenizer in `tokenizer_load_dir` when both are given."""
+    if task not in TASKS:
+        raise UserError(f"--task {task!r} must be one of {', '.join(TASKS)}")
     input_path = Path(input_path).expanduser().resolve()
     output_dir = check_output_dir(output_dir, force, "--output-dir")
     split_ratio = parse_split_ratio(split_ratio)
+    limit = _prompt_limit(task, tokenizer_load_dir, seq_length)
     kind, records = read_records(input_path)
     image_root = Path(image_root).expanduser().resolve() if image_root else input_path.parent
     if not image_root.is_dir():
         raise UserError(f"--image-root {image_root} is not a directory")
-    report = BuildReport(input=str(input_path), output_dir=str(output_dir))
+    if task == PREFERENCE:  # the three record shapes are told apart per record, in JSON and JSONL alike
+        work, dataset_yaml = functools.partial(preference_sample, limit, image_root), PREFERENCE_DATASET_YAML
+    else:
+        work, dataset_yaml = functools.partial(shard_sample, kind, image_root), DATASET_YAML
+    report = BuildReport(input=str(input_path), output_dir=str(output_dir), task=task)
     with atomic_output_dir(output_dir) as tmp:
-        samples = _samples(kind, image_root, records, num_workers)
-        _write_shards(samples, tmp, len(records), samples_per_shard, strict, report)
+        _write_shards(_samples(work, records, num_workers), tmp, len(records), samples_per_shard, strict, report)
         if report.written == 0:
             reasons = ", ".join(f"{r} ({n})" for r, n in report.skipped.items()) or "the input is empty"
-            raise UserError(f"{input_path}: no usable samples: {reasons}")
+            raise UserError(f"{input_path}: no usable {report.unit}s: {reasons}")
         report.shards = len(list(tmp.glob("*.tar")))
         run_energon_prepare(tmp, split_ratio, num_workers)
+        (tmp / META_DIR / "dataset.yaml").write_text(yaml.safe_dump(dataset_yaml, sort_keys=False))
         report.splits = dir_split_counts(tmp, "--output-dir")
         prepared = sum(report.splits.values())
         if prepared != report.written:
-            raise UserError(f"energon prepare indexed {prepared} samples, {report.written} were written")
+            raise UserError(f"energon prepare indexed {prepared} {report.unit}s, {report.written} were written")
         (tmp / REPORT_FILE).write_text(json.dumps(asdict(report), indent=1, ensure_ascii=False))
     return report

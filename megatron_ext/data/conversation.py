@@ -13,6 +13,7 @@ from megatron_ext.families.llava import IMAGE_TOKEN as IMAGE_MARKER
 from megatron_ext.families.llava import VIDEO_TOKEN as VIDEO_MARKER
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+LLAVA_ROLES = {"user": "human", "assistant": "gpt", "system": "system"}
 
 # Reasons a sample cannot be trained on (the builder's report groups skipped samples by these).
 NO_ANSWER = "no gpt turn"
@@ -33,15 +34,27 @@ class BadConversation(ValueError):
 
 def llava_messages(turns) -> list[dict]:
     """Chat messages from LLaVA turns; raises BadConversation for anything untrainable."""
+    messages = turn_messages(turns)
+    check_answers(messages)
+    return messages
+
+
+def turn_messages(turns, key: str = "conversations") -> list[dict]:
+    """Chat messages from LLaVA turns (record field `key`), answered or not; raises BadConversation
+    for turns that are not LLaVA's."""
     if not isinstance(turns, list) or not turns:
-        raise BadConversation(MALFORMED, "'conversations' must be a non-empty list of turns")
+        raise BadConversation(MALFORMED, f"'{key}' must be a non-empty list of turns")
     messages = []
     for turn in turns:
         if not isinstance(turn, dict) or turn.get("from") not in ROLES or not isinstance(turn.get("value"), str):
             raise BadConversation(MALFORMED, f"turn {turn!r} needs 'from' (human/gpt/system) and a string 'value'")
         messages.append({"role": ROLES[turn["from"]], "content": turn["value"]})
-    check_answers(messages)
     return messages
+
+
+def llava_turns(messages: list[dict]) -> list[dict]:
+    """LLaVA turns of chat messages (the inverse of `turn_messages`)."""
+    return [{"from": LLAVA_ROLES[m["role"]], "value": m["content"]} for m in messages]
 
 
 def qa_messages(question: str, answer: str) -> list[dict]:
@@ -58,7 +71,7 @@ def check_answers(messages: list[dict]) -> None:
         raise BadConversation(EMPTY_ANSWER)
 
 
-def _file_names(record: dict, key: str) -> list[str]:
+def file_names(record: dict, key: str) -> list[str]:
     """A record's `key`: absent, one file name, or a list of them."""
     value = record.get(key)
     if value in (None, "", []):
@@ -72,12 +85,12 @@ def _file_names(record: dict, key: str) -> list[str]:
 
 def image_files(record: dict) -> list[str]:
     """A record's `"image"`: absent (no image), one file name, or a list of them (LLaVA-Interleave)."""
-    return _file_names(record, "image")
+    return file_names(record, "image")
 
 
 def video_files(record: dict) -> list[str]:
     """A record's `"video"` (LLaVA-OneVision / LLaVA-Video): absent, one file name, or a list of them."""
-    return _file_names(record, "video")
+    return file_names(record, "video")
 
 
 def video_marked_as_image(messages: list[dict], turns, num_images: int):

@@ -13,6 +13,12 @@ The prepared dataset's ``.nv-meta/dataset.yaml`` (`DATASET_YAML`) names `Convers
 which loads each sample as a `ConversationSample` (and names the sample type, which ``energon info``
 reads). Datasets prepared as `VQASample` (the original README's ``energon prepare`` field map; one
 image) are read too: `conversation_of` takes either.
+
+A preference pair (DPO data, ``--task preference``) holds its images (and video) once, with the
+part names above, and ``KEY.json``: ``{"id", "conversations": [the prompt's LLaVA turns, ending
+with the human turn that is answered, one marker per image and video], "chosen", "rejected"}``; no
+``KEY.txt``. Its dataset.yaml (`PREFERENCE_DATASET_YAML`) names `PreferenceWebdataset`, which
+loads each as a `PreferenceSample`; `preference_of` gives the trainer its parts.
 """
 
 
@@ -25,7 +31,14 @@ from typing import Type
 
 from megatron.energon import Sample, SampleDecoder, StandardWebdatasetFactory, VQASample, edataclass
 
-from megatron_ext.data.conversation import MALFORMED, BadConversation, place_images, place_videos, sample_messages
+from megatron_ext.data.conversation import (
+    MALFORMED,
+    BadConversation,
+    place_images,
+    place_videos,
+    sample_messages,
+    turn_messages,
+)
 
 # PIL format -> shard extension of the formats stored as they are.
 KEPT_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png"}
@@ -121,27 +134,44 @@ class ConversationSample(Sample):
     videos: list = field(default_factory=list)  # a video file's bytes, or a list of frames (PIL or uint8 arrays)
 
 
+def _json_part(raw: dict) -> dict:
+    meta = raw.get("json")
+    if not isinstance(meta, dict):
+        raise BadConversation(MALFORMED, f"sample {raw.get('__key__')} has no json part with its text")
+    return meta
+
+
+def _media(raw: dict) -> dict:
+    """A decoded webdataset sample's images (in their markers' order) and videos."""
+    numbered = [(match, value) for name, value in raw.items() if (match := _IMAGE_PART.match(name))]
+    images = [value for _, value in sorted(numbered, key=lambda item: int(item[0].group(1) or -1))]
+    return {"images": images, "videos": [value for name, value in raw.items() if _is_video_part(name)]}
+
+
 def conversation_fields(raw: dict) -> dict:
     """A decoded webdataset sample's `ConversationSample` fields; raises BadConversation (energon's
     error handler then skips the sample)."""
-    meta = raw.get("json")
-    if not isinstance(meta, dict):
-        raise BadConversation(MALFORMED, f"sample {raw.get('__key__')} has no json part with the question")
-    numbered = [(match, value) for name, value in raw.items() if (match := _IMAGE_PART.match(name))]
-    images = [value for _, value in sorted(numbered, key=lambda item: int(item[0].group(1) or -1))]
-    videos = [value for name, value in raw.items() if _is_video_part(name)]
-    return {"images": images, "videos": videos,
-            "messages": sample_messages(meta.get("conversations") or meta.get("question"), raw.get("txt"))}
+    meta = _json_part(raw)
+    return {**_media(raw), "messages": sample_messages(meta.get("conversations") or meta.get("question"), raw.get("txt"))}
+
+
+def _decoded_raw(parts: dict) -> dict:
+    """What energon's decoder makes of a sample's encoded `parts` (a `sources.ShardSample`'s)."""
+    raw = {"__key__": parts["__key__"]}
+    for name, data in parts.items():
+        if name == "json":
+            raw[name] = json.loads(data)
+        elif name == "txt":
+            raw[name] = data
+        elif name != "__key__":
+            raw[name] = _image_in_its_own_mode(name, data)
+    return raw
 
 
 def decoded_sample(parts: dict) -> ConversationSample:
     """The `ConversationSample` energon would load from a sample's encoded `parts` (a
     `sources.ShardSample`'s), without writing a shard; raises BadConversation as loading does."""
-    raw = {"__key__": parts["__key__"], "json": json.loads(parts["json"]), "txt": parts["txt"]}
-    for name, data in parts.items():
-        if name not in raw:
-            raw[name] = _image_in_its_own_mode(name, data)
-    return ConversationSample(__key__=parts["__key__"], __restore_key__=(), **conversation_fields(raw))
+    return ConversationSample(__key__=parts["__key__"], __restore_key__=(), **conversation_fields(_decoded_raw(parts)))
 
 
 class ConversationWebdataset(StandardWebdatasetFactory[ConversationSample]):
@@ -154,11 +184,66 @@ class ConversationWebdataset(StandardWebdatasetFactory[ConversationSample]):
                          part_filter=lambda part: True, **kwargs)
 
 
-DATASET_YAML = {
-    "__module__": __name__,
-    "__class__": ConversationWebdataset.__name__,
-    "sample_type": {"__module__": __name__, "__class__": ConversationSample.__name__},
-}
+def _dataset_yaml(factory: type, sample_type: type) -> dict:
+    return {"__module__": __name__, "__class__": factory.__name__,
+            "sample_type": {"__module__": __name__, "__class__": sample_type.__name__}}
+
+
+DATASET_YAML = _dataset_yaml(ConversationWebdataset, ConversationSample)
+
+
+@edataclass
+class PreferenceSample(Sample):
+    images: list  # decoded images (PIL), in the order of their <image> markers
+    prompt: list[dict]  # chat messages ending with the user turn answered; one marker per image and video
+    chosen: str
+    rejected: str
+    videos: list = field(default_factory=list)  # as ConversationSample's
+
+
+def _checked_prompt(prompt: list[dict], num_images: int, num_videos: int) -> list[dict]:
+    """`prompt` with one marker per image and video placed; raises BadConversation unless it ends
+    with the user turn that is answered."""
+    if not prompt or prompt[-1].get("role") != "user":
+        raise BadConversation(MALFORMED, "the prompt does not end with a user turn")
+    return place_videos(place_images(prompt, num_images), num_videos)
+
+
+def preference_fields(raw: dict) -> dict:
+    """A decoded webdataset sample's `PreferenceSample` fields; raises BadConversation (energon's
+    error handler then skips the sample)."""
+    meta, media = _json_part(raw), _media(raw)
+    chosen, rejected = meta.get("chosen"), meta.get("rejected")
+    if not isinstance(chosen, str) or not isinstance(rejected, str):
+        raise BadConversation(MALFORMED, f"sample {raw.get('__key__')} needs string 'chosen' and 'rejected'")
+    prompt = _checked_prompt(turn_messages(meta.get("conversations")), len(media["images"]), len(media["videos"]))
+    return {**media, "prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def decoded_preference_sample(parts: dict) -> PreferenceSample:
+    """The `PreferenceSample` energon would load from a pair's encoded `parts`, as `decoded_sample`."""
+    return PreferenceSample(__key__=parts["__key__"], __restore_key__=(), **preference_fields(_decoded_raw(parts)))
+
+
+class PreferenceWebdataset(StandardWebdatasetFactory[PreferenceSample]):
+    """energon's dataset factory for preference pairs in this layout."""
+
+    def __init__(self, path, *, sample_type: Type[PreferenceSample] = PreferenceSample, **kwargs):
+        # As ConversationWebdataset's.
+        super().__init__(path, sample_type=PreferenceSample, sample_loader=preference_fields,
+                         part_filter=lambda part: True, **kwargs)
+
+
+PREFERENCE_DATASET_YAML = _dataset_yaml(PreferenceWebdataset, PreferenceSample)
+
+
+def preference_of(sample: PreferenceSample) -> tuple[list, list[dict], str, str]:
+    """(images, prompt messages with one `<image>` per image and one `<video>` per video, chosen,
+    rejected) of a pair; raises BadConversation for a pair the trainer cannot use."""
+    if not sample.chosen.strip() or not sample.rejected.strip():
+        raise BadConversation(MALFORMED, "an empty chosen or rejected answer")
+    prompt = _checked_prompt(sample.prompt, len(sample.images), len(sample.videos))
+    return sample.images, prompt, sample.chosen, sample.rejected
 
 
 def videos_of(sample: ConversationSample | VQASample) -> list:

@@ -4,6 +4,11 @@ Writes ``OUT/images/NNNNNN.jpg`` (or .png) and ``OUT/llava.json`` in LLaVA's con
 (``[{"id", "image", "conversations": [{"from": "human"|"gpt", "value"}]}]``), single-turn and
 multi-turn, in English or Japanese. Everything follows from the seed, and the answers follow from
 the pictures, so a model can actually learn them.
+
+With ``task="preference"`` it writes ``OUT/preference.json`` instead: the same pictures and
+questions, each record's ``conversations`` ending with its last question, ``chosen`` the true
+answer and ``rejected`` the answer about the picture with one fact wrong (the colour or the shape;
+the place for a question about the place), for DPO.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from megatron_ext.data.tasks import PREFERENCE, SFT
 from megatron_ext.fsutil import atomic_output_dir
 
 COLORS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 70, 220), "yellow": (235, 210, 40),
@@ -46,6 +52,7 @@ class SyntheticSpec:
     lang: str = "en"
     image_format: str = "jpg"  # "jpg" or "png"
     seed: int = 0
+    task: str = SFT  # or PREFERENCE: chosen and rejected answers to the last question
 
 
 def _answers(facts: dict, lang: str) -> dict:
@@ -79,7 +86,8 @@ def draw(rng: random.Random, spec: SyntheticSpec) -> tuple[Image.Image, dict]:
     return image, facts
 
 
-def conversation(facts: dict, multi_turn: bool, rng: random.Random, lang: str) -> list[dict]:
+def conversation(facts: dict, multi_turn: bool, rng: random.Random, lang: str) -> tuple[list[dict], str]:
+    """(LLaVA turns, the kind of question last asked)."""
     questions, answers = QUESTIONS[lang], _answers(facts, lang)
     kinds = rng.sample(list(questions), 3 if multi_turn else 1)
     first = f"<image>\n{questions[kinds[0]]}" if rng.random() < 0.5 else f"{questions[kinds[0]]}\n<image>"
@@ -87,24 +95,50 @@ def conversation(facts: dict, multi_turn: bool, rng: random.Random, lang: str) -
     for i, kind in enumerate(kinds):
         turns.append({"from": "human", "value": first if i == 0 else questions[kind]})
         turns.append({"from": "gpt", "value": answers[kind]})
-    return turns
+    return turns, kinds[-1]
+
+
+# Facts a wrong answer to each kind of question gets wrong: a fact the answer states.
+_WRONG_FACTS = {"shape": ("color", "shape"), "color": ("color",), "place": ("place",), "describe": ("color", "shape")}
+_CHOICES = {"color": tuple(COLORS), "shape": SHAPES, "place": PLACES}
+
+
+def rejected_answer(facts: dict, kind: str, rng: random.Random, lang: str) -> str:
+    """The answer to a `kind` question about a picture whose colour, shape or place is another."""
+    wrong = rng.choice(_WRONG_FACTS[kind])
+    other = rng.choice([value for value in _CHOICES[wrong] if value != facts[wrong]])
+    return _answers({**facts, wrong: other}, lang)[kind]
+
+
+def _preference_record(record: dict, facts: dict, kind: str, rng: random.Random, lang: str) -> dict:
+    *prompt, answer = record["conversations"]
+    return {**record, "conversations": prompt, "chosen": answer["value"],
+            "rejected": rejected_answer(facts, kind, rng, lang)}
 
 
 def make_synthetic_dataset(out_dir: str | Path, spec: SyntheticSpec = SyntheticSpec()) -> Path:
-    """Write the images and OUT/llava.json; returns the JSON's path."""
+    """Write the images and OUT/llava.json (OUT/preference.json for preference pairs); returns the JSON's path."""
     if spec.image_format not in ("jpg", "png"):
         raise ValueError(f"image_format must be jpg or png, not {spec.image_format!r}")
+    if spec.task not in (SFT, PREFERENCE):
+        raise ValueError(f"task must be {SFT} or {PREFERENCE}, not {spec.task!r}")
     rng = random.Random(spec.seed)
+    # The wrong answers draw from a generator of their own: pictures and questions are the SFT set's of the same seed.
+    wrong_rng = random.Random(f"rejected-{spec.seed}")
+    name = "preference.json" if spec.task == PREFERENCE else "llava.json"
     out_dir = Path(out_dir)
     with atomic_output_dir(out_dir) as tmp:
         (tmp / "images").mkdir()
         records = []
         for i in range(spec.num_samples):
             image, facts = draw(rng, spec)
-            name = f"images/{i:06d}.{spec.image_format}"
-            image.save(tmp / name, **({"quality": 95} if spec.image_format == "jpg" else {}))
+            image_name = f"images/{i:06d}.{spec.image_format}"
+            image.save(tmp / image_name, **({"quality": 95} if spec.image_format == "jpg" else {}))
             multi = rng.random() < spec.multi_turn_fraction
-            records.append({"id": f"synthetic-{i:06d}", "image": name,
-                            "conversations": conversation(facts, multi, rng, spec.lang)})
-        (tmp / "llava.json").write_text(json.dumps(records, ensure_ascii=False, indent=1))
-    return out_dir / "llava.json"
+            turns, kind = conversation(facts, multi, rng, spec.lang)
+            record = {"id": f"synthetic-{i:06d}", "image": image_name, "conversations": turns}
+            if spec.task == PREFERENCE:
+                record = _preference_record(record, facts, kind, wrong_rng, spec.lang)
+            records.append(record)
+        (tmp / name).write_text(json.dumps(records, ensure_ascii=False, indent=1))
+    return out_dir / name
