@@ -211,6 +211,20 @@ def megatron_clip(tmp_path_factory, llava_clip) -> Path:
 
 
 @pytest.fixture(scope="session")
+def preference_data(tmp_path_factory) -> Path:
+    """96 synthetic preference pairs (the true answer chosen, a wrong colour or shape rejected) as
+    prepared shards of 8: train 80, val 16."""
+    from megatron_ext.data.build import build_energon_dataset
+    from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
+
+    source = make_synthetic_dataset(tmp_path_factory.mktemp("preference_src"),
+                                    SyntheticSpec(num_samples=96, seed=3, task="preference"))
+    out = tmp_path_factory.mktemp("preference_data") / "energon"
+    build_energon_dataset(source, out, split_ratio="10,2,0", samples_per_shard=8, num_workers=0, task="preference")
+    return out
+
+
+@pytest.fixture(scope="session")
 def train_data(tmp_path_factory) -> Path:
     """96 synthetic samples (30% multi-turn) as prepared shards of 8: train 80, val 16."""
     from megatron_ext.data.build import build_energon_dataset

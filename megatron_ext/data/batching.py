@@ -17,7 +17,10 @@ Batch contract (`LlavaBatch`, consumed by the trainer through `model.inputs`), B
                              text, image tokens, the last token of every packed sample, padding
 - segment_ids  long  [B, T]  1..k: which packed sample a token belongs to; 0 = padding (at the
                              end of a row, and after each sample when samples are aligned)
-- num_samples, num_truncated, num_skipped: ints for the trainer's log. num_skipped counts the
+- image_index  long  [U]  preference pairs (`data.pairs`): which entry of `images` each image use of
+                           the rows takes, in reading order (chosen and rejected share their pair's
+                           images, held once); None otherwise (every image used once, in order)
+- num_samples, num_truncated, num_skipped: ints for the trainer's log (pairs count as one sample). num_skipped counts the
   samples the energon error handler dropped in the worker that built this batch since its
   previous batch (corrupt images, untrainable conversations, ...).
 
@@ -58,6 +61,11 @@ class EncodedSample(Sample):
     # postencode_sample, then [3, H, W] float tensors (tiles)
     num_truncated: int
     media: list  # tiled models: `model.tiling.Media` rows in token order; empty otherwise
+    # Preference pairs, before postencode_sample: for each entry of `images`, the earlier entry it
+    # repeats (-1: its own); after it: `image_index` (the batch's, for this sample's unique tiles).
+    repeat_of: list | None = None
+    image_index: list | None = None
+    paired: bool = False  # the sample's sequences are (chosen, rejected) pairs
 
 
 @edataclass
@@ -71,16 +79,43 @@ class LlavaBatch(Batch):
     num_samples: int
     num_truncated: int
     num_skipped: int
+    image_index: torch.Tensor | None = None
 
     def as_dict(self) -> dict:
         """The plain dict the forward step (`model.inputs`) reads, plus the batch's sample keys."""
         out = {name: getattr(self, name) for name in _BATCH_FIELDS}
+        if self.image_index is not None:
+            out["image_index"] = self.image_index
         out["keys"] = list(self.__key__)
         return out
 
 
 _BATCH_FIELDS = ("images", "media_layout", "input_ids", "labels", "loss_mask", "segment_ids", "num_samples", "num_truncated",
                  "num_skipped")
+
+
+def _image_uses(sample: EncodedSample) -> int:
+    """Image tokens of LLaVA-1.5's kind a sample holds: a pair uses its images twice."""
+    return len(sample.image_index) if sample.image_index is not None else len(sample.images)
+
+
+def _repeats(samples: list[EncodedSample]) -> list | None:
+    """The packed samples' `repeat_of`, pointing into the pack's images."""
+    if all(s.repeat_of is None for s in samples):
+        return None
+    out, offset = [], 0
+    for s in samples:
+        out += [r + offset if r >= 0 else -1 for r in (s.repeat_of or [-1] * len(s.images))]
+        offset += len(s.images)
+    return out
+
+
+def _offset_index(samples: list[EncodedSample]) -> list | None:
+    """The packed samples' `image_index`, pointing into the pack's images."""
+    if all(s.image_index is None for s in samples):
+        return None
+    offsets = np.cumsum([0] + [len(s.images) for s in samples])
+    return [i + int(offset) for s, offset in zip(samples, offsets) for i in (s.image_index or [])]
 
 
 def _tiles(images: list, media: list) -> int:
@@ -135,7 +170,7 @@ class BatchLayout:
         )
 
     def combined_length(self, sample: EncodedSample) -> int:
-        return combined_length(len(sample.input_ids), len(sample.images), self.img_seq_len)
+        return combined_length(len(sample.input_ids), _image_uses(sample), self.img_seq_len)
 
     def packs(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
         """Samples grouped into sequences of at most `max_length` (`packing.knapsack_bins`)."""
@@ -168,13 +203,16 @@ class BatchLayout:
             images=[image for s in samples for image in s.images],
             num_truncated=sum(s.num_truncated for s in samples),
             media=[m for s in samples for m in s.media],
+            repeat_of=_repeats(samples),
+            image_index=_offset_index(samples),
+            paired=samples[0].paired,
         )
 
     def batch(self, samples: list[EncodedSample], num_skipped: int = 0) -> LlavaBatch:
         """Rows padded to one width whose combined length is a multiple of `alignment.total`."""
         width = max(len(s.input_ids) for s in samples)
         # LLaVAModel's combined length: the row width plus the most images any row expands.
-        combined = combined_length(width, max(len(s.images) for s in samples), self.img_seq_len)
+        combined = combined_length(width, max(_image_uses(s) for s in samples), self.img_seq_len)
         width += round_up(combined, self.alignment.total) - combined
         shape = (len(samples), width)
         input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
@@ -188,6 +226,7 @@ class BatchLayout:
             runs = torch.stack([numbers, torch.zeros_like(numbers)], 1).flatten()
             segment_ids[row, :n] = torch.repeat_interleave(runs, torch.tensor([s.lengths, s.pads]).T.flatten())
         images = [image for s in samples for image in s.images]
+        index = _offset_index(samples)
         return LlavaBatch(
             __key__=[s.__key__ for s in samples],
             __restore_key__=(),
@@ -197,7 +236,8 @@ class BatchLayout:
             labels=labels,
             loss_mask=loss_mask,
             segment_ids=segment_ids,
-            num_samples=sum(len(s.lengths) for s in samples),
+            num_samples=sum(len(s.lengths) // (2 if s.paired else 1) for s in samples),
             num_truncated=sum(s.num_truncated for s in samples),
             num_skipped=num_skipped,
+            image_index=None if index is None else torch.tensor(index, dtype=torch.long),
         )

@@ -114,7 +114,8 @@ def _write_shards(samples, out: Path, total: int, samples_per_shard: int, strict
     report.skipped = dict(skipped)
 
 
-def run_energon_prepare(path: Path, split_ratio: str, num_workers: int) -> None:
+def run_energon_prepare(path: Path, split_ratio: str, num_workers: int, dataset_yaml: dict = DATASET_YAML) -> None:
+    """Index the shards in `path` and name the sample type they hold (`dataset_yaml`)."""
     cmd = [sys.executable, "-m", "megatron.energon.cli.main", "prepare", str(path), "--non-interactive",
            "--split-ratio", split_ratio, "--skip-dataset-yaml", "--num-workers", str(max(1, num_workers))]
     if not sys.stderr.isatty() or os.environ.get(QUIET_ENV):
@@ -123,6 +124,7 @@ def run_energon_prepare(path: Path, split_ratio: str, num_workers: int) -> None:
     if proc.returncode != 0:
         tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["no output"]
         raise UserError(f"energon prepare failed on the new shards: {tail[0]}")
+    (path / META_DIR / "dataset.yaml").write_text(yaml.safe_dump(dataset_yaml, sort_keys=False))
 
 
 def _prompt_limit(task: str, tokenizer_load_dir, seq_length: int | None) -> PromptLimit | None:
@@ -177,8 +179,7 @@ def build_energon_dataset(
             reasons = ", ".join(f"{r} ({n})" for r, n in report.skipped.items()) or "the input is empty"
             raise UserError(f"{input_path}: no usable {report.unit}s: {reasons}")
         report.shards = len(list(tmp.glob("*.tar")))
-        run_energon_prepare(tmp, split_ratio, num_workers)
-        (tmp / META_DIR / "dataset.yaml").write_text(yaml.safe_dump(dataset_yaml, sort_keys=False))
+        run_energon_prepare(tmp, split_ratio, num_workers, dataset_yaml)
         report.splits = dir_split_counts(tmp, "--output-dir")
         prepared = sum(report.splits.values())
         if prepared != report.written:

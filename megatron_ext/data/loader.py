@@ -55,11 +55,13 @@ def train_loader(path: str | Path, encoder: LlavaTaskEncoder, *, micro_batch_siz
 
 
 def val_loader(path: str | Path, encoder: LlavaTaskEncoder, *, micro_batch_size: int, num_workers: int = 0,
-               limit: int | None = None, packing_buffer_size: int = PACKING_BUFFER):
-    """One pass over the val split (at most `limit` batches); iterate it again for the next evaluation."""
-    require_split(path, "val")
+               limit: int | None = None, packing_buffer_size: int = PACKING_BUFFER, split: str = "val"):
+    """One pass over the val split (or `split`; at most `limit` batches), in order; iterate it again for
+    the next evaluation."""
+    require_split(path, split)
     dataset = get_val_dataset(
         str(path),
+        split_part=split,
         worker_config=worker_config(num_workers),
         batch_size=micro_batch_size,
         packing_buffer_size=packing_buffer_size if encoder.packing else None,

@@ -139,7 +139,10 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
     @stateless
     def preencode_sample(self, sample: Sample) -> EncodedSample:
         images, messages = conversation_of(sample)
-        videos = videos_of(sample)
+        return self.encode_conversation(sample, messages, images, videos_of(sample))
+
+    def encode_conversation(self, sample: Sample, messages: list[dict], images: list, videos: list) -> EncodedSample:
+        """One conversation's tokens, labels, loss mask and media, fitted to the sequence length."""
         ids, assistant = self.chat.encode(messages)
         media = ()
         if self.media is not None:

@@ -16,6 +16,7 @@ Checkpoint keys: the wrapped layer keeps its own (`...linear_qkv.weight`), the a
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
@@ -96,6 +97,7 @@ class LoraLinear(torch.nn.Module):
             replicated = self.lora_a.weight if kind == "column" else self.lora_b.weight
             replicated.sequence_parallel = True
         self.config = base.config
+        self.enabled = True  # False: the base layer alone (`adapters_off`)
 
     def _adapter(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
@@ -112,6 +114,8 @@ class LoraLinear(torch.nn.Module):
         return self.lora_b(h) * self.scaling
 
     def forward(self, x, *args, **kwargs):
+        if not self.enabled:
+            return self.base(x, *args, **kwargs)
         finish = getattr(self.base, "finish", None)
         if finish is None:
             output, bias = self.base(x, *args, **kwargs)
@@ -177,3 +181,16 @@ def add_lora(model, settings: LoraSettings, seed: int) -> list[str]:
 
 def has_lora(model) -> bool:
     return any(isinstance(module, LoraLinear) for module in model.modules())
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """The model without its adapters (the base it was trained from: DPO's reference policy)."""
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    for layer in layers:
+        layer.enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enabled = True

@@ -46,32 +46,44 @@ def _zero_from_trained_encoder(llava) -> torch.Tensor:
     return sum((p.sum() for p in trained), torch.zeros(())) * 0.0
 
 
-def make_forward_step(inputs: ModelInputs):
-    """megatron's forward_step_func over micro-batch dicts, laid out for the model by `inputs`."""
+def token_loss(batch: dict, inputs: dict, loss_mask: torch.Tensor):
+    """The language-model loss function of a micro batch (megatron's `loss_func` of the output)."""
+    return partial(_loss_func, loss_mask)
+
+
+def make_forward_step(inputs: ModelInputs, loss_of=token_loss):
+    """megatron's forward_step_func over micro-batch dicts, laid out for the model by `inputs`;
+    `loss_of(batch, model_inputs, loss_mask)` gives the loss function of its output (DPO's: `train.dpo`)."""
 
     def forward_step(data_iterator, model):
-        kwargs = inputs(next(data_iterator))
+        batch = next(data_iterator)
+        kwargs = inputs(batch)
         output, loss_mask = model(**kwargs)
         llava = _llava(model)
         if llava.add_encoder and kwargs["images"].shape[0] == 0 and torch.is_grad_enabled():
             output = output + _zero_from_trained_encoder(llava).to(output)
-        return output, partial(_loss_func, loss_mask)
+        return output, loss_of(batch, kwargs, loss_mask)
 
     return forward_step
 
 
-def reduce_loss(losses: list[dict]) -> tuple[float, int]:
-    """Token-weighted loss over the global batch, known on every rank."""
+def reduce_sums(items: list[dict], key: str, size: int) -> list[float]:
+    """The sum over the global batch of the loss functions' `key` vectors, known on every rank."""
     from megatron.core import parallel_state
 
-    summed = torch.zeros(2, dtype=torch.float64, device=device())
-    for item in losses:
-        summed += item["loss"].to(summed)
+    summed = torch.zeros(size, dtype=torch.float64, device=device())
+    for item in items:
+        summed += item[key].to(summed)
     # Only the last pipeline stage has losses: spread them over the stage group, then sum over DP
     # (context-parallel ranks each hold part of every sequence).
     torch.distributed.all_reduce(summed, group=parallel_state.get_pipeline_model_parallel_group())
     torch.distributed.all_reduce(summed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-    total, tokens = summed.tolist()
+    return summed.tolist()
+
+
+def reduce_loss(losses: list[dict]) -> tuple[float, int]:
+    """Token-weighted loss over the global batch, known on every rank."""
+    total, tokens = reduce_sums(losses, "loss", 2)
     return (total / tokens if tokens else float("nan")), int(tokens)
 
 

@@ -54,13 +54,15 @@ class ModelInputs:
     def __call__(self, batch: dict) -> dict:
         input_ids, segment_ids = batch["input_ids"], batch["segment_ids"]
         kwargs = {
-            "images": self._to_device(batch["images"], self.dtype),
-            "input_ids": self._to_device(input_ids),
+            "images": self.to_device(batch["images"], self.dtype),
+            "input_ids": self.to_device(input_ids),
             "position_ids": None,
             "attention_mask": None,
-            "labels": self._to_device(batch["labels"]),
-            "loss_mask": self._to_device(batch["loss_mask"]),
+            "labels": self.to_device(batch["labels"]),
+            "loss_mask": self.to_device(batch["loss_mask"]),
         }
+        if batch.get("image_index") is not None:  # preference pairs: each pair's images held once
+            kwargs["image_index"] = self.to_device(batch["image_index"])
         if self.tiled:
             # Read on the host (tiling.Media rows), so it stays there; the image (and video) tokens are
             # counted here, on the host copy of the ids, not read back from the device's.
@@ -77,11 +79,11 @@ class ModelInputs:
             if self.backend == "te":
                 raise UserError("packed micro batches of several rows cannot use Transformer Engine attention: "
                                 "use --micro-batch-size 1 (one packed sequence per micro batch)")
-            kwargs["attention_mask"] = packed_attention_mask(kwargs["input_ids"], self._to_device(segment_ids),
+            kwargs["attention_mask"] = packed_attention_mask(kwargs["input_ids"], self.to_device(segment_ids),
                                                              self.image_token_index, self.img_seq_len, length)
         return kwargs
 
-    def _to_device(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def to_device(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A host tensor on the compute device; to a GPU through pinned memory, without waiting
         (energon's loader pins its batches already on a GPU machine)."""
         if self.device.type == "cuda" and not tensor.is_pinned():
@@ -92,7 +94,7 @@ class ModelInputs:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         bounds = thd_boundaries(input_ids, segment_ids, self.image_token_index, self.img_seq_len, length)
-        cu_seqlens = self._to_device(torch.tensor(bounds, dtype=torch.int32))
+        cu_seqlens = self.to_device(torch.tensor(bounds, dtype=torch.int32))
         longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
         # Samples are padded to what context parallelism needs, so the padded boundaries are the same.
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,

@@ -210,14 +210,17 @@ def _build(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions, vp_stag
 
 
 def _model_class(arch: LlavaArch):
-    """megatron-core's LLaVAModel, or for tiled models (LLaVA-NeXT, OneVision) its subclass."""
+    """megatron-core's LLaVAModel, or for tiled models (LLaVA-NeXT, OneVision) its subclass; either
+    takes shared images (a preference pair's, `shared_images`)."""
+    from megatron_ext.model.shared_images import with_shared_images
+
     if arch.tiling is None:
         from megatron.core.models.multimodal.llava_model import LLaVAModel
 
-        return LLaVAModel
+        return with_shared_images(LLaVAModel)
     from megatron_ext.model.tiled_llava import TiledLLaVAModel
 
-    return partial(TiledLLaVAModel, tiling=arch.tiling, tile=arch.vision.image_size)
+    return partial(with_shared_images(TiledLLaVAModel), tiling=arch.tiling, tile=arch.vision.image_size)
 
 
 def _mark_tensor_parallel_weights(model) -> None:

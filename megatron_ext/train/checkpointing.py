@@ -45,7 +45,7 @@ def _ranks():
     }
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     from megatron.core import tensor_parallel
 
     state = {
@@ -59,7 +59,7 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     from megatron.core import tensor_parallel
 
     random.setstate(state["python"])
@@ -114,7 +114,7 @@ def save_snapshot(plan: RunPlan, trained: TrainingModel, iteration: int, common:
     if r["rank"] == 0:
         state_dir.mkdir()
     torch.distributed.barrier()
-    torch.save(_rng_state(), state_dir / f"rng_rank{r['rank']:05d}.pt")
+    torch.save(rng_state(), state_dir / f"rng_rank{r['rank']:05d}.pt")
     if r["tp"] == 0 and r["pp"] == 0:
         train_data.save(state_dir / f"data_dp{r['dp']:05d}.pt")
     torch.distributed.barrier()
@@ -186,7 +186,7 @@ def load_resume_state(plan: RunPlan, trained: TrainingModel, train_data) -> dict
     r = _ranks()
     same_layout = common["world_size"] == r["world"] and snapshot.tp == plan.config.tp and snapshot.pp == plan.config.pp
     if same_layout:
-        _set_rng_state(torch.load(state_dir / f"rng_rank{r['rank']:05d}.pt", weights_only=False))
+        set_rng_state(torch.load(state_dir / f"rng_rank{r['rank']:05d}.pt", weights_only=False))
     else:
         log.warning("resuming %s with another layout: RNG streams restart", snapshot.path)
     data_file = state_dir / f"data_dp{r['dp']:05d}.pt"

@@ -21,7 +21,7 @@ def click_kwargs(field, hint) -> dict:
     if choices and base is int:
         return {**kwargs, "type": click.IntRange(min(choices), max(choices)), "default": field.default}
     if choices:
-        return {**kwargs, "type": click.Choice(choices), "default": field.default}
+        return {**kwargs, "type": click.Choice(choices), "default": None if field.default is None else str(field.default)}
     return {**kwargs, "type": base, "default": field.default}
 
 

@@ -10,6 +10,7 @@ import hashlib
 from pathlib import Path
 
 from megatron_ext.data.loader import restore_loader_state, save_loader_state, train_loader, val_loader
+from megatron_ext.data.pairs import PairTaskEncoder
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
 from megatron_ext.model.arch import LlavaArch
 from megatron_ext.model.sequence_alignment import SequenceAlignment
@@ -25,8 +26,9 @@ def samples_digest(keys: list[str]) -> str:
 def task_encoder(tokenizer_dir: str | Path, arch: LlavaArch, cfg: TrainConfig, seq_length: int,
                  alignment: SequenceAlignment) -> LlavaTaskEncoder:
     """The encoder the trainer feeds a model of `arch` with under the options `cfg` (the sample
-    inspector builds its own with it)."""
-    return LlavaTaskEncoder.for_model(
+    inspector builds its own with it): preference pairs for --stage dpo, conversations otherwise."""
+    encoder_class = PairTaskEncoder if cfg.stage == "dpo" else LlavaTaskEncoder
+    return encoder_class.for_model(
         str(tokenizer_dir), arch, seq_length=seq_length, pad_token_id=arch.pad_token_id,
         chat_template=cfg.chat_template, lang=cfg.lang, image_aspect=cfg.image_aspect, packing_seq_length=cfg.packing_seq_length,
         alignment=alignment, video_frames=cfg.video_frames, max_tiles=cfg.max_tiles_per_sequence,
@@ -60,6 +62,13 @@ class TrainData:
 
     def close(self) -> None:
         self._batches = None
+
+
+def split_pass(plan: RunPlan, split: str):
+    """Every micro batch of one in-order pass over `split` (this data-parallel rank's share)."""
+    cfg = plan.config
+    loader = val_loader(cfg.data_path, _encoder(plan), micro_batch_size=cfg.micro_batch_size, split=split)
+    return (batch.as_dict() for batch in loader)
 
 
 class ValData:

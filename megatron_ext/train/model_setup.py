@@ -76,13 +76,15 @@ def warmup_steps(plan: RunPlan) -> int:
     return int(plan.config.lr_warmup_fraction * plan.train_iters)
 
 
+def model_options(plan: RunPlan, init_weights: bool) -> ModelOptions:
+    return ModelOptions(seq_length=plan.seq_length, dtype=plan.dtype, init_weights=init_weights, parallel_output=True,
+                        execution=plan.execution.model)
+
+
 def trained_model(plan: RunPlan):
     """This rank's LLaVAModel as the run trains it, before megatron's wrappers: initialised where the
     run starts from no checkpoint, frozen for its stage."""
-    fresh_random = plan.start is None and plan.resume is None
-    model = build_model(plan.arch, plan.families, ModelOptions(seq_length=plan.seq_length, dtype=plan.dtype,
-                                                               init_weights=fresh_random, parallel_output=True,
-                                                               execution=plan.execution.model))
+    model = build_model(plan.arch, plan.families, model_options(plan, init_weights=plan.start is None and plan.resume is None))
     freeze_for_stage(model, plan)
     return model
 
@@ -129,7 +131,7 @@ def build_training_model(plan: RunPlan) -> TrainingModel:
         wd_incr_style="constant",
     )
     trained = TrainingModel(model, ddp, optimizer, scheduler)
-    log.info("model built: %d parameters on this rank, %d trainable (stage %d%s)",
+    log.info("model built: %d parameters on this rank, %d trainable (stage %s%s)",
              sum(p.numel() for p in model.parameters()), trained.trainable_parameters(), cfg.stage,
              ", LM frozen" if cfg.freeze_lm or cfg.lora_rank else "")
     return trained

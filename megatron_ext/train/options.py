@@ -22,11 +22,14 @@ def opt(default, help: str, **extra):
     return field(metadata={"help": help, **extra}, **factory)
 
 
-# LLaVA-1.5's recipes: stage 1 = projector pre-training, stage 2 = visual instruction tuning.
+# LLaVA-1.5's recipes: stage 1 = projector pre-training, stage 2 = visual instruction tuning; then
+# preference tuning (RLAIF-V's and LLaVA-OneVision's DPO runs: global batch 64, lr 5e-7).
 STAGE_DEFAULTS = {
     1: {"global_batch_size": 256, "lr": 1e-3, "freeze_lm": True},
     2: {"global_batch_size": 128, "lr": 2e-5, "freeze_lm": False},
+    "dpo": {"global_batch_size": 64, "lr": 5e-7, "freeze_lm": False},
 }
+DPO_LOSSES = ("sigmoid", "ipo", "robust")
 
 
 @dataclass
@@ -75,10 +78,10 @@ class TrainConfig:
     recompute_num_layers: int = opt(1, "Layers per recomputed group (uniform) or recomputed layers per stage (block).")
     # --- batches and schedule --------------------------------------------------------------
     micro_batch_size: int = opt(1, "Samples (packed sequences) per micro batch per data-parallel rank.")
-    global_batch_size: int | None = opt(None, "Samples per optimizer step (stage default: 256 / 128).")
+    global_batch_size: int | None = opt(None, "Samples (DPO: pairs) per optimizer step (stage default: 256 / 128 / 64).")
     train_iters: int | None = opt(None, "Optimizer steps to train (default: one epoch of the training split).")
     epochs: float | None = opt(None, "Train length in passes over the training split (instead of --train-iters).")
-    lr: float | None = opt(None, "Peak learning rate (stage default: 1e-3 / 2e-5).")
+    lr: float | None = opt(None, "Peak learning rate (stage default: 1e-3 / 2e-5 / 5e-7).")
     min_lr: float = opt(0.0, "Learning rate at the end of the decay.")
     lr_warmup_fraction: float = opt(0.03, "Fraction of the steps spent in linear warm-up.")
     lr_decay_style: str = opt("cosine", "Learning-rate decay.", choices=["cosine", "linear", "constant"])
@@ -91,11 +94,24 @@ class TrainConfig:
     skip_train_iteration_range: list[str] = opt(list, "Iterations START-END whose data is consumed without an update (repeatable).")
     max_nonfinite_steps: int = opt(10, "Stop after this many consecutive non-finite losses.")
     # --- stage -----------------------------------------------------------------------------
-    stage: int = opt(1, "1: train the projector (LM and ViT frozen); 2: train projector + LM (ViT frozen).", choices=[1, 2])
+    stage: int | str = opt(1, "1: train the projector (LM and ViT frozen); 2: train projector + LM (ViT frozen); dpo: "
+                              "preference tuning of projector + LM on pairs (--megatron-load-dir is also the frozen "
+                              "reference).", choices=["1", "2", "dpo"])
     freeze_lm: bool = opt(False, "Freeze the language model (implied by --stage 1).")
     unfreeze_vit: bool = opt(False, "Also train the vision tower.")
     vision_lr: float | None = opt(None, "With --unfreeze-vit: the vision tower's peak learning rate (default: --lr), "
                                         "decayed on the same schedule (LLaVA-OneVision trains its tower at 2e-6).")
+    # --- preference tuning (--stage dpo) ---------------------------------------------------
+    dpo_beta: float = opt(0.1, "DPO's beta: how far the policy may move from the reference.")
+    dpo_loss: str = opt("sigmoid", "DPO loss: sigmoid (DPO), ipo (IPO, per-token log-ratios) or robust (Robust DPO, "
+                                   "with --dpo-label-smoothing as the label flip rate).", choices=list(DPO_LOSSES))
+    dpo_label_smoothing: float = opt(0.0, "With --dpo-loss robust: the rate at which preference labels are flipped.")
+    rpo_alpha: float | None = opt(None, "Also train on the chosen answer: alpha x its NLL per token (RPO).")
+    reference_logprobs: str = opt("live", "DPO's reference log-probabilities: live (a frozen copy of the starting "
+                                          "model runs beside the trained one; with LoRA the adapters are switched "
+                                          "off instead) or precompute (one forward pass over the train split "
+                                          "before training, kept in SAVE_DIR/reference_logps.json: one model "
+                                          "in memory).", choices=["live", "precompute"])
     # --- LoRA ------------------------------------------------------------------------------
     lora_rank: int = opt(0, "LoRA adapter rank (0: no LoRA). Stage 2: the language model is frozen and adapters on "
                             "--lora-targets are trained; checkpoints then hold the adapters (and the projector with "
@@ -146,6 +162,11 @@ class TrainConfig:
     # --- debugging -------------------------------------------------------------------------
     debug: bool = opt(False, "Verbose logging.")
     deterministic: bool = opt(False, "Deterministic algorithms (slower).")
+
+    def __post_init__(self):
+        # The command line gives every stage as text; stages 1 and 2 are numbers.
+        if self.stage in ("1", "2"):
+            self.stage = int(self.stage)
 
     def resolved(self) -> "TrainConfig":
         """A copy with the stage's defaults filled in for everything left unset."""

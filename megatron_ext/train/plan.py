@@ -233,6 +233,19 @@ def _check_same_lora(config: TrainConfig, resume: layout.Snapshot) -> None:
                         + "); resume with those, or save to another --save-dir")
 
 
+def _check_dpo(config: TrainConfig, start: layout.Snapshot | None) -> None:
+    from megatron_ext.train.dpo.loss import DpoSettings
+
+    DpoSettings.of(config)
+    if start is None:
+        raise UserError("--stage dpo needs --megatron-load-dir: the checkpoint to tune, which is also the reference policy")
+    if config.cp > 1:
+        raise UserError("--stage dpo does not support --cp: a pair's sequences are summed whole on one rank")
+    if config.eval_generate_samples or config.eval_benchmarks:
+        raise UserError("--stage dpo evaluates the DPO loss and rewards on the val pairs; generate answers or score "
+                        "benchmarks with scripts/eval on the saved checkpoint")
+
+
 def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | None = None) -> RunPlan:
     """`te`: Transformer Engine is usable here (default: imported to find out); `on_gpu`: the ranks use GPUs."""
     config = config.resolved()
@@ -273,6 +286,8 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
             raise UserError(f"--save-dir {config.save_dir}: its optimizer state was saved "
                             f"{'with' if saved else 'without'} --dist-optim; resume with the same setting "
                             "or give --no-load-optim (Adam's moments then start afresh)")
+    if config.stage == "dpo":
+        _check_dpo(config, start)
     if lora is not None and start is None and resume is None:
         raise UserError("--lora-rank needs --megatron-load-dir: the base checkpoint the adapters are trained on")
     if resume is not None:

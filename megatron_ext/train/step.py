@@ -3,29 +3,38 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_ext.model.forward_step import reduce_loss, run_schedule
 
 
 @dataclass
 class StepResult:
-    loss: float  # token-weighted mean over the global batch (nan when not finite)
-    loss_tokens: int
+    loss: float  # mean over the global batch (tokens; DPO: pairs); nan when not finite
+    loss_tokens: int  # what the loss is the mean over (DPO: pairs)
     grad_norm: float | None
     updated: bool  # False: skipped iteration or non-finite loss
+    metrics: dict = field(default_factory=dict)  # the objective's own (DPO's rewards and log-probs)
 
     @property
     def finite(self) -> bool:
         return math.isfinite(self.loss)
 
 
-def train_step(trained, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int) -> StepResult:
+def token_objective(losses: list[dict]) -> tuple[float, int, dict]:
+    """The language-model loss of a step's loss-function outputs, with no further metrics."""
+    return (*reduce_loss(losses), {})
+
+
+def train_step(trained, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
+               reduce=token_objective) -> StepResult:
+    """`reduce`: the step's loss-function outputs -> (loss, what it is the mean over, metrics)."""
     trained.ddp.zero_grad_buffer()
     trained.optimizer.zero_grad()
-    loss, tokens = reduce_loss(run_schedule(trained.ddp, forward_step, micro_batches, seq_length, micro_batch_size, False))
+    loss, count, metrics = reduce(run_schedule(trained.ddp, forward_step, micro_batches, seq_length, micro_batch_size,
+                                               False))
     if not math.isfinite(loss):
-        return StepResult(loss, tokens, None, updated=False)
+        return StepResult(loss, count, None, updated=False, metrics=metrics)
     _, grad_norm, _ = trained.optimizer.step()
     trained.scheduler.step(increment=1)
-    return StepResult(loss, tokens, grad_norm, updated=True)
+    return StepResult(loss, count, grad_norm, updated=True, metrics=metrics)

@@ -120,6 +120,13 @@ class Trainer:
                                      resumed_at=self.iteration if plan.resume is not None else None)
         self.inputs = ModelInputs.for_model(plan.arch, self.trained.model, device())
         self.forward_step = make_forward_step(self.inputs)
+        self.dpo = None
+        if self.cfg.stage == "dpo":
+            from megatron_ext.train.dpo.objective import DpoObjective
+
+            self.dpo = DpoObjective(plan, self.trained, self.inputs)
+            if self.cfg.reference_logprobs == "precompute":
+                self._precompute_reference()
         self.stop = _StopSignal()
         self.dp_group = parallel_state.get_data_parallel_group()
         # The rank of its data-parallel replica that adds the batch statistics to the step's all-reduce.
@@ -128,6 +135,22 @@ class Trainer:
                              and parallel_state.get_context_parallel_rank() == 0)
         self.last_saved = plan.resume.path if plan.resume else None
         self.held_state_recorded = False
+
+    def _precompute_reference(self) -> None:
+        """A fresh run computes its reference log-probabilities with the starting weights, in one pass over
+        the train split (and the val batches it evaluates); a resumed run reads what it stored."""
+        from itertools import chain, islice
+
+        from megatron_ext.train.data import split_pass
+
+        if self.plan.resume is not None:
+            self.dpo.reference.load()
+            return
+        log.info("computing the reference log-probabilities of the %d training pairs", self.plan.train_split.samples)
+        val = self.val_data.global_batches() if self.val_data is not None else []
+        train = split_pass(self.plan, "train")
+        groups = iter(lambda: list(islice(train, self.plan.num_microbatches)), [])
+        self.dpo.reference.precompute(chain(groups, val))
 
     # --- one iteration ------------------------------------------------------------------------
     def _lr(self) -> float:
@@ -144,6 +167,8 @@ class Trainer:
             self.trained.scheduler.step(increment=1)
             self.counters["skipped_iterations"] += 1
             result = None
+        elif self.dpo is not None:
+            result = self.dpo.train_step(micro_batches)
         else:
             result = train_step(self.trained, self.forward_step, micro_batches, self.plan.seq_length,
                                 self.cfg.micro_batch_size)
@@ -226,6 +251,7 @@ class Trainer:
             "padding_share": 1.0 - batch["positions"] / batch["model_positions"],
             "tflops_per_gpu": flops / seconds / self.plan.world_size / 1e12,
             "memory_gb": _memory_gb(),
+            **(result.metrics if result else {}),
         }
         return record
 
@@ -235,6 +261,8 @@ class Trainer:
             return self._evaluate()
 
     def _evaluate(self) -> dict:
+        if self.dpo is not None:
+            return self._evaluate_pairs()
         total, tokens = 0.0, 0
         for micro_batches in self.val_data.global_batches():
             loss, n = eval_loss(self.trained.ddp, self.forward_step, micro_batches, self.plan.seq_length,
@@ -251,6 +279,17 @@ class Trainer:
         if self.benchmark_eval is not None:
             result.update(self.benchmark_eval.run(self.trained.model))
         return result
+
+    def _evaluate_pairs(self) -> dict:
+        """The DPO loss and TRL's metrics over the val pairs (means over pairs)."""
+        sums, pairs = {}, 0
+        for micro_batches in self.val_data.global_batches():
+            loss, n, metrics = self.dpo.evaluate(micro_batches)
+            for name, value in {"loss": loss, **metrics}.items():
+                sums[name] = sums.get(name, 0.0) + value * n
+            pairs += n
+        return {"iteration": self.iteration, "pairs": pairs,
+                **{name: value / pairs if pairs else float("nan") for name, value in sums.items()}}
 
     def save(self) -> None:
         with self.trained.parameters_gathered():

@@ -121,7 +121,7 @@ def test_json_that_is_not_a_list_is_one_clear_error(tmp_path):
 
 
 def test_failed_prepare_leaves_no_dataset(messy_input, tmp_path, monkeypatch):
-    def broken_prepare(path, split_ratio, num_workers):
+    def broken_prepare(path, split_ratio, num_workers, dataset_yaml):
         assert list(path.glob("*.tar"))
         raise UserError("energon prepare failed on the new shards: boom")
 

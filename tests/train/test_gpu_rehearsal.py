@@ -126,7 +126,7 @@ ALLOWED_READS = {
     "megatron/core/optimizer/clip_grads.py (get_grad_norm_fp32)": "per step, megatron-core",
     "megatron/core/utils.py (local_multi_tensor_l2_norm)": "per step, megatron-core without Apex/TE",
     # Ours: the global batch's loss (logged, non-finite check) and the step's shared statistics + stop flag.
-    "megatron_ext/model/forward_step.py (reduce_loss)": "per step",
+    "megatron_ext/model/forward_step.py (reduce_sums)": "per step",
     "megatron_ext/train/trainer.py (_shared)": "per step",
 }
 

@@ -1,0 +1,98 @@
+"""Worker for test_dpo: one DPO step of the trainer's objective on fixed pairs in any layout.
+
+Usage: torchrun --nproc-per-node N dpo_worker.py CHECKPOINT DATA OUT_DIR OPTIONS_JSON
+
+The trainer's plan, model, reference and DPO objective run on `pairs()`: data-parallel replica r
+takes pairs r, r + DP, ... of the global batch, as micro batches of --micro-batch-size pairs (or
+packed rows of --packing-seq-length). Step 1 trains on the global batch; the same batch is then
+evaluated after the update. Rank 0 writes OUT_DIR/result.json (both steps' loss and metrics, the
+vision tower's batch sizes) and OUT_DIR/micro_batches.pt: the whole global batch as one replica
+would hold it, for the TRL side.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+GLOBAL_BATCH, SEQ = 4, 256
+COLOURS = {"red": (200, 30, 30), "green": (30, 170, 40), "blue": (40, 60, 210), "yellow": (220, 210, 40)}
+
+
+def pairs(count: int = GLOBAL_BATCH) -> list:
+    """Pair i shows a square of one colour; the chosen answer names it, the rejected one another colour
+    at another length. Pair 3 has no image (a text-only pair), pair 1 two images."""
+    from megatron_ext.data.shard_format import PreferenceSample
+
+    names = list(COLOURS)
+    out = []
+    for i in range(count):
+        true, false = names[i % 4], names[(i + 1 + i // 4) % 4]
+        num_images = {1: 2, 3: 0}.get(i % 4, 1)
+        images = [Image.new("RGB", (36 + 5 * i + 3 * k, 30 + 4 * k), COLOURS[true]) for k in range(num_images)]
+        prompt = [{"role": "user", "content": "<image>\n" * num_images + "What colour is the square?"}]
+        chosen = f"The square is {true}."
+        rejected = f"It looks {false} to me, a {false} square on a plain background."[: 20 + 9 * (i % 3)]
+        out.append(PreferenceSample(__key__=f"p{i}", __restore_key__=(), images=images, prompt=prompt, chosen=chosen,
+                                    rejected=rejected))
+    return out
+
+
+def micro_batches_of(encoder, encoded: list, micro_batch_size: int, packing: bool) -> list[dict]:
+    if packing:
+        rows = [[encoder.pack_selected_samples(pack)] for pack in encoder.select_samples_to_pack(encoded)]
+    else:
+        rows = [encoded[i:i + micro_batch_size] for i in range(0, len(encoded), micro_batch_size)]
+    return [encoder.batch(row).as_dict() for row in rows]
+
+
+def main():
+    checkpoint, data, out_dir, options = sys.argv[1], sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_ext.data.pairs import PairTaskEncoder
+    from megatron_ext.distributed import device, init_parallel, shutdown
+    from megatron_ext.model.inputs import ModelInputs
+    from megatron_ext.train import checkpointing
+    from megatron_ext.train.dpo.objective import DpoObjective
+    from megatron_ext.train.model_setup import build_training_model
+    from megatron_ext.train.options import TrainConfig
+    from megatron_ext.train.plan import make_plan
+
+    config = TrainConfig(megatron_load_dir=checkpoint, data_path=data, stage="dpo", lr=1e-3, global_batch_size=GLOBAL_BATCH,
+                         train_iters=1, num_workers=0, lr_warmup_fraction=0.0, lr_decay_style="constant", clip_grad=0.0,
+                         **{"seq_length": SEQ, **options})
+    plan = make_plan(config, int(os.environ["WORLD_SIZE"]), on_gpu=False)
+    cfg = plan.config
+    init_parallel(cfg.tp, cfg.pp, seed=cfg.seed, cp=cfg.cp)
+    trained = build_training_model(plan)
+    checkpointing.load_weights(trained, plan.start, with_optimizer=False)
+    objective = DpoObjective(plan, trained, ModelInputs.for_model(plan.arch, trained.model, device()))
+    encoder = PairTaskEncoder.for_model(str(plan.tokenizer_dir), plan.arch, seq_length=plan.seq_length,
+                                        packing_seq_length=cfg.packing_seq_length, alignment=plan.execution.alignment)
+    encoded = [encoder.postencode_sample(encoder.preencode_sample(p)) for p in pairs()]
+    rank, replicas = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    mine = micro_batches_of(encoder, encoded[rank::replicas], cfg.micro_batch_size, bool(cfg.packing_seq_length))
+    # The tiles the trained model's tower takes in the step (with LoRA, the reference pass too).
+    tower_batches = []
+    hook = trained.model.vision_model.register_forward_hook(
+        lambda module, args, output: tower_batches.append(args[0].shape[0])) if trained.model.add_encoder else None
+    first = objective.train_step(mine)
+    if hook is not None:
+        hook.remove()
+    loss, _, metrics = objective.evaluate(mine)
+    if torch.distributed.get_rank() == 0:
+        result = {"first": {"loss": first.loss, "pairs": first.loss_tokens, **first.metrics},
+                  "after": {"loss": loss, **metrics}, "tower_batches": tower_batches, "img_seq_len": plan.arch.img_seq_len,
+                  "images": [int(b["images"].shape[0]) for b in mine]}
+        (out_dir / "result.json").write_text(json.dumps(result))
+        torch.save(micro_batches_of(encoder, encoded, cfg.micro_batch_size, bool(cfg.packing_seq_length)),
+                   out_dir / "micro_batches.pt")
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""DPO (--stage dpo) equals TRL's DPOTrainer: for the same HF model, reference, pairs and beta, the
+trainer's objective gives TRL's loss and metrics on the global batch, at TP1, TP2, PP2 and with
+LoRA, and one Adam step from the same weights gives TRL's next loss. The vision tower runs once
+per pair (counted), and the reference under LoRA is the base model (adapters off)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import run_torchrun
+
+WORKER = str(Path(__file__).with_name("dpo_worker.py"))
+LR = 1e-3
+# The first step sees the checkpoint's own weights on both sides: float noise only. After one Adam
+# step the two models differ by Adam's first update, lr x g / (|g| + eps) per weight, which turns
+# float noise on a near-zero gradient into a difference of up to lr: a looser bound.
+FIRST, AFTER = 1e-5, 2e-3
+
+LAYOUTS = {
+    "tp1": (1, {}),
+    "tp2-micro-batch-2": (2, {"tp": 2, "micro_batch_size": 2}),
+    "pp2-packed": (2, {"pp": 2, "packing_seq_length": 256}),
+    "lora-dp2-dist-optim": (2, {"lora_rank": 4, "lora_alpha": 8.0, "dist_optim": True, "micro_batch_size": 2}),
+}
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
+
+
+def _hf(llava_dir: Path):
+    from transformers import LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration.from_pretrained(llava_dir, torch_dtype=torch.float32).eval()
+
+
+def _close(ours: dict, theirs: dict, rtol: float) -> list[str]:
+    return [f"{name}: ours {ours[name]:.7g}, TRL {theirs[name]:.7g}" for name in theirs
+            if name in ours and abs(ours[name] - theirs[name]) > rtol * max(1.0, abs(theirs[name]))]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dpo_step_equals_trl(layout, tmp_path, megatron_clip, llava_clip, train_data):
+    from megatron_ext.train.trl_dpo import per_pair_logps, trl_dpo_step
+
+    nproc, options = LAYOUTS[layout]
+    run_torchrun(nproc, WORKER, megatron_clip, train_data, tmp_path, json.dumps(options), timeout=300)
+    ours = json.loads((tmp_path / "result.json").read_text())
+    micro_batches = torch.load(tmp_path / "micro_batches.pt", weights_only=False)
+    config = json.loads((llava_clip / "config.json").read_text())
+    token, img_seq_len = config["image_token_index"], ours["img_seq_len"]
+
+    # Each pair's images went through the tower once per forward pass (LoRA: the reference's too), not
+    # once per sequence.
+    passes = 2 if "lora" in layout else 1
+    assert sorted(ours["tower_batches"]) == sorted(n for n in ours["images"] * passes if n)
+    assert sum(int(b["images"].shape[0]) for b in micro_batches) * 2 == \
+        sum(int(b["image_index"].shape[0]) for b in micro_batches)
+
+    policy, reference = _hf(llava_clip), _hf(llava_clip)
+    if "lora" in layout:
+        # Adapters start at zero (B = 0): the first step's policy is the base. After it, our reference
+        # must still be the base (adapters off): its log-probs are what our rewards are measured from.
+        before, _ = trl_dpo_step(policy, reference, micro_batches, image_token_index=token, img_seq_len=img_seq_len,
+                                 lr=0.0, optimizer="sgd")
+        assert not _close(ours["first"], before, FIRST), _close(ours["first"], before, FIRST)
+        base = per_pair_logps(reference, micro_batches, token, img_seq_len).mean(0)
+        after = ours["after"]
+        ref_chosen = after["logps/chosen"] - after["rewards/chosen"] / 0.1
+        ref_rejected = after["logps/rejected"] - after["rewards/rejected"] / 0.1
+        assert abs(ref_chosen - float(base[0])) < 1e-4 and abs(ref_rejected - float(base[1])) < 1e-4
+        assert after["loss"] < ours["first"]["loss"]
+        return
+    policy.model.vision_tower.requires_grad_(False)  # --stage dpo trains the projector and the LM
+    before, after = trl_dpo_step(policy, copy.deepcopy(reference), micro_batches, image_token_index=token,
+                                 img_seq_len=img_seq_len, lr=LR, optimizer="adamw")
+    assert not _close(ours["first"], before, FIRST), _close(ours["first"], before, FIRST)
+    assert not _close(ours["after"], after, AFTER), _close(ours["after"], after, AFTER)
+    assert after["loss"] < before["loss"]
