@@ -191,14 +191,16 @@ class FeatureLayout:
 
     @classmethod
     def of(cls, processor) -> FeatureLayout:
-        """The layout an HF `LlavaNextProcessor` or `LlavaOnevisionProcessor` expands `<image>` with."""
+        """The layout an HF `LlavaNextProcessor` or `LlavaOnevisionProcessor` expands `<image>` (and
+        `<video>`: its token is the processor's) with."""
         image_processor = processor.image_processor
         pinpoints = tuple((int(h), int(w)) for h, w in image_processor.image_grid_pinpoints)
         tile = _tile_size(image_processor)
         aspect = getattr(processor, "vision_aspect_ratio", None)
         if aspect is None:
             return cls(TilingArch(pinpoints, max_tiles=None, video_token_index=None), tile, tile // processor.patch_size)
-        return cls(TilingArch(pinpoints, max_tiles=int(aspect.removeprefix("anyres_max_")), video_token_index=None),
+        return cls(TilingArch(pinpoints, max_tiles=int(aspect.removeprefix("anyres_max_")),
+                              video_token_index=processor.video_token_id),
                    tile, math.isqrt(processor.num_image_tokens), one_tile_when_several=True)
 
     def image_features(self, image_size: tuple[int, int], several: bool = False) -> int:

@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_ext.errors import UserError
+from megatron_ext.model import tiling
+
+if TYPE_CHECKING:
+    from megatron_ext.data.anyres import FeatureLayout
 
 # transformers' loss ignores these labels.
 IGNORE = -100
@@ -24,38 +29,139 @@ IGNORE = -100
 
 @dataclass
 class HfSample:
+    """One sample as transformers' processor gives it, ready for the model's forward (`inputs`)."""
+
     input_ids: torch.Tensor  # [1, L]: HF's tokens, each image token repeated once per image feature
-    pixel_values: torch.Tensor | None  # [n, 3, H, W]
     labels: torch.Tensor  # [1, L]: the token at p where position p - 1 is trained, else IGNORE
+    # LLaVA-1.5: [n, 3, H, W]; tiled: [n, most tiles, 3, H, W], each image's tiles then zero tiles
+    pixel_values: torch.Tensor | None = None
+    image_sizes: torch.Tensor | None = None  # tiled: long [n, 2], each image's (height, width)
+    batch_num_images: torch.Tensor | None = None  # OneVision: long [1], the images (one tile each when several)
+    pixel_values_videos: torch.Tensor | None = None  # OneVision: [videos, frames, 3, H, W]
 
     @property
     def trained_tokens(self) -> int:
         return int((self.labels != IGNORE).sum())
 
+    def inputs(self, device) -> dict:
+        """The model's forward kwargs: tokens, labels and whatever media the sample has."""
+        return {key: value.to(device) for key, value in
+                {"input_ids": self.input_ids, "labels": self.labels, **media_inputs([self])}.items()}
 
-def hf_samples(micro_batch: dict, image_token_index: int, img_seq_len: int) -> list[HfSample]:
+
+MEDIA_KEYS = ("pixel_values", "image_sizes", "batch_num_images", "pixel_values_videos")
+
+
+def media_inputs(samples: list[HfSample]) -> dict:
+    """The media of `samples` as one batch of transformers' processor holds them: every key some
+    sample has, concatenated in sample order; tiled images' tiles padded with zero tiles to the
+    most any image has, as the processor pads them."""
+    out = {}
+    for key in MEDIA_KEYS:
+        parts = [getattr(s, key) for s in samples if getattr(s, key) is not None]
+        if key == "pixel_values" and parts and parts[0].dim() == 5:
+            parts = _padded(parts)
+        if parts:
+            out[key] = torch.cat(parts)
+    return out
+
+
+def _padded(images: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[n, tiles, 3, H, W] parts padded to one tile count."""
+    most = max(p.shape[1] for p in images)
+    return [torch.cat([p, p.new_zeros((p.shape[0], most - p.shape[1], *p.shape[2:]))], 1) for p in images]
+
+
+def hf_samples(micro_batch: dict, image_token_index: int, img_seq_len: int,
+               tiled: FeatureLayout | None = None) -> list[HfSample]:
     """Every sample of one of our micro batches (rows, packed samples in order), in HF's token space.
     Our rows hold one image token per image, and position t is trained where loss_mask[t] (its label
     being token t + 1); HF's hold `img_seq_len` tokens per image and labels that transformers shifts.
-    A DPO pair batch holds each pair's images once: its `image_index` names the image each image token uses."""
+    A DPO pair batch holds each pair's images once: its `image_index` names the image each image token uses.
+
+    Tiled models (`tiled`: the HF processor's `anyres.FeatureLayout`; `img_seq_len` 1): our rows hold
+    one token per feature already, as HF's; `images` holds the tiles of every image and video (pair
+    batches: through `image_index`) and `media_layout` their rows, in token order; a sample takes
+    the media whose features make up its image and video tokens."""
     images = micro_batch["images"]
     if "image_index" in micro_batch:
         images = images[micro_batch["image_index"]]
-    images = iter(images)
+    if tiled is None:
+        media = _Images(images, image_token_index)
+    elif img_seq_len != 1:
+        raise ValueError(f"a tiled model's image tokens are one position each, not img_seq_len {img_seq_len}")
+    else:
+        media = _TiledMedia(images, micro_batch["media_layout"], image_token_index, tiled)
     out = []
     for ids, labels, mask, segments in zip(micro_batch["input_ids"], micro_batch["labels"], micro_batch["loss_mask"],
                                            micro_batch["segment_ids"]):
         for segment in range(1, int(segments.max()) + 1):
             where = segments == segment
-            out.append(_expand(ids[where], labels[where], mask[where], images, image_token_index, img_seq_len))
+            tokens, hf_labels = _expand(ids[where], labels[where], mask[where], image_token_index, img_seq_len)
+            out.append(HfSample(tokens, hf_labels, **media.take(ids[where])))
     return out
 
 
-def _expand(ids, labels, mask, images, image_token_index: int, img_seq_len: int) -> HfSample:
-    tokens, trained, pixels = [], [], []
+class _Images:
+    """LLaVA-1.5's images, one per image token."""
+
+    def __init__(self, images: torch.Tensor, image_token_index: int):
+        self.images, self.token, self.next = images, image_token_index, 0
+
+    def take(self, ids: torch.Tensor) -> dict:
+        count = int((ids == self.token).sum())
+        self.next += count
+        if self.next > len(self.images):
+            raise ValueError(f"the micro batch has {len(self.images)} images for more image tokens")
+        return {"pixel_values": self.images[self.next - count:self.next]} if count else {}
+
+
+class _TiledMedia:
+    """A tiled micro batch's images and videos (`model.tiling.Media` rows and their tiles), in token order."""
+
+    def __init__(self, tiles: torch.Tensor, layout: torch.Tensor, image_token_index: int, features: FeatureLayout):
+        self.media = [tiling.Media(*row) for row in layout.tolist()]
+        self.tiles = torch.split(tiles, [m.tiles for m in self.media])
+        self.tokens = torch.tensor([t for t in (image_token_index, features.tiling.video_token_index) if t is not None])
+        self.features = features
+        self.next = 0
+
+    def take(self, ids: torch.Tensor) -> dict:
+        """The inputs of the media whose features are the sample's image and video tokens."""
+        wanted = int(torch.isin(ids, self.tokens).sum())
+        images, sizes, videos = [], [], []
+        while wanted > 0:
+            if self.next == len(self.media):
+                raise ValueError(f"the media layout ends {wanted} image and video tokens short")
+            media, tiles = self.media[self.next], self.tiles[self.next]
+            self.next += 1
+            f = self.features
+            wanted -= tiling.feature_count(media, f.tiling, f.tile, f.side)
+            if media.kind == tiling.VIDEO:
+                videos.append(tiles)
+            else:
+                images.append(tiles[None])
+                sizes.append((media.height, media.width))
+        if wanted:
+            raise ValueError("a sample's image and video tokens end inside a media's features")
+        out = {}
+        if images:
+            out.update(pixel_values=torch.cat(_padded(images)), image_sizes=torch.tensor(sizes))
+            if self.features.one_tile_when_several:
+                out["batch_num_images"] = torch.tensor([len(images)])
+        if videos:
+            if len({len(v) for v in videos}) > 1:
+                raise ValueError(f"videos of {sorted({len(v) for v in videos})} frames: transformers stacks a "
+                                 "sample's videos, which needs one frame count")
+            out["pixel_values_videos"] = torch.stack(videos)
+        return out
+
+
+def _expand(ids, labels, mask, image_token_index: int, img_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(HF's tokens [1, L], HF's labels [1, L]) of one sample."""
+    tokens, trained = [], []
     for t, token in enumerate(ids.tolist()):
         if token == image_token_index:
-            pixels.append(next(images))
             tokens += [token] * img_seq_len
             trained += [False] * img_seq_len
             continue
@@ -64,7 +170,7 @@ def _expand(ids, labels, mask, images, image_token_index: int, img_seq_len: int)
         tokens.append(token)
         trained.append(bool(mask[t]))
     hf_labels = torch.tensor([IGNORE] + [tok if prev else IGNORE for tok, prev in zip(tokens[1:], trained)])
-    return HfSample(torch.tensor([tokens]), torch.stack(pixels) if pixels else None, hf_labels[None])
+    return torch.tensor([tokens]), hf_labels[None]
 
 
 def frozen(name: str, stage: int, unfreeze_vit: bool) -> bool:
@@ -122,14 +228,23 @@ def global_normalizer(batches: list[list[HfSample]]) -> list[int]:
 class HfLoop:
     def __init__(self, hf_dir: str, hyper: Hyper, img_seq_len: int, device: str = "cpu", dtype: str = "float32"):
         """`img_seq_len`: image tokens per image in HF's input (our `LlavaArch.img_seq_len`); `dtype`: the
-        compute dtype (float32, or bfloat16 through autocast)."""
-        from transformers import LlavaForConditionalGeneration
+        compute dtype (float32, or bfloat16 through autocast). The model is the checkpoint's own class
+        (LLaVA, LLaVA-NeXT, OneVision); a tiled model's media are laid out as its processor's."""
+        import transformers
 
+        from megatron_ext import hf_loading
+        from megatron_ext.data.anyres import FeatureLayout
+        from megatron_ext.families import llava_kind
+        from megatron_ext.hf.processors import load_processor
+
+        kind = llava_kind(hf_loading.load_config(hf_dir, "--hf-dir"))
         self.device = torch.device(device)
         self.autocast = torch.autocast(self.device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
-        self.model = LlavaForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).to(self.device)
+        model_class = getattr(transformers, kind.model_class)
+        self.model = model_class.from_pretrained(hf_dir, dtype=torch.float32).to(self.device)
         self.model.train()
         self.img_seq_len = img_seq_len
+        self.tiled = FeatureLayout.of(load_processor(hf_dir, "--hf-dir", kind)) if kind.tiled else None
         self.config = self.model.config
         for name, p in self.model.named_parameters():
             p.requires_grad_(not frozen(name, hyper.stage, hyper.unfreeze_vit))
@@ -144,15 +259,13 @@ class HfLoop:
 
     def step(self, micro_batches: list[dict]) -> tuple[float, float]:
         """One optimizer step on our recorded micro batches: (loss, gradient norm before clipping)."""
-        batches = [hf_samples(b, self.config.image_token_index, self.img_seq_len) for b in micro_batches]
+        batches = [hf_samples(b, self.config.image_token_id, self.img_seq_len, tiled=self.tiled) for b in micro_batches]
         self.optimizer.zero_grad()
         loss = 0.0
         for batch, normalizer in zip(batches, global_normalizer(batches)):
             for s in batch:
-                pixels = None if s.pixel_values is None else s.pixel_values.to(self.device)
                 with self.autocast:
-                    out = self.model(input_ids=s.input_ids.to(self.device), pixel_values=pixels,
-                                     labels=s.labels.to(self.device),
+                    out = self.model(**s.inputs(self.device),
                                      num_items_in_batch=torch.tensor(normalizer, device=self.device))
                 out.loss.backward()
                 loss += out.loss.item()

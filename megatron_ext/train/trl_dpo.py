@@ -2,10 +2,11 @@
 
 Our pair micro batch is an SFT micro batch (megatron_ext/data/batching.py) whose rows hold whole
 pairs: segments 2k+1 and 2k+2 of a row are one pair's chosen and rejected sequence, `images` holds
-each pair's images once and `image_index` names the one each image token uses. `trl_batch` turns
-micro batches into the padded batch TRL's collator would build; `trl_dpo_metrics` and `trl_dpo_step`
-run a real `trl.DPOTrainer`'s own loss on it (CPU, fp32). `per_pair_logps` is an independent
-computation of the answers' log-probs with the plain HF model.
+each pair's images once and `image_index` names the one each image token uses (tiled models: each
+pair's tiles once, `image_index` the tiles of every image and video use, `media_layout` a row per
+use). `trl_batch` turns micro batches into the padded batch TRL's collator would build;
+`trl_dpo_metrics` and `trl_dpo_step` run a real `trl.DPOTrainer`'s own loss on it (CPU, fp32).
+`per_pair_logps` is an independent computation of the answers' log-probs with the plain HF model.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import tempfile
 
 import torch
 
-from megatron_ext.train.hf_loop import IGNORE, HfSample, hf_samples
+from megatron_ext.train.hf_loop import IGNORE, HfSample, hf_samples, media_inputs
 
 # TRL's `_metrics["train"]` keys besides the loss that `trl_dpo_metrics` returns; `num_tokens`, a
 # running total over the trainer's life, is left out.
@@ -26,26 +27,28 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 PAD = 0
 
 
-def pair_samples(micro_batches: list[dict], image_token_index: int,
-                 img_seq_len: int) -> list[tuple[HfSample, HfSample]]:
-    """(chosen, rejected) of every pair, in pair order, in HF's token space."""
+def pair_samples(micro_batches: list[dict], image_token_index: int, img_seq_len: int,
+                 tiled=None) -> list[tuple[HfSample, HfSample]]:
+    """(chosen, rejected) of every pair, in pair order, in HF's token space (`tiled`: as `hf_samples`)."""
     pairs = []
     for batch in micro_batches:
         counts = batch["segment_ids"].max(dim=1).values
         if (counts % 2).any():
             raise ValueError(f"rows hold {counts.tolist()} sequences: a pair batch's rows hold whole pairs")
-        samples = hf_samples(batch, image_token_index, img_seq_len)
+        samples = hf_samples(batch, image_token_index, img_seq_len, tiled)
         pairs += zip(samples[0::2], samples[1::2])
     return pairs
 
 
-def trl_batch(micro_batches: list[dict], image_token_index: int, img_seq_len: int) -> dict:
+def trl_batch(micro_batches: list[dict], image_token_index: int, img_seq_len: int, tiled=None) -> dict:
     """The pairs of `micro_batches` as TRL's preference collator lays them out: rows [chosen_1..chosen_P,
-    rejected_1..rejected_P], right padded; `completion_mask` marks the answer tokens; `pixel_values`
-    the images of every row in row order (each pair's twice: chosen, rejected)."""
+    rejected_1..rejected_P], right padded; `completion_mask` marks the answer tokens; the media of
+    every row in row order (each pair's twice: chosen, rejected) as the model's processor batches
+    them (`hf_loop.media_inputs`: `pixel_values`; tiled models also `image_sizes`, OneVision
+    `batch_num_images` and `pixel_values_videos`)."""
     if image_token_index == PAD:
         raise ValueError(f"the image token {image_token_index} is the padding id")
-    chosen, rejected = zip(*pair_samples(micro_batches, image_token_index, img_seq_len))
+    chosen, rejected = zip(*pair_samples(micro_batches, image_token_index, img_seq_len, tiled))
     rows = [*chosen, *rejected]
     shape = (len(rows), max(s.input_ids.shape[1] for s in rows))
     input_ids = torch.full(shape, PAD, dtype=torch.long)
@@ -56,23 +59,20 @@ def trl_batch(micro_batches: list[dict], image_token_index: int, img_seq_len: in
         input_ids[row, :n] = s.input_ids[0]
         attention_mask[row, :n] = 1
         completion_mask[row, :n] = s.labels[0] != IGNORE
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": completion_mask}
-    pixels = [s.pixel_values for s in rows if s.pixel_values is not None]
-    if pixels:
-        batch["pixel_values"] = torch.cat(pixels)
-    return batch
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": completion_mask,
+            **media_inputs(rows)}
 
 
 @torch.no_grad()
-def per_pair_logps(model, micro_batches: list[dict], image_token_index: int, img_seq_len: int) -> torch.Tensor:
+def per_pair_logps(model, micro_batches: list[dict], image_token_index: int, img_seq_len: int,
+                   tiled=None) -> torch.Tensor:
     """[P, 2] float: the summed log-probs of each pair's chosen and rejected answer tokens, each
     sequence run alone through the plain HF model (logits, log-softmax; no TRL)."""
     out = []
-    for pair in pair_samples(micro_batches, image_token_index, img_seq_len):
+    for pair in pair_samples(micro_batches, image_token_index, img_seq_len, tiled):
         row = []
         for s in pair:
-            pixels = None if s.pixel_values is None else s.pixel_values.to(model.device)
-            logits = model(input_ids=s.input_ids.to(model.device), pixel_values=pixels).logits[0, :-1].float()
+            logits = model(**s.inputs(model.device)).logits[0, :-1].float()
             targets = s.labels[0, 1:].to(model.device)
             trained = targets != IGNORE
             logps = logits[trained].log_softmax(-1).gather(-1, targets[trained, None])
@@ -91,9 +91,13 @@ def dpo_trainer(policy, reference, output_dir: str, *, beta: float, loss_type: s
 
     Side effects of TRL's constructor: it seeds the global RNGs (`args.seed`), turns dropout off in
     both models and patches a fused LM head onto their forward (calls without `fused_lm_head=True`
-    run the original). Its processor comes from `config._name_or_path`."""
+    run the original). Its processor is the checkpoint's at `config._name_or_path`, as
+    `hf.processors.load_processor` builds it (TRL's own AutoProcessor needs torchvision for OneVision's
+    video processor); trl_batch stands in for its collator."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
+
+    from megatron_ext.hf.processors import load_processor
 
     losses, weights = [loss_type], None
     if rpo_alpha is not None:
@@ -106,7 +110,8 @@ def dpo_trainer(policy, reference, output_dir: str, *, beta: float, loss_type: s
     # TRL wants a train dataset; an "images" column makes it a vision dataset, which TRL leaves
     # unprocessed (its collator, which we replace with trl_batch, would process it on the fly).
     dummy = Dataset.from_dict({"prompt": ["-"], "chosen": ["-"], "rejected": ["-"], "images": [[]]})
-    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=dummy)
+    processor = load_processor(policy.config._name_or_path, "--hf-dir")
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=dummy, processing_class=processor)
     if reference is None and "ref" in getattr(policy, "peft_config", {}):
         # Given a PeftModel, TRL copies its adapter into a frozen "ref" adapter, the reference; ours is
         # the base model, TRL's rule for an adapter it adds itself (`peft_config`): adapters off.
@@ -124,19 +129,19 @@ def _metrics(trainer, loss: torch.Tensor) -> dict:
 
 
 def trl_dpo_metrics(policy, reference, micro_batches: list[dict], *, image_token_index: int, img_seq_len: int,
-                    beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                    tiled=None, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
                     rpo_alpha: float | None = None) -> dict:
     """TRL's DPO loss and metrics on all pairs of `micro_batches` as one batch: {"loss", *METRICS},
-    floats, as `DPOTrainer._compute_loss` logs them (means over the pairs)."""
+    floats, as `DPOTrainer._compute_loss` logs them (means over the pairs). `tiled`: as `hf_samples`."""
     with tempfile.TemporaryDirectory() as output_dir, torch.no_grad():
         trainer = dpo_trainer(policy, reference, output_dir, beta=beta, loss_type=loss_type,
                               label_smoothing=label_smoothing, rpo_alpha=rpo_alpha)
-        batch = trl_batch(micro_batches, image_token_index, img_seq_len)
+        batch = trl_batch(micro_batches, image_token_index, img_seq_len, tiled)
         return _metrics(trainer, trainer.compute_loss(trainer.model, batch))
 
 
 def trl_dpo_step(policy, reference, micro_batches: list[dict], *, image_token_index: int, img_seq_len: int,
-                 lr: float, optimizer: str = "sgd", beta: float = 0.1, loss_type: str = "sigmoid",
+                 lr: float, tiled=None, optimizer: str = "sgd", beta: float = 0.1, loss_type: str = "sigmoid",
                  label_smoothing: float = 0.0, rpo_alpha: float | None = None) -> tuple[dict, dict]:
     """(metrics before, metrics after) one optimizer step of TRL's loss on `micro_batches`, both as
     `trl_dpo_metrics` returns them, on the same batch. The step: torch.optim.SGD (no momentum) or
@@ -145,7 +150,7 @@ def trl_dpo_step(policy, reference, micro_batches: list[dict], *, image_token_in
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = dpo_trainer(policy, reference, output_dir, beta=beta, loss_type=loss_type,
                               label_smoothing=label_smoothing, rpo_alpha=rpo_alpha)
-        batch = trl_batch(micro_batches, image_token_index, img_seq_len)
+        batch = trl_batch(micro_batches, image_token_index, img_seq_len, tiled)
         trained = [p for p in trainer.model.parameters() if p.requires_grad]
         if optimizer == "sgd":
             step = torch.optim.SGD(trained, lr=lr)

@@ -129,8 +129,8 @@ def test_catches_image_tokens_in_the_loss(ours, llava_clip, monkeypatch):
     """Predicting image tokens (labels at image positions) changes the loss and its token count."""
     plain = hf_loop.hf_samples
 
-    def with_image_labels(micro_batch, image_token_index, img_seq_len):
-        samples = plain(micro_batch, image_token_index, img_seq_len)
+    def with_image_labels(micro_batch, image_token_index, *args, **kwargs):
+        samples = plain(micro_batch, image_token_index, *args, **kwargs)
         for s in samples:
             s.labels[s.input_ids == image_token_index] = image_token_index
         return samples
