@@ -2,6 +2,8 @@
 
 Usage: torchrun --nproc-per-node N dpo_worker.py CHECKPOINT DATA OUT_DIR OPTIONS_JSON
 
+OPTIONS_JSON: trainer options, and "pairs": "tiled" for a tiled LLaVA's pairs (`tiled_pairs`).
+
 The trainer's plan, model, reference and DPO objective run on `pairs()`: data-parallel replica r
 takes pairs r, r + DP, ... of the global batch, as micro batches of --micro-batch-size pairs (or
 packed rows of --packing-seq-length). Step 1 trains on the global batch; the same batch is then
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from PIL import Image
 
-GLOBAL_BATCH, SEQ = 4, 256
+GLOBAL_BATCH, SEQ, VIDEO_FRAMES = 4, 256, 4
 COLOURS = {"red": (200, 30, 30), "green": (30, 170, 40), "blue": (40, 60, 210), "yellow": (220, 210, 40)}
 
 
@@ -40,6 +42,24 @@ def pairs(count: int = GLOBAL_BATCH) -> list:
     return out
 
 
+def tiled_pairs() -> list:
+    """For a tiled LLaVA (OneVision): a wide anyres image, a 4-frame video, a tall image and a text-only
+    pair."""
+    import numpy as np
+
+    from megatron_ext.convert.compare import synthetic_image
+    from megatron_ext.data.shard_format import PreferenceSample
+
+    media = [{"images": [synthetic_image(0, (83, 50))]},
+             {"images": [], "videos": [[np.asarray(synthetic_image(10 + i, (60, 60))) for i in range(VIDEO_FRAMES)]]},
+             {"images": [synthetic_image(1, (50, 117))]}, {"images": []}]
+    questions = ["<image>\nWhat is it?", "<video>\nWhat happens?", "<image>\nWhich shape?", "Name a colour."]
+    answers = [("A red square.", "A blue circle, large."), ("It brightens.", "Nothing."), ("A tall bar.", "Round."),
+               ("Green.", "I cannot tell you that.")]
+    return [PreferenceSample(__key__=f"p{i}", __restore_key__=(), prompt=[{"role": "user", "content": q}], chosen=c,
+                             rejected=r, **m) for i, (m, q, (c, r)) in enumerate(zip(media, questions, answers))]
+
+
 def micro_batches_of(encoder, encoded: list, micro_batch_size: int, packing: bool) -> list[dict]:
     if packing:
         rows = [[encoder.pack_selected_samples(pack)] for pack in encoder.select_samples_to_pack(encoded)]
@@ -50,6 +70,7 @@ def micro_batches_of(encoder, encoded: list, micro_batch_size: int, packing: boo
 
 def main():
     checkpoint, data, out_dir, options = sys.argv[1], sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
+    kind = options.pop("pairs", "llava")
     import torch
     from megatron.core import parallel_state
 
@@ -72,8 +93,9 @@ def main():
     checkpointing.load_weights(trained, plan.start, with_optimizer=False)
     objective = DpoObjective(plan, trained, ModelInputs.for_model(plan.arch, trained.model, device()))
     encoder = PairTaskEncoder.for_model(str(plan.tokenizer_dir), plan.arch, seq_length=plan.seq_length,
-                                        packing_seq_length=cfg.packing_seq_length, alignment=plan.execution.alignment)
-    encoded = [encoder.postencode_sample(encoder.preencode_sample(p)) for p in pairs()]
+                                        packing_seq_length=cfg.packing_seq_length, alignment=plan.execution.alignment,
+                                        video_frames=VIDEO_FRAMES)
+    encoded = [encoder.postencode_sample(encoder.preencode_sample(p)) for p in (tiled_pairs() if kind == "tiled" else pairs())]
     rank, replicas = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     mine = micro_batches_of(encoder, encoded[rank::replicas], cfg.micro_batch_size, bool(cfg.packing_seq_length))
     # The tiles the trained model's tower takes in the step (with LoRA, the reference pass too).

@@ -26,15 +26,32 @@ LAYOUTS = {
     "tp2-micro-batch-2": (2, {"tp": 2, "micro_batch_size": 2}),
     "pp2-packed": (2, {"pp": 2, "packing_seq_length": 256}),
     "lora-dp2-dist-optim": (2, {"lora_rank": 4, "lora_alpha": 8.0, "dist_optim": True, "micro_batch_size": 2}),
+    # OneVision: a pair with an anyres image, one with a video, at TP2.
+    "onevision-tp2": (2, {"tp": 2, "pairs": "tiled", "seq_length": 2048}),
 }
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 
 def _hf(llava_dir: Path):
-    from transformers import LlavaForConditionalGeneration
+    import transformers
 
-    return LlavaForConditionalGeneration.from_pretrained(llava_dir, torch_dtype=torch.float32).eval()
+    from megatron_ext.families import llava_kind
+
+    model_class = getattr(transformers, llava_kind(json.loads((llava_dir / "config.json").read_text())).model_class)
+    return model_class.from_pretrained(llava_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def checkpoints(request, megatron_clip, llava_clip):
+    """(Megatron checkpoint, its HF LLaVA, the HF side's tiled layout) of a layout's model."""
+    if "onevision" not in request.node.callspec.params["layout"]:
+        return megatron_clip, llava_clip, None
+    from megatron_ext.data.anyres import FeatureLayout
+    from megatron_ext.hf.processors import load_processor
+
+    hf = request.getfixturevalue("llava_onevision_siglip")
+    return request.getfixturevalue("megatron_onevision"), hf, FeatureLayout.of(load_processor(hf, "--hf-dir"))
 
 
 def _close(ours: dict, theirs: dict, rtol: float) -> list[str]:
@@ -42,16 +59,24 @@ def _close(ours: dict, theirs: dict, rtol: float) -> list[str]:
             if name in ours and abs(ours[name] - theirs[name]) > rtol * max(1.0, abs(theirs[name]))]
 
 
+def _first(metrics: dict) -> dict:
+    """The first step's metrics but the reward accuracy: policy and reference are the same weights, so
+    every reward is 0 up to float noise (the two forward passes run apart) and a pair's "chosen
+    beats rejected" is a coin toss in that noise, on either side."""
+    return {name: value for name, value in metrics.items() if name != "rewards/accuracies"}
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_dpo_step_equals_trl(layout, tmp_path, megatron_clip, llava_clip, train_data):
+def test_dpo_step_equals_trl(layout, tmp_path, checkpoints, train_data):
     from megatron_ext.train.trl_dpo import per_pair_logps, trl_dpo_step
 
+    megatron, hf_dir, tiled = checkpoints
     nproc, options = LAYOUTS[layout]
-    run_torchrun(nproc, WORKER, megatron_clip, train_data, tmp_path, json.dumps(options), timeout=300)
+    run_torchrun(nproc, WORKER, megatron, train_data, tmp_path, json.dumps(options), timeout=300)
     ours = json.loads((tmp_path / "result.json").read_text())
     micro_batches = torch.load(tmp_path / "micro_batches.pt", weights_only=False)
-    config = json.loads((llava_clip / "config.json").read_text())
-    token, img_seq_len = config["image_token_index"], ours["img_seq_len"]
+    config = json.loads((hf_dir / "config.json").read_text())
+    space = {"image_token_index": config["image_token_index"], "img_seq_len": ours["img_seq_len"], "tiled": tiled}
 
     # Each pair's images went through the tower once per forward pass (LoRA: the reference's too), not
     # once per sequence.
@@ -60,14 +85,13 @@ def test_dpo_step_equals_trl(layout, tmp_path, megatron_clip, llava_clip, train_
     assert sum(int(b["images"].shape[0]) for b in micro_batches) * 2 == \
         sum(int(b["image_index"].shape[0]) for b in micro_batches)
 
-    policy, reference = _hf(llava_clip), _hf(llava_clip)
+    policy, reference = _hf(hf_dir), _hf(hf_dir)
     if "lora" in layout:
         # Adapters start at zero (B = 0): the first step's policy is the base. After it, our reference
         # must still be the base (adapters off): its log-probs are what our rewards are measured from.
-        before, _ = trl_dpo_step(policy, reference, micro_batches, image_token_index=token, img_seq_len=img_seq_len,
-                                 lr=0.0, optimizer="sgd")
-        assert not _close(ours["first"], before, FIRST), _close(ours["first"], before, FIRST)
-        base = per_pair_logps(reference, micro_batches, token, img_seq_len).mean(0)
+        before, _ = trl_dpo_step(policy, reference, micro_batches, **space, lr=0.0, optimizer="sgd")
+        assert not _close(ours["first"], _first(before), FIRST), _close(ours["first"], _first(before), FIRST)
+        base = per_pair_logps(reference, micro_batches, **space).mean(0)
         after = ours["after"]
         ref_chosen = after["logps/chosen"] - after["rewards/chosen"] / 0.1
         ref_rejected = after["logps/rejected"] - after["rewards/rejected"] / 0.1
@@ -75,8 +99,7 @@ def test_dpo_step_equals_trl(layout, tmp_path, megatron_clip, llava_clip, train_
         assert after["loss"] < ours["first"]["loss"]
         return
     policy.model.vision_tower.requires_grad_(False)  # --stage dpo trains the projector and the LM
-    before, after = trl_dpo_step(policy, copy.deepcopy(reference), micro_batches, image_token_index=token,
-                                 img_seq_len=img_seq_len, lr=LR, optimizer="adamw")
-    assert not _close(ours["first"], before, FIRST), _close(ours["first"], before, FIRST)
+    before, after = trl_dpo_step(policy, copy.deepcopy(reference), micro_batches, **space, lr=LR, optimizer="adamw")
+    assert not _close(ours["first"], _first(before), FIRST), _close(ours["first"], _first(before), FIRST)
     assert not _close(ours["after"], after, AFTER), _close(ours["after"], after, AFTER)
     assert after["loss"] < before["loss"]

@@ -38,7 +38,8 @@ class Tiled:
         config = json.loads((hf_dir / "config.json").read_text())
         model_class = getattr(transformers, llava_kind(config).model_class)
         self.model = model_class.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        arch = read_llava(config)
+        self.arch = arch = read_llava(config)
+        self.hf_dir = hf_dir
         self.encoder = LlavaTaskEncoder.for_model(str(hf_dir), arch, seq_length=2048, video_frames=FRAMES)
         processor = load_processor(hf_dir, "--hf-dir")
         # The video processor as transformers builds it, its torchvision steps replaced (tests/data).
@@ -114,17 +115,15 @@ def test_next_samples_are_what_its_processor_gives(next_model):
 
 
 def pair_batch(tiled: Tiled, pairs: list[tuple[str, str, str]]) -> dict:
-    """A pair micro batch, one row per pair (question kind, chosen, rejected): the prompt with each
-    answer packed, the pair's tiles held once, `image_index` using them for both sequences."""
-    rows, tiles, index = [], [], []
-    for kind, *answers in pairs:
-        sequences = [tiled.encode(conversation(QUESTION[kind], answer), media_of(kind)) for answer in answers]
-        rows.append(tiled.encoder.layout.pack(sequences))
-        own = list(range(len(tiles), len(tiles) + len(sequences[0].images)))
-        tiles += sequences[0].images
-        index += own * 2
-    batch = tiled.encoder.batch(rows).as_dict()
-    return {**batch, "images": torch.stack(tiles), "image_index": torch.tensor(index)}
+    """A pair micro batch of the trainer's pair encoder, one row per pair (question kind, chosen, rejected)."""
+    from megatron_ext.data.pairs import PairTaskEncoder
+    from megatron_ext.data.shard_format import PreferenceSample
+
+    encoder = PairTaskEncoder.for_model(str(tiled.hf_dir), tiled.arch, seq_length=2048, video_frames=FRAMES)
+    rows = [encoder.postencode_sample(encoder.preencode_sample(PreferenceSample(
+        __key__=f"p{i}", __restore_key__=(), prompt=[{"role": "user", "content": QUESTION[kind]}], chosen=chosen,
+        rejected=rejected, **media_of(kind)))) for i, (kind, chosen, rejected) in enumerate(pairs)]
+    return encoder.batch(rows).as_dict()
 
 
 PAIRS = [("image", "A red square.", "A blue circle, large."), ("video", "It brightens.", "Nothing.")]
