@@ -29,13 +29,16 @@ class Knobs:
     dist_optim: bool
     recompute: Recompute
     sequence_parallel: bool
+    # --stage dpo with the live reference and no LoRA: a second, frozen model of the same parameters.
+    reference_copy: bool = False
 
     @classmethod
     def of(cls, plan: RunPlan) -> "Knobs":
-        ex = plan.execution.model
-        return cls(tp=plan.config.tp, pp=plan.config.pp, dist_optim=plan.config.dist_optim,
+        ex, cfg = plan.execution.model, plan.config
+        return cls(tp=cfg.tp, pp=cfg.pp, dist_optim=cfg.dist_optim,
                    recompute=Recompute(ex.recompute_granularity, ex.recompute_method, ex.recompute_num_layers),
-                   sequence_parallel=ex.sequence_parallel)
+                   sequence_parallel=ex.sequence_parallel,
+                   reference_copy=cfg.stage == "dpo" and cfg.reference_logprobs == "live" and not cfg.lora_rank)
 
     def with_layout(self, plan: RunPlan, tp: int, pp: int) -> "Knobs":
         """At another layout, with sequence parallelism as the run decides it (on with TE from --tp 2)."""
@@ -56,6 +59,7 @@ class RankMemory:
     lm_activations: int
     vision_activations: int
     in_flight: int  # micro batches whose activations the 1F1B schedule holds at once on this stage
+    reference_bytes: int = 0  # --stage dpo: the frozen reference copy's parameters (live, without LoRA)
 
     @property
     def activations(self) -> int:
@@ -63,7 +67,7 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.state.total + self.activations
+        return self.state.total + self.activations + self.reference_bytes
 
 
 @dataclass(frozen=True)
@@ -147,8 +151,10 @@ def _rank_memory(plan: RunPlan, knobs: Knobs, model, m: Measured, stage: int, tp
     vision = tiles * m.vision_tile
     in_flight = min(knobs.pp - stage, plan.num_microbatches)
     bucket_size = ddp_bucket_size(plan.execution.overlap_grad_reduce, plan.execution.ddp_bucket_size, dp, stage)
-    return RankMemory(stage=stage, tp_ranks=(tp_rank,), state=state_bytes(model, knobs.dist_optim, dp, bucket_size),
-                      lm_activations=in_flight * lm, vision_activations=in_flight * vision, in_flight=in_flight)
+    state = state_bytes(model, knobs.dist_optim, dp, bucket_size)
+    return RankMemory(stage=stage, tp_ranks=(tp_rank,), state=state, lm_activations=in_flight * lm,
+                      vision_activations=in_flight * vision, in_flight=in_flight,
+                      reference_bytes=state.param_bytes if knobs.reference_copy else 0)
 
 
 def memory_plan(plan: RunPlan, gpu_memory: int, knobs: Knobs | None = None) -> MemoryPlan:
@@ -177,7 +183,7 @@ def _grouped(ranks: list[RankMemory]) -> tuple[RankMemory, ...]:
     """Tensor ranks of a stage that hold the same bytes, as one kind of rank."""
     kinds: dict[tuple, RankMemory] = {}
     for r in ranks:
-        key = (r.stage, r.state, r.lm_activations, r.vision_activations)
+        key = (r.stage, r.state, r.lm_activations, r.vision_activations, r.reference_bytes)
         if key in kinds:
             kinds[key] = dataclasses.replace(kinds[key], tp_ranks=kinds[key].tp_ranks + r.tp_ranks)
         else:
@@ -208,7 +214,9 @@ def plan_lines(mp: MemoryPlan, dtype: str) -> list[str]:
         lines.append(f"  {_ranks_name(r, k)}: parameters {gib(s.param_bytes)} ({s.trained / 1e6:,.1f}M trained, "
                      f"{s.frozen / 1e6:,.1f}M frozen), gradients {gib(s.grad_bytes)}, optimizer {gib(s.optimizer_bytes)}, "
                      f"activations LM {gib(r.lm_activations)} + vision {gib(r.vision_activations)} "
-                     f"({r.in_flight} micro batch(es) in flight) = {gib(r.total)}")
+                     f"({r.in_flight} micro batch(es) in flight)"
+                     + (f", DPO reference model {gib(r.reference_bytes)}" if r.reference_bytes else "")
+                     + f" = {gib(r.total)}")
     largest = mp.largest
     lines.append(f"  largest {gib(largest.total)} of --gpu-memory {gib(mp.gpu_memory)} "
                  f"({int(RESERVE_FRACTION * 100)}% kept for CUDA, NCCL and fragmentation): "
@@ -219,7 +227,7 @@ def plan_lines(mp: MemoryPlan, dtype: str) -> list[str]:
 def largest_part(r: RankMemory) -> tuple[str, int]:
     parts = {"parameters": r.state.param_bytes, "gradients": r.state.grad_bytes,
              "optimizer state": r.state.optimizer_bytes, "language-model activations": r.lm_activations,
-             "vision-tower activations": r.vision_activations}
+             "vision-tower activations": r.vision_activations, "DPO reference model": r.reference_bytes}
     name = max(parts, key=parts.get)
     return name, parts[name]
 
@@ -227,6 +235,8 @@ def largest_part(r: RankMemory) -> tuple[str, int]:
 def _alternatives(plan: RunPlan, knobs: Knobs) -> list[tuple[str, Knobs]]:
     """What a user may change, cheapest first: recomputation, the distributed optimizer, then the layout."""
     out = []
+    if knobs.reference_copy:
+        out.append(("--reference-logprobs precompute", dataclasses.replace(knobs, reference_copy=False)))
     if knobs.recompute.granularity is None and plan.execution.model.attention_backend == "local":
         out.append(("--recompute-granularity selective", dataclasses.replace(knobs, recompute=Recompute("selective"))))
     if knobs.recompute.granularity != "full":

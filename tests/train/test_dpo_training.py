@@ -65,3 +65,13 @@ def test_precomputed_reference_gives_the_live_losses(whole_run, tmp_path, megatr
         assert precomputed[i]["loss"] == pytest.approx(live[i]["loss"], rel=1e-6, abs=1e-7)
         # beta x sums of ~100 in float32: the rewards carry ~1e-6 of the two passes' summation noise.
         assert precomputed[i]["rewards/margins"] == pytest.approx(live[i]["rewards/margins"], abs=1e-5)
+
+
+def test_dpo_checkpoint_exports_to_hf(whole_run, tmp_path):
+    """A DPO run's checkpoint is a checkpoint like any other: convert_megatron_to_hf.py exports it and
+    the HF model gives its logits."""
+    from megatron_ext.convert.compare import compare
+    from tests.helpers import run_script
+
+    run_script("convert/convert_megatron_to_hf.py", "--megatron-dir", whole_run, "--hf-dir", tmp_path / "hf")
+    assert compare(tmp_path / "hf", whole_run).max_abs <= 1e-4

@@ -182,3 +182,20 @@ def test_activations_are_within_10_percent_of_what_a_real_forward_saves(activati
     assert rank.vision_activations == pytest.approx(vision.bytes, rel=0.10)
     # The check has teeth: every part is there, the tower's grows with the images.
     assert vision.bytes > images * 2**20 and rest.bytes > seq * 2**14
+
+
+def test_dpo_counts_its_reference_copy_and_suggests_precomputing():
+    """--stage dpo holds a frozen copy of the model beside the trained one (its parameters, nothing
+    else); precomputed reference log-probabilities and LoRA (adapters off) hold none."""
+    from megatron_ext.train.memory_plan import memory_plan, plan_lines, refusal
+
+    (sft,) = memory_plan(cpu_plan(stage=2), 80 * GIB).ranks
+    (dpo,) = memory_plan(cpu_plan(stage="dpo"), 80 * GIB).ranks
+    assert dpo.state == sft.state and dpo.reference_bytes == sft.state.param_bytes > 0
+    assert dpo.total == sft.total + dpo.reference_bytes
+    assert memory_plan(cpu_plan(stage="dpo", reference_logprobs="precompute"), 80 * GIB).ranks[0].reference_bytes == 0
+    assert memory_plan(cpu_plan(stage="dpo", lora_rank=4), 80 * GIB).ranks[0].reference_bytes == 0
+    plan = cpu_plan(stage="dpo")
+    over = memory_plan(plan, int(dpo.total / 0.92) - 1)
+    assert "DPO reference model" in plan_lines(over, "float32")[1]
+    assert "--reference-logprobs precompute fits" in refusal(plan, over)
