@@ -21,14 +21,22 @@ LR = 1e-3
 # float noise on a near-zero gradient into a difference of up to lr: a looser bound.
 FIRST, AFTER = 1e-5, 2e-3
 
+# Each layout also runs one of the losses (TRL's loss_type, label_smoothing, RPO's weight).
 LAYOUTS = {
     "tp1": (1, {}),
-    "tp2-micro-batch-2": (2, {"tp": 2, "micro_batch_size": 2}),
-    "pp2-packed": (2, {"pp": 2, "packing_seq_length": 256}),
+    "tp2-micro-batch-2-ipo": (2, {"tp": 2, "micro_batch_size": 2, "dpo_loss": "ipo"}),
+    "pp2-packed-robust": (2, {"pp": 2, "packing_seq_length": 256, "dpo_loss": "robust", "dpo_label_smoothing": 0.1}),
     "lora-dp2-dist-optim": (2, {"lora_rank": 4, "lora_alpha": 8.0, "dist_optim": True, "micro_batch_size": 2}),
     # OneVision: a pair with an anyres image, one with a video, at TP2.
-    "onevision-tp2": (2, {"tp": 2, "pairs": "tiled", "seq_length": 2048}),
+    "onevision-tp2-rpo": (2, {"tp": 2, "pairs": "tiled", "seq_length": 2048, "rpo_alpha": 0.5}),
 }
+BETA = 0.1
+
+
+def _trl_loss(options: dict) -> dict:
+    return {"beta": BETA, "loss_type": options.get("dpo_loss", "sigmoid"),
+            "label_smoothing": options.get("dpo_label_smoothing", 0.0), "rpo_alpha": options.get("rpo_alpha")}
+
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -89,17 +97,19 @@ def test_dpo_step_equals_trl(layout, tmp_path, checkpoints, train_data):
     if "lora" in layout:
         # Adapters start at zero (B = 0): the first step's policy is the base. After it, our reference
         # must still be the base (adapters off): its log-probs are what our rewards are measured from.
-        before, _ = trl_dpo_step(policy, reference, micro_batches, **space, lr=0.0, optimizer="sgd")
+        before, _ = trl_dpo_step(policy, reference, micro_batches, **space, **_trl_loss(options), lr=0.0,
+                                 optimizer="sgd")
         assert not _close(ours["first"], _first(before), FIRST), _close(ours["first"], _first(before), FIRST)
         base = per_pair_logps(reference, micro_batches, **space).mean(0)
         after = ours["after"]
-        ref_chosen = after["logps/chosen"] - after["rewards/chosen"] / 0.1
-        ref_rejected = after["logps/rejected"] - after["rewards/rejected"] / 0.1
+        ref_chosen = after["logps/chosen"] - after["rewards/chosen"] / BETA
+        ref_rejected = after["logps/rejected"] - after["rewards/rejected"] / BETA
         assert abs(ref_chosen - float(base[0])) < 1e-4 and abs(ref_rejected - float(base[1])) < 1e-4
         assert after["loss"] < ours["first"]["loss"]
         return
     policy.model.vision_tower.requires_grad_(False)  # --stage dpo trains the projector and the LM
-    before, after = trl_dpo_step(policy, copy.deepcopy(reference), micro_batches, **space, lr=LR, optimizer="adamw")
+    before, after = trl_dpo_step(policy, copy.deepcopy(reference), micro_batches, **space, **_trl_loss(options), lr=LR,
+                                 optimizer="adamw")
     assert not _close(ours["first"], _first(before), FIRST), _close(ours["first"], _first(before), FIRST)
     assert not _close(ours["after"], after, AFTER), _close(ours["after"], after, AFTER)
     assert after["loss"] < before["loss"]
