@@ -170,14 +170,9 @@ def logit_stats(reference: torch.Tensor, logits: torch.Tensor) -> LogitStats:
 
 def hf_logits(hf_dir: Path, batch) -> torch.Tensor:
     """The HF LLaVA's (of whichever class its config names) logits in float32."""
-    import transformers
-
     from megatron_ext import hf_loading
-    from megatron_ext.convert.hf_checkpoint import read_config
-    from megatron_ext.families import llava_kind
 
-    model_class = getattr(transformers, llava_kind(read_config(Path(hf_dir), "--hf-dir")).model_class)
-    model = hf_loading.load_pretrained(model_class, str(hf_dir), "--hf-dir", dtype=torch.float32).eval()
+    model = hf_loading.load_llava(hf_dir, "--hf-dir", dtype=torch.float32).eval()
     with torch.no_grad():
         return model(**batch).logits.float()
 

@@ -21,14 +21,11 @@ class HFGenerator(Generator):
 
     @classmethod
     def load(cls, hf_dir: str | Path, processor, dtype: str, flag: str = "--hf-dir") -> "HFGenerator":
-        import transformers
 
         from megatron_ext import hf_loading
-        from megatron_ext.families import llava_kind
         from megatron_ext.model.provider import DTYPES
 
-        model_class = getattr(transformers, llava_kind(hf_loading.load_config(str(hf_dir), flag)).model_class)
-        model = hf_loading.load_pretrained(model_class, str(hf_dir), flag, dtype=DTYPES[dtype])
+        model = hf_loading.load_llava(hf_dir, flag, dtype=DTYPES[dtype])
         return cls(model, processor)
 
     def _new_tokens(self, prompt: EncodedPrompt, options: SamplingOptions, budget: int, streamer) -> list[int]:

@@ -103,8 +103,6 @@ def run_ours(hf_dir: str | Path, data_path: str, work_dir: Path, steps: int, gpu
         megatron_dir = to_megatron.convert(hf_dir, work_dir / "megatron", tp=1, pp=1, force=True)
     config = trainer_config(megatron_dir, data_path, work_dir / "ours", steps, options)
     plan = make_plan(config, gpus, torch.cuda.is_available())
-    if plan.arch.tiling is not None:
-        raise UserError("the parity check covers LLaVA-1.5-style models; tiled LLaVAs (NeXT, OneVision) are not done yet")
     if plan.resume is not None:
         raise UserError(f"{work_dir / 'ours'} holds a run already: give the parity check an empty --work-dir")
     config_json = work_dir / "config.json"
@@ -164,9 +162,9 @@ def compare_weights(ours_hf: Path, reference, dtype: str) -> tuple[dict, list[st
     """Per module, the largest |ours - reference|, and whether any of its parameters trained. Frozen
     parameters must equal the reference's (the original checkpoint's) at the compute dtype bit for bit:
     in bf16 our model holds bf16 weights where transformers' autocast keeps fp32 ones."""
-    from transformers import LlavaForConditionalGeneration
+    from megatron_ext import hf_loading
 
-    ours = dict(LlavaForConditionalGeneration.from_pretrained(str(ours_hf), dtype=torch.float32).named_parameters())
+    ours = dict(hf_loading.load_llava(ours_hf, "--work-dir", dtype=torch.float32).named_parameters())
     modules, problems = {}, []
     for name, param in reference.named_parameters():
         ref, trained = param.detach().cpu(), param.requires_grad

@@ -23,7 +23,7 @@ from megatron_ext.train.trainer import Trainer, run
 lifetime.die_with_parent()
 
 # What the transformers loop needs of a micro batch (the rest is the trainer's bookkeeping).
-RECORDED = ("images", "input_ids", "labels", "loss_mask", "segment_ids", "keys")
+RECORDED = ("images", "media_layout", "image_index", "input_ids", "labels", "loss_mask", "segment_ids", "keys")
 
 
 def batch_file(record_dir: Path, iteration: int, replica: int) -> Path:
@@ -39,7 +39,7 @@ class RecordingTrainer(Trainer):
         result, micro_batches, batch, stop = super()._iteration()
         if self.counts_batch:
             path = batch_file(self.record_dir, self.iteration, parallel_state.get_data_parallel_rank())
-            torch.save([{k: b[k] for k in RECORDED} for b in micro_batches], path)
+            torch.save([{k: b[k] for k in RECORDED if k in b} for b in micro_batches], path)
         return result, micro_batches, batch, stop
 
 

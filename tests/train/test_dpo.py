@@ -42,12 +42,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 
 def _hf(llava_dir: Path):
-    import transformers
+    from megatron_ext import hf_loading
 
-    from megatron_ext.families import llava_kind
-
-    model_class = getattr(transformers, llava_kind(json.loads((llava_dir / "config.json").read_text())).model_class)
-    return model_class.from_pretrained(llava_dir, dtype=torch.float32).eval()
+    return hf_loading.load_llava(llava_dir, "--hf-dir", dtype=torch.float32).eval()
 
 
 @pytest.fixture

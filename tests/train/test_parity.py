@@ -2,7 +2,7 @@
 parity.py), fp32 on CPU, on LLaVA-1.5 Llama-GQA + CLIP (stage 2) in two layouts that between them
 cover TP1 and TP2, DP2 with the distributed optimizer, unpacked micro batches of two and packed ones
 of one, with gradient accumulation; on Qwen2 (tied embeddings, qkv bias) + SigLIP in stage 1 at TP2,
-and on Gemma 3 + SigLIP in stage 2 at PP2. Defects planted in the transformers loop, and one in our
+on Gemma 3 + SigLIP in stage 2 at PP2, and on OneVision (anyres images, a video) at TP2 packed. Defects planted in the transformers loop, and one in our
 trainer, that it must catch. Each run is made once; each check replays its recorded batches."""
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ RUNS = {  # name: (the HF checkpoint's fixture, processes, options over BASE)
                                                           "global_batch_size": 4}),
     # Two pipeline stages, four micro batches of one: Gemma's (1 + w) norms, sliding window, scaled embeddings.
     "gemma3-siglip-pp2": ("llava_gemma3_siglip", 2, {"pp": 2, "micro_batch_size": 1, "global_batch_size": 4}),
+    # A tiled LLaVA on anyres images, two-image samples, a video and text only (tests/tiled_data.py),
+    # at TP2 with packed sequences.
+    "onevision-siglip-tp2-packed": ("llava_onevision_siglip", 2, {"tp": 2, "micro_batch_size": 1, "global_batch_size": 4,
+                                                                 "seq_length": 2048, "packing_seq_length": 2048,
+                                                                 "video_frames": 4}),
 }
 CLIP_PER_RANK = Path(__file__).with_name("clip_per_rank")  # its sitecustomize: each rank clips by its own norm
 
@@ -46,8 +51,10 @@ def our_runs(request, tmp_path_factory, megatron_clip, train_data):
         if name not in made:
             fixture, processes, options = RUNS[name]
             hf_dir = request.getfixturevalue(fixture)
-            converted = megatron_clip if fixture == "llava_clip" else None
-            made[name] = parity.run_ours(hf_dir, str(train_data), tmp_path_factory.mktemp(name), STEPS, processes,
+            converted = {"llava_clip": megatron_clip}.get(fixture) or (
+                request.getfixturevalue("megatron_onevision") if fixture == "llava_onevision_siglip" else None)
+            data = request.getfixturevalue("tiled_mix")[0] if fixture == "llava_onevision_siglip" else train_data
+            made[name] = parity.run_ours(hf_dir, str(data), tmp_path_factory.mktemp(name), STEPS, processes,
                                          {**BASE, **options}, quiet=True, megatron_dir=converted), hf_dir
         return made[name]
 
