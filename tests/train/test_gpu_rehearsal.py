@@ -46,7 +46,12 @@ def rehearse(tmp_path, script, *args, check=True, nproc=1):
     # device (the mix has no validation split)
     dict(tp=2, attention_backend="sdpa", micro_batch_size=1, seq_length=SEQ, packing_seq_length=SEQ, video_frames=4,
          max_tiles_per_sequence=64, eval_interval=None),
-], ids=["tp2-lora-sdpa-thd", "pp2-local", "dp2-dist-optim-sdpa-rows", "tp2-onevision-tiled-sdpa-thd"])
+    # DPO on two data-parallel ranks: the reference copy's pass, pairs' log-probs summed on the device,
+    # RPO's token count all-reduced, the val pairs' evaluation
+    dict(stage="dpo", dist_optim=True, attention_backend="sdpa", micro_batch_size=1, seq_length=256,
+         packing_seq_length=256, rpo_alpha=0.5),
+], ids=["tp2-lora-sdpa-thd", "pp2-local", "dp2-dist-optim-sdpa-rows", "tp2-onevision-tiled-sdpa-thd",
+        "dp2-dpo-rpo-sdpa-thd"])
 def test_trainer_iterations_at_every_layout(request, tmp_path, train_data, options):
     """Two ranks: every collective megatron-core makes (also through its import-time aliases) checked,
     in training, evaluation and saving. One rank: the sync-ledger test below."""
@@ -54,6 +59,8 @@ def test_trainer_iterations_at_every_layout(request, tmp_path, train_data, optio
     tiled = "video_frames" in options
     checkpoint = request.getfixturevalue("megatron_onevision" if tiled else "megatron_clip")
     data = request.getfixturevalue("tiled_mix")[0] if tiled else train_data
+    if options.get("stage") == "dpo":
+        data = request.getfixturevalue("preference_data")
     run = {"global_batch_size": 4, "train_iters": 2, "packing_seq_length": 128, "dtype": "bfloat16",
            "eval_interval": 2, "eval_iters": 1, "save_interval": 2, **options}
     args = trainer_args(checkpoint, data, save, **run)
