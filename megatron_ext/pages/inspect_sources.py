@@ -5,6 +5,9 @@ prepared, each record checked and decoded as the dataset builder and energon wou
 Both stream: a sample is read when it is reached, and reading stops after the last one wanted
 unless every sample is (`--all`). Records either source cannot make a sample of (a missing image,
 a malformed conversation) come out as skips with the builder's reason.
+
+A prepared dataset may hold preference pairs (`--task preference`; `SampleSource.pairs`); LLaVA
+JSON is read as conversations.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Iterator
 
 from megatron_ext.data.conversation import BadConversation
 from megatron_ext.data.prepared import split_counts
-from megatron_ext.data.shard_format import decoded_sample
+from megatron_ext.data.shard_format import decoded_sample, holds_pairs
 from megatron_ext.data.sources import Skip, read_records, shard_sample
 from megatron_ext.errors import UserError
 
@@ -65,6 +68,7 @@ class SampleSource:
     records: Iterator[Record]
     # Samples energon's loader dropped before they reached us (a shard part that does not decode).
     load_errors: Counter = field(default_factory=Counter)
+    pairs: bool = False  # its samples are preference pairs
 
 
 class _Wanted:
@@ -96,7 +100,9 @@ def prepared_source(path: str | Path, split: str, selection: Selection) -> Sampl
     total = counts[split].samples
     if total == 0:
         raise UserError(f"--split {split}: {path} has no samples in it")
-    source = SampleSource(f"{path} (split {split}, {total} samples)", total, iter(()))
+    # Pairs only train with --stage dpo, so a blend holding any is read as the DPO trainer reads it.
+    pairs = any(holds_pairs(member) for member, _, _ in counts[split].members)
+    source = SampleSource(f"{path} (split {split}, {total} samples)", total, iter(()), pairs=pairs)
     wanted = _Wanted(selection, total)
 
     def dropped(exc, sample, sources=None):

@@ -2,6 +2,10 @@
 role of the message each comes from and whether it is trained, its images and videos as the
 model gets them, and its counts.
 
+A conversation is one sequence. A preference pair is one encoded sample of two (`data.pairs`): the
+prompt with the chosen answer, then with the rejected one; both use the pair's media, which the
+page shows once.
+
 Nothing here recomputes what the encoder decides: ids, loss mask, truncation, tiles and media rows
 are the encoder's own (`preencode_sample`, `postencode_sample`); this module only lines them up
 with the roles of the rendered messages. A token is marked trained when the model learns to
@@ -17,13 +21,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from megatron_ext.data.shard_format import conversation_of, videos_of
+from megatron_ext.data.pairs import PairTaskEncoder
+from megatron_ext.data.shard_format import conversation_of, preference_of, videos_of
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
 from megatron_ext.model import tiling
 from megatron_ext.pages.inspect_sources import skip_reason
 
 IMAGE, VIDEO = "image", "video"
 ADDED = "added"  # a token the tokenizer adds itself (a BOS in front, an EOS), in no message
+CHOSEN, REJECTED = "chosen", "rejected"  # a pair's sequences, in the encoder's order
 
 
 @dataclass(frozen=True)
@@ -52,20 +58,14 @@ class ShownMedia:
 
 
 @dataclass
-class Inspected:
-    index: int
-    key: str
-    shown: bool
-    skip_reason: str = ""  # why the trainer would skip it ("" when it trains on it)
-    skip_detail: str = ""
+class Sequence:
+    """One sequence of an encoded sample: a conversation, or a pair's prompt with one answer."""
+
+    name: str  # "" for a conversation, else CHOSEN or REJECTED
+    text_tokens: int  # kept tokens that are not image or video features
+    trained_tokens: int
+    image_positions: int
     pieces: list[Piece] = field(default_factory=list)  # of a shown sample; the others are only counted
-    media: list[ShownMedia] = field(default_factory=list)  # likewise
-    text_tokens: int = 0  # kept tokens that are not image or video features
-    trained_tokens: int = 0
-    image_positions: int = 0
-    images: int = 0
-    truncated: bool = False
-    packable: object = None  # with packing: the encoded sample, its pixels dropped
 
     @property
     def positions(self) -> int:
@@ -76,12 +76,43 @@ class Inspected:
         return [p for p in self.pieces if p.cut]
 
 
+@dataclass
+class Inspected:
+    index: int
+    key: str
+    shown: bool
+    skip_reason: str = ""  # why the trainer would skip it ("" when it trains on it)
+    skip_detail: str = ""
+    sequences: list[Sequence] = field(default_factory=list)
+    media: list[ShownMedia] = field(default_factory=list)  # of a shown sample, once for all its sequences
+    images: int = 0
+    truncated: bool = False
+    packable: object = None  # with packing: the encoded sample, its pixels dropped
+
+    @property
+    def text_tokens(self) -> int:
+        return sum(s.text_tokens for s in self.sequences)
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(s.trained_tokens for s in self.sequences)
+
+    @property
+    def image_positions(self) -> int:
+        return sum(s.image_positions for s in self.sequences)
+
+    @property
+    def positions(self) -> int:
+        return self.text_tokens + self.image_positions
+
+
 class SampleReader:
     """Puts samples through `encoder` and reads the results back (`read`)."""
 
     def __init__(self, encoder: LlavaTaskEncoder, arch, pixels):
         """`pixels`: a `media_views.PixelsBack` for this encoder's processors."""
         self.encoder = encoder
+        self.pairs = isinstance(encoder, PairTaskEncoder)
         self.arch = arch
         self.pixels = pixels
         self.tokenizer = encoder.chat.tokenizer
@@ -97,26 +128,43 @@ class SampleReader:
         except Exception as exc:  # energon's error handler skips a sample for any error; so does the page
             found.skip_reason, found.skip_detail = skip_reason(exc)
             return found
-        sources = list(encoded.images)  # PIL images (LLaVA-1.5) or one MediaGroup (tiled), before postencode
-        rows = list(encoded.media)
         if self.encoder.packing:
             found.packable = copy.copy(encoded)
             found.packable.images = [None] * len(encoded.images)  # packing reads how many, not their pixels
-        kept = encoded.lengths[0]  # the tokens after it are alignment padding
-        ids, loss_mask = encoded.input_ids[:kept].numpy(), encoded.loss_mask[:kept].numpy() > 0
+        conversations, videos = self._conversations(sample)
+        # Each sequence holds the sample's media in turn (a pair's two: the same prompt's): PIL
+        # images (LLaVA-1.5) or one MediaGroup (tiled) before postencode, and their media rows.
+        sources = encoded.images[:len(encoded.images) // len(conversations)]
+        rows = encoded.media[:len(encoded.media) // len(conversations)]
         positions = self._positions(rows, len(sources))
-        # Truncation never cuts an image or video, so all of them are in `positions`.
-        found.text_tokens = int(kept - np.isin(ids, list(self.media_tokens)).sum())
-        found.trained_tokens = int(loss_mask.sum())
-        found.image_positions = sum(positions)
+        # The sequences follow one another, each with its alignment padding.
+        starts = np.cumsum([0] + [n + pad for n, pad in zip(encoded.lengths, encoded.pads)])
+        for (name, messages), start, kept in zip(conversations, starts, encoded.lengths):
+            ids = encoded.input_ids[start:start + kept].numpy()
+            loss_mask = encoded.loss_mask[start:start + kept].numpy() > 0
+            # Truncation never cuts an image or video, so all of them are in `positions`.
+            sequence = Sequence(name, int(kept - np.isin(ids, list(self.media_tokens)).sum()), int(loss_mask.sum()),
+                                sum(positions))
+            if shown:
+                sequence.pieces = self._pieces(messages, kept, loss_mask, positions)
+            found.sequences.append(sequence)
         found.images = len(sources) if self.encoder.media is None else sum(r.kind == tiling.IMAGE for r in rows)
         found.truncated = bool(encoded.num_truncated)
         if shown:
-            found.pieces = self._pieces(sample, kept, loss_mask, positions)
-            processed = self.encoder.postencode_sample(encoded).images  # [3, H, W] tensors, tiles in token order
+            # [3, H, W] tensors: the tiles of every medium in token order (a pair's once)
+            processed = self.encoder.postencode_sample(encoded).images
             tiles = torch.stack(processed) if processed else None
-            found.media = self._media(sample, sources, rows, tiles, positions)
+            found.media = self._media(videos, sources, rows, tiles, positions)
         return found
+
+    def _conversations(self, sample) -> tuple[list[tuple[str, list[dict]]], list]:
+        """(the sample's sequences as (name, chat messages), as the encoder renders them; its videos)."""
+        if self.pairs:
+            _, prompt, chosen, rejected = preference_of(sample)
+            return [(name, [*prompt, {"role": "assistant", "content": answer}])
+                    for name, answer in ((CHOSEN, chosen), (REJECTED, rejected))], sample.videos
+        _, messages = conversation_of(sample)
+        return [("", messages)], videos_of(sample)
 
     def _positions(self, rows: list[tiling.Media], images: int) -> list[int]:
         """Positions of each image / video in token order: its features (tiled), else img_seq_len."""
@@ -125,10 +173,9 @@ class SampleReader:
         layout = self.encoder.media.layout
         return [tiling.feature_count(row, layout.tiling, layout.tile, layout.side) for row in rows]
 
-    def _pieces(self, sample, kept: int, loss_mask: np.ndarray, positions: list[int]) -> list[Piece]:
+    def _pieces(self, messages: list[dict], kept: int, loss_mask: np.ndarray, positions: list[int]) -> list[Piece]:
         """The whole rendered chat as pieces, each image or video one block; the encoder's ids are
         these tokens with the media expanded, of which it kept the first `kept` (truncation)."""
-        _, messages = conversation_of(sample)
         roles = [ADDED if r is None else messages[r]["role"] for r in self.encoder.chat.token_roles(messages)]
         chat_ids, _ = self.encoder.chat.encode(messages)
         pieces, at, media = [], 0, iter(enumerate(positions))
@@ -145,7 +192,7 @@ class SampleReader:
             at += 1
         return pieces
 
-    def _media(self, sample, sources: list, rows: list, tiles, positions: list[int]) -> list[ShownMedia]:
+    def _media(self, videos: list, sources: list, rows: list, tiles, positions: list[int]) -> list[ShownMedia]:
         if not sources:  # a text-only conversation
             return []
         if self.encoder.media is None:  # LLaVA-1.5: one tile per image
@@ -154,7 +201,7 @@ class SampleReader:
         from megatron_ext.data.video import sampled_frame_times
 
         group = sources[0]
-        images, videos = iter(group.images), iter(zip(group.videos, videos_of(sample)))
+        images, videos = iter(group.images), iter(zip(group.videos, videos))
         shown, start, numbers = [], 0, {IMAGE: 0, VIDEO: 0}
         for row, count in zip(rows, positions):
             own = tiles[start:start + row.tiles]

@@ -4,7 +4,8 @@ options, every sample read put through it, and what the summary and the packing 
 The encoder is `train.data.task_encoder`, the trainer's own, with the options a trained
 checkpoint was trained with (its stored trainer options) unless a flag says otherwise, and one
 GPU's sequence alignment (no sequence or context parallelism). The stage is not among them: it
-chooses which weights train, not what a sample becomes.
+chooses which weights train, and the data chooses the encoder: preference pairs get the DPO
+trainer's (`data.pairs`), conversations the others'. A pair counts as one sample, of two sequences.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class InspectorEncoder:
     description: list[tuple[str, str]]  # what the page says it used
 
 
-def build_encoder(setup: EncoderSetup) -> InspectorEncoder:
+def build_encoder(setup: EncoderSetup, pairs: bool = False) -> InspectorEncoder:
+    """The trainer's encoder for the model and options of `setup`; `pairs`: for preference pairs."""
     from megatron_ext import families
     from megatron_ext.checkpoint import layout
     from megatron_ext.train.data import task_encoder
@@ -67,10 +69,12 @@ def build_encoder(setup: EncoderSetup) -> InspectorEncoder:
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in saved.items() if k in known})
     cfg = dataclasses.replace(cfg, **{k: v for k, v in setup.options.items() if v is not None})
+    cfg = dataclasses.replace(cfg, stage="dpo" if pairs else 2)  # stage 2: any stage that trains on conversations
     arch = families.read_llava(hf_config)
     seq_length = cfg.seq_length or default_seq_length(arch, SequenceAlignment().total)
     encoder = task_encoder(tokenizer_dir, arch, cfg, seq_length, SequenceAlignment())
-    description = [("model", model), ("chat template", encoder.template_name), ("sequence length", str(seq_length)),
+    description = [("model", model), ("samples", "preference pairs (--stage dpo)" if pairs else "conversations"),
+                   ("chat template", encoder.template_name), ("sequence length", str(seq_length)),
                    ("packing", f"rows of {cfg.packing_seq_length}" if cfg.packing_seq_length else "off")]
     if arch.tiling is None:
         description.append(("image aspect", cfg.image_aspect))
@@ -100,12 +104,22 @@ class PackedRow:
 class Inspection:
     source: str
     encoder: list[tuple[str, str]]
-    scope: str  # what the summary counts: the whole source, or the shown samples
+    everything: bool  # the summary counts the whole source (--all), else the shown samples
     shown: list[Inspected] = field(default_factory=list)
     counted: list[Inspected] = field(default_factory=list)  # every sample the summary counts
     skipped: Counter = field(default_factory=Counter)  # reason -> samples
     rows: list[PackedRow] = field(default_factory=list)
     tiled: object = None  # the encoder's `anyres.FeatureLayout` (tiled models), for drawing grids
+    pairs: bool = False  # the samples are preference pairs
+
+    @property
+    def unit(self) -> str:
+        """What one sample is called on the page."""
+        return "pair" if self.pairs else "sample"
+
+    @property
+    def scope(self) -> str:
+        return f"every {self.unit} of the source (--all)" if self.everything else f"the {self.unit}s shown"
 
     @property
     def trained(self) -> list[Inspected]:
@@ -127,8 +141,7 @@ def _packed_rows(reader: SampleReader, samples: list[Inspected]) -> list[PackedR
 
 def run_inspection(source: SampleSource, encoder: InspectorEncoder, everything: bool, keys: tuple[str, ...]) -> Inspection:
     reader = encoder.reader
-    found = Inspection(source.description, encoder.description,
-                       "every sample of the source (--all)" if everything else "the samples shown")
+    found = Inspection(source.description, encoder.description, everything, pairs=reader.pairs)
     found.tiled = reader.encoder.media.layout if reader.encoder.media is not None else None
     total = source.total if everything else None
     for record in progress(source.records, total=total, desc="samples", unit="sample"):

@@ -3,7 +3,9 @@ samples through the trainer's own task encoder (inspection.py): each sample's im
 gets them (media_views.py), its conversation as tokens coloured by role with the trained ones
 marked, each image or video one block of its positions, its counts and what truncation cut; the
 packed rows; and a summary (lengths, images per sample, trained share, skipped and truncated
-samples by reason). No network, no server: charts are matplotlib's inline SVG, pictures data: URIs.
+samples by reason). A preference pair shows its images once, then its chosen and rejected
+sequences, each as a conversation's tokens with its counts. No network, no server: charts are
+matplotlib's inline SVG, pictures data: URIs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from megatron_ext.fsutil import atomic_write_text
 from megatron_ext.pages.charts import Histogram, histogram_svg
 from megatron_ext.pages.inspect_sources import Selection, open_source
-from megatron_ext.pages.inspected_sample import Inspected, Piece
+from megatron_ext.pages.inspected_sample import Inspected, Piece, Sequence
 from megatron_ext.pages.inspection import EncoderSetup, Inspection, build_encoder, run_inspection
 from megatron_ext.pages.media_views import model_html, original_html
 from megatron_ext.pages.tables import table
@@ -30,6 +32,7 @@ td, th { border: 1px solid #ccc; padding: 0.2em 0.5em; text-align: left; vertica
 .charts { display: flex; flex-wrap: wrap; gap: 1em; }
 .chart svg { width: 26em; height: auto; }
 .sample { border-top: 2px solid #888; margin-top: 2em; }
+.sequence { border-left: 3px solid #ccc; padding-left: 0.8em; margin: 1em 0; }
 .media, .medium { display: flex; flex-wrap: wrap; gap: 1em; align-items: flex-start; margin: 0.5em 0; }
 figure { margin: 0; }
 figcaption, .caption { font-size: 0.85em; color: #555; max-width: 30em; }
@@ -60,16 +63,17 @@ def summary_rows(found: Inspection) -> list[tuple[str, str]]:
     trained = found.trained
     text, train, positions = (sum(getattr(s, name) for s in trained) for name in ("text_tokens", "trained_tokens", "positions"))
     truncated = sum(s.truncated for s in trained)
-    rows = [("samples counted", f"{len(found.counted)} ({found.scope})"),
-            ("samples shown", str(len(found.shown))),
-            ("samples the trainer uses", str(len(trained))),
-            ("samples skipped", str(sum(found.skipped.values())))]
+    unit = found.unit
+    rows = [(f"{unit}s counted", f"{len(found.counted)} ({found.scope})"),
+            (f"{unit}s shown", str(len(found.shown))),
+            (f"{unit}s the trainer uses", str(len(trained))),
+            (f"{unit}s skipped", str(sum(found.skipped.values())))]
     rows += [(f"  skipped: {reason}", str(count)) for reason, count in found.skipped.most_common()]
-    rows += [("samples truncated", f"{truncated} ({_share(truncated, len(trained))})"),
+    rows += [(f"{unit}s truncated", f"{truncated} ({_share(truncated, len(trained))})"),
              ("text tokens / total positions", f"{text:,} / {positions:,}"),
              ("trained tokens", f"{train:,} ({_share(train, text)} of text tokens, {_share(train, positions)} of positions)")]
     if trained:
-        rows.append(("images per sample (mean)", f"{statistics.mean(s.images for s in trained):.2f}"))
+        rows.append((f"images per {unit} (mean)", f"{statistics.mean(s.images for s in trained):.2f}"))
     if found.rows:
         rows.append(("packed rows", f"{len(found.rows)}, padding {statistics.mean(r.padding_share for r in found.rows):.1%} (mean)"))
     return rows
@@ -79,11 +83,12 @@ def _charts(found: Inspection) -> str:
     trained = found.trained
     if not trained:
         return ""
-    charts = [Histogram("Sample lengths", "tokens / positions", {"text tokens": [s.text_tokens for s in trained],
-                                                                 "total positions": [s.positions for s in trained]}),
-              Histogram("Images per sample", "images", {"images": [s.images for s in trained]}, integer_bins=True),
+    unit = found.unit
+    charts = [Histogram(f"{unit.capitalize()} lengths", "tokens / positions",
+                        {"text tokens": [s.text_tokens for s in trained], "total positions": [s.positions for s in trained]}),
+              Histogram(f"Images per {unit}", "images", {"images": [s.images for s in trained]}, integer_bins=True),
               Histogram("Trained share", "trained tokens / text tokens",
-                        {"samples": [s.trained_tokens / s.text_tokens for s in trained if s.text_tokens]})]
+                        {f"{unit}s": [s.trained_tokens / s.text_tokens for s in trained if s.text_tokens]})]
     return '<div class="charts">' + "".join(f'<div class="chart">{histogram_svg(c)}</div>' for c in charts) + "</div>"
 
 
@@ -93,9 +98,10 @@ def _packing(found: Inspection) -> str:
     shown = {s.key for s in found.shown}
     rows = [(i + 1, ", ".join(r.keys), " + ".join(map(str, r.lengths)), f"{r.length} of {r.capacity}", f"{r.padding_share:.1%}")
             for i, r in enumerate(found.rows) if shown & set(r.keys)]
-    return ('<h2>Packed rows</h2>\n<p>The rows the trainer\'s packing makes of the samples counted, a packing buffer at a '
-            'time (training draws them shuffled, so its rows mix other samples); those holding a shown sample:</p>\n'
-            '<div id="packing">' + table(rows, ("row", "samples", "positions each", "row length", "padding"), "packing")
+    unit = found.unit
+    return (f'<h2>Packed rows</h2>\n<p>The rows the trainer\'s packing makes of the {unit}s counted, a packing buffer at a '
+            f'time (training draws them shuffled, so its rows mix other {unit}s); those holding a shown {unit}:</p>\n'
+            '<div id="packing">' + table(rows, ("row", f"{unit}s", "positions each", "row length", "padding"), "packing")
             + "</div>\n")
 
 
@@ -109,8 +115,8 @@ def _piece(piece: Piece, sample: Inspected) -> str:
     return f'<span class="{css}">{html.escape(piece.text)}</span>'
 
 
-def _cut_text(sample: Inspected) -> str:
-    cut = sample.cut
+def _cut_text(sample: Inspected, sequence: Sequence) -> str:
+    cut = sequence.cut
     if not sample.truncated:
         return "no"
     tokens = sum(1 for p in cut if p.media is None)
@@ -122,20 +128,31 @@ def _detail(sample: Inspected) -> str:
     return f" ({html.escape(sample.skip_detail)})" if shown else ""
 
 
+def _sequence(sequence: Sequence, sample: Inspected) -> tuple[str, str]:
+    """(its counts, its tokens) of one sequence of `sample`."""
+    stats = [("tokens", f"{sequence.text_tokens:,}"), ("trained tokens", f"{sequence.trained_tokens:,}"),
+             ("image positions", f"{sequence.image_positions:,}"), ("total positions", f"{sequence.positions:,}")]
+    if not sequence.name:  # a conversation; a pair is skipped rather than cut
+        stats.append(("truncated", _cut_text(sample, sequence)))
+    tokens = "".join(_piece(p, sample) for p in sequence.pieces)
+    return table(stats, css="stats"), f'<div class="tokens">{tokens}</div>'
+
+
 def _sample(sample: Inspected, found: Inspection) -> str:
-    title = f"Sample {sample.key} (index {sample.index})"
+    title = f"{found.unit.capitalize()} {sample.key} (index {sample.index})"
+    head = f'<section class="sample" data-key="{html.escape(sample.key)}"><h3>{html.escape(title)}</h3>'
     if sample.skip_reason:
-        return (f'<section class="sample" data-key="{html.escape(sample.key)}"><h3>{html.escape(title)}</h3>'
-                f'<p class="skipped">skipped by the trainer: {html.escape(sample.skip_reason)}'
+        return (f'{head}<p class="skipped">skipped by the trainer: {html.escape(sample.skip_reason)}'
                 f'{_detail(sample)}</p></section>')
-    stats = [("tokens", f"{sample.text_tokens:,}"), ("trained tokens", f"{sample.trained_tokens:,}"),
-             ("image positions", f"{sample.image_positions:,}"), ("total positions", f"{sample.positions:,}"),
-             ("truncated", _cut_text(sample))]
     media = "".join(f'<div class="medium">{original_html(m)}{model_html(m, found.tiled)}</div>' for m in sample.media)
-    tokens = "".join(_piece(p, sample) for p in sample.pieces)
-    return (f'<section class="sample" data-key="{html.escape(sample.key)}"><h3>{html.escape(title)}</h3>'
-            f'{table(stats, css="stats")}<div class="media">{media}</div>'
-            f'<div class="tokens">{tokens}</div></section>')
+    media = f'<div class="media">{media}</div>'
+    if not found.pairs:
+        (conversation,) = sample.sequences
+        stats, tokens = _sequence(conversation, sample)
+        return f"{head}{stats}{media}{tokens}</section>"
+    sequences = "".join(f'<div class="sequence" data-answer="{s.name}"><h4>the prompt with the {s.name} answer</h4>'
+                        + "".join(_sequence(s, sample)) + "</div>" for s in sample.sequences)
+    return f"{head}{media}{sequences}</section>"
 
 
 _LEGEND = ('<p class="legend">Roles: <span class="role-system">system</span><span class="role-user">user</span>'
@@ -144,6 +161,9 @@ _LEGEND = ('<p class="legend">Roles: <span class="role-system">system</span><spa
            'bold</span>: trained (the model learns to predict the token: the loss mask is 1 at the position before it); '
            '<span class="block">image 1: N positions</span>: an image or video as the positions the model expands it '
            'to; struck out: cut by truncation.</p>')
+_PAIRS = ('<p class="legend">A pair is one sample of two sequences, the prompt with the chosen answer then with the '
+          'rejected one; both use the pair\'s images and videos, which the model gets once (shown once, above the '
+          'sequences).</p>')
 
 
 def render(found: Inspection) -> str:
@@ -155,14 +175,15 @@ def render(found: Inspection) -> str:
             f"<p>{html.escape(found.source)} through the trainer's task encoder, read {now}.</p>\n"
             f'<div id="encoder">{table(found.encoder)}</div>\n'
             f'<h2>Summary</h2>\n<div id="summary">{table(summary_rows(found))}</div>\n{_charts(found)}\n'
-            f"{_packing(found)}<h2>Samples</h2>\n{_LEGEND}\n{samples}\n</body></html>\n")
+            f"{_packing(found)}<h2>{found.unit.capitalize()}s</h2>\n{_LEGEND}\n{_PAIRS if found.pairs else ''}"
+            f"{samples}\n</body></html>\n")
 
 
 def write_inspection(data: str | Path, output: str | Path, setup: EncoderSetup, selection: Selection,
                      split: str = "train", image_root: str | Path | None = None) -> Path:
     """Write the page for `selection` of DATA (a prepared dataset or a LLaVA JSON / JSONL file)."""
     source = open_source(data, split, image_root, selection)
-    encoder = build_encoder(setup)
+    encoder = build_encoder(setup, source.pairs)
     found = run_inspection(source, encoder, selection.everything, selection.keys)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -137,8 +137,9 @@ def test_packed_rows_truncation_and_skips_of_the_whole_file(tiled_mix, llava_cli
                            encoder, everything=True, keys=(TWO_IMAGES,))
     (two,) = found.shown
     assert two.truncated and two.positions == seq
-    kept = "".join(p.text for p in two.pieces if p.trained)
-    assert (kept + "".join(p.text for p in two.cut)).startswith("No, different noise.<|end|>") and kept
+    (conversation,) = two.sequences
+    kept = "".join(p.text for p in conversation.pieces if p.trained)
+    assert (kept + "".join(p.text for p in conversation.cut)).startswith("No, different noise.<|end|>") and kept
     assert found.skipped == {"the sample has a video, which this model does not take": 3, "missing video file": 1,
                              "video cannot be decoded": 1, f"an image does not fit in the sequence length {seq}": 3,
                              "number of <image> markers differs from the number of images": 1}
@@ -162,7 +163,8 @@ def _trained_checkpoint(root, hf_dir, options: dict):
 def test_the_command_takes_a_trained_checkpoints_options_and_refuses_bad_input_in_one_line(tmp_path, capsys, tiled_mix,
                                                                                            llava_clip):
     data, _ = tiled_mix
-    checkpoint = _trained_checkpoint(tmp_path / "ckpt", llava_clip, {"seq_length": 64, "stage": 2})
+    # A preference-tuned checkpoint: conversations still go through the conversation encoder.
+    checkpoint = _trained_checkpoint(tmp_path / "ckpt", llava_clip, {"seq_length": 64, "stage": "dpo"})
 
     def command(*args) -> int:
         with pytest.raises(SystemExit) as exited:
@@ -172,6 +174,7 @@ def test_the_command_takes_a_trained_checkpoints_options_and_refuses_bad_input_i
     assert command(data, "--megatron-load-dir", checkpoint, "--keys", TEXT, "--output", tmp_path / "page.html") == 0
     text = (tmp_path / "page.html").read_text()
     assert "<td>sequence length</td><td>64</td>" in text and text.count('class="sample"') == 1
+    assert "<td>samples</td><td>conversations</td>" in text and "skipped by the trainer" not in text
     capsys.readouterr()
     for args, message in (
             ([tmp_path / "absent"], f"DATA {tmp_path / 'absent'} does not exist"),
@@ -200,3 +203,44 @@ def test_a_llava_next_image_has_the_processors_positions_and_its_grid(tiled_mix,
     (media,) = sample.media
     assert len(media.tiles) == rows * cols + 1
     assert f'data-rows="{rows}" data-cols="{cols}"' in model_html(media, found.tiled)
+
+
+def _trained_per_sequence(encoded) -> list[int]:
+    """The loss mask's sum over each packed sequence of an encoded sample (alignment padding holds none)."""
+    return [int(part.sum()) for part in encoded.loss_mask.split([n + pad for n, pad in zip(encoded.lengths, encoded.pads)])]
+
+
+def test_a_preference_dataset_shows_each_pair_once_with_its_chosen_and_rejected_answers(tmp_path, preference_data,
+                                                                                       llava_clip):
+    from tests.pages.browser import opened
+
+    seq = 128  # the fixture's pairs take 78 to over 200 positions: some do not fit
+    # A stage-2 checkpoint: the pairs still go through the DPO trainer's pair encoder.
+    checkpoint = _trained_checkpoint(tmp_path / "ckpt", llava_clip, {"seq_length": seq, "stage": 2})
+    arch = read_llava(json.loads((llava_clip / "config.json").read_text()))
+    encoder = task_encoder(llava_clip, arch, TrainConfig(stage="dpo"), seq, SequenceAlignment())
+    samples = _decoded(preference_data)
+    trained, too_long = {}, set()
+    for key, sample in samples.items():
+        try:
+            trained[key] = _trained_per_sequence(encoder.preencode_sample(sample))
+        except ValueError:
+            too_long.add(key)
+    fitting, skipped = sorted(trained)[:3], min(too_long)
+    page = write_inspection(preference_data, tmp_path / "pairs.html", EncoderSetup(megatron_load_dir=str(checkpoint)),
+                            Selection(samples=4, keys=(*fitting, skipped), everything=True))
+    with opened(page) as shown:
+        assert shown.console_errors == [] and shown.requests == []
+        summary = _table(shown.page.locator("#summary"))
+        assert summary["pairs counted"].startswith(f"{len(samples)} ") and summary["pairs shown"] == "4"
+        reason = f"the pair (the prompt with each answer) does not fit in the sequence length {seq}"
+        assert summary[f"skipped: {reason}"] == str(len(too_long)) and summary["pairs the trainer uses"] == str(len(trained))
+        assert reason in shown.page.locator(f'section[data-key="{skipped}"] .skipped').inner_text()
+        for key in fitting:
+            pair = shown.page.locator(f'section[data-key="{key}"]')
+            answers = [pair.locator(f'.sequence[data-answer="{name}"]') for name in ("chosen", "rejected")]
+            assert [int(_table(a.locator(".stats"))["trained tokens"]) for a in answers] == trained[key]
+            assert [a.locator(".tok.trained").count() for a in answers] == trained[key]
+            images = len(samples[key].images)
+            assert pair.locator(".medium").count() == images > 0  # once for the pair
+            assert [a.locator(".block").count() for a in answers] == [images, images]  # used by both sequences
