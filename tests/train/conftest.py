@@ -70,13 +70,19 @@ def assert_held_state_is_planned(save_dir: Path, plan=None) -> None:
     state, the largest data-parallel share (with --dist-optim the shares differ where bucket padding
     falls) and, all shares together, every trained element's state once. `plan`: the run's; by
     default rebuilt from its last checkpoint, as a user's `plan` command would."""
+    records = list(metrics(save_dir, "state").values())  # one per start: a resumed run records again
+    assert records
+    for record in records:
+        _check_held_state(record, save_dir, plan)
+
+
+def _check_held_state(record: dict, save_dir: Path, plan) -> None:
     from megatron_ext.checkpoint import layout
     from megatron_ext.train.memory_plan import memory_plan
     from megatron_ext.train.memory_state import MASTER_BYTES, MOMENT_BYTES
     from megatron_ext.train.options import TrainConfig
     from megatron_ext.train.plan import make_plan
 
-    (record,) = metrics(save_dir, "state").values()
     rows = [dict(zip(record["columns"], row)) for row in record["ranks"]]
     if plan is None:
         config = TrainConfig(**layout.latest_complete_snapshot(Path(save_dir)).trainer_options)

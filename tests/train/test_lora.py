@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import run_script, run_torchrun
-from tests.train.conftest import metrics, train, trainer_args
+from tests.train.conftest import assert_held_state_is_planned, metrics, train, trainer_args
 
 WORKER = str(Path(__file__).with_name("lora_worker.py"))
 LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lora_train_projector": True}
@@ -99,6 +99,13 @@ def lora_run(request, tmp_path_factory, megatron_clip, train_data) -> Path:
     layout.mark_latest(save, 2)
     train(nproc, *args, timeout=300)
     return save
+
+
+def test_each_rank_held_the_state_its_memory_plan_counts(lora_run):
+    """Issue 36 with LoRA at four ranks: each rank's parameters, gradient buffers and optimizer state (the
+    adapters' and the projector's) at TP2 x PP2, and at TP2 x DP2 sharded by the distributed optimizer,
+    in the first run and in the resumed one."""
+    assert_held_state_is_planned(lora_run)
 
 
 def test_adapter_checkpoint_is_small_names_its_base_and_resumes_exactly(megatron_clip, lora_run):
