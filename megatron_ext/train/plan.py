@@ -233,6 +233,19 @@ def _check_same_lora(config: TrainConfig, resume: layout.Snapshot) -> None:
                         + "); resume with those, or save to another --save-dir")
 
 
+def _check_data_kind(config: TrainConfig, train: SplitCount) -> None:
+    """Preference pairs train with --stage dpo and only with it: otherwise every sample would be skipped."""
+    from megatron_ext.data.shard_format import holds_pairs
+
+    pairs = [member for member, _, _ in train.members if holds_pairs(member)]
+    if config.stage == "dpo" and len(pairs) < len(train.members):
+        other = next(member for member, _, _ in train.members if member not in pairs)
+        raise UserError(f"--stage dpo trains on preference pairs; --data-path {other} holds conversations: build "
+                        "pairs with megatron-ext-data build --task preference")
+    if config.stage != "dpo" and pairs:
+        raise UserError(f"--data-path {pairs[0]} holds preference pairs: train on them with --stage dpo")
+
+
 def _check_dpo(config: TrainConfig, start: layout.Snapshot | None) -> None:
     from megatron_ext.train.dpo.loss import DpoSettings
 
@@ -278,6 +291,7 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
         raise UserError(f"--eval-benchmark-include-path {include} is not a directory of task YAMLs")
     skip_ranges = parse_skip_ranges(config.skip_train_iteration_range)
     lora = lora_settings(config)
+    _check_data_kind(config, train_split)
 
     start, resume = _snapshots(config)
     if resume is not None and config.load_optim is not False and resume.meta.get("has_optimizer"):

@@ -42,6 +42,28 @@ def test_bad_input_is_one_line_before_training(tmp_path, megatron_clip, train_da
 
 
 @pytest.mark.multiprocess
+def test_pairs_train_with_stage_dpo_and_only_with_it(megatron_clip, train_data, preference_data):
+    from megatron_ext.errors import UserError
+    from megatron_ext.train.options import TrainConfig
+    from megatron_ext.train.plan import make_plan
+
+    def plan(data, stage, **options):
+        return make_plan(TrainConfig(megatron_load_dir=str(megatron_clip), data_path=str(data), stage=stage, **options),
+                         world_size=1, on_gpu=False)
+
+    dpo = plan(preference_data, "dpo")
+    assert (dpo.config.global_batch_size, dpo.config.lr, dpo.config.freeze_lm) == (64, 5e-7, False)
+    with pytest.raises(UserError, match=f"--stage dpo trains on preference pairs; --data-path {train_data} holds "
+                                        "conversations: build pairs with megatron-ext-data build --task preference"):
+        plan(train_data, "dpo")
+    with pytest.raises(UserError, match=f"--data-path {preference_data} holds preference pairs: train on them with "
+                                        "--stage dpo"):
+        plan(preference_data, 2)
+    with pytest.raises(UserError, match="--dpo-label-smoothing applies to --dpo-loss robust"):
+        plan(preference_data, "dpo", dpo_label_smoothing=0.1)
+
+
+@pytest.mark.multiprocess
 def test_plan_derives_stage_defaults_and_iterations(megatron_clip, train_data):
     from megatron_ext.train.options import TrainConfig
     from megatron_ext.train.plan import make_plan
