@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 LAYOUTS = {"TP1": (1, []), "TP2": (2, ["--tp", "2"]), "PP2": (2, ["--pp", "2"]), "DP2": (2, [])}
 
 
-def _prepare(work: Path) -> tuple[Path, Path]:
+def prepare(work: Path) -> tuple[Path, Path]:
+    """The tiny LLaVA converted at TP1 and the prepared 256-sample synthetic dataset."""
     from megatron_ext.convert.to_megatron import convert
     from megatron_ext.data.build import build_energon_dataset
     from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
@@ -40,13 +41,13 @@ def _prepare(work: Path) -> tuple[Path, Path]:
     return checkpoint, data
 
 
-def _run(name: str, nproc: int, extra: list[str], checkpoint: Path, data: Path, work: Path, iters: int) -> float:
-    save = work / f"run-{name}"
+def median_iteration_s(save: Path, nproc: int, args: list[str], iters: int) -> float:
+    """Train `iters` iterations of global batch 8 (micro batches of 4, seq 256) with the trainer options
+    `args` into `save`; the median iteration time after the first 5, from its metrics.jsonl."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port=29561",
-               str(REPO / "scripts/train/pretrain_llava.py"), "--megatron-load-dir", str(checkpoint),
-               "--data-path", str(data), "--save", "--save-dir", str(save), "--stage", "2", "--lr", "1e-4",
+               str(REPO / "scripts/train/pretrain_llava.py"), "--save", "--save-dir", str(save),
                "--micro-batch-size", "4", "--global-batch-size", "8", "--seq-length", "256",
-               "--num-workers", "0", "--train-iters", str(iters), *extra]
+               "--num-workers", "0", "--train-iters", str(iters), *args]
     subprocess.run(command, check=True, capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     times = [json.loads(line)["iteration_time_s"] for line in (save / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["split"] == "train"]
@@ -58,12 +59,13 @@ def _run(name: str, nproc: int, extra: list[str], checkpoint: Path, data: Path, 
 @click.option("--workdir", type=click.Path(file_okay=False), default=None)
 def main(iters, workdir):
     work = Path(workdir or tempfile.mkdtemp(prefix="train-bench-"))
-    checkpoint, data = _prepare(work)
+    checkpoint, data = prepare(work)
     print(f"machine: {platform.machine()}, {platform.processor() or 'cpu'}, python {platform.python_version()}")
     print("| layout | processes | median iteration (s) | samples/s |")
     print("|---|---|---|---|")
     for name, (nproc, extra) in LAYOUTS.items():
-        seconds = _run(name, nproc, extra, checkpoint, data, work, iters)
+        seconds = median_iteration_s(work / f"run-{name}", nproc, ["--megatron-load-dir", str(checkpoint), "--data-path",
+                                     str(data), "--stage", "2", "--lr", "1e-4", *extra], iters)
         print(f"| {name} | {nproc} | {seconds:.3f} | {8 / seconds:.1f} |", flush=True)
 
 

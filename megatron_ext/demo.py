@@ -4,7 +4,9 @@ tiny HF models -> build_llava_jp.py -> convert_hf_to_megatron.py (TP2) -> a synt
 dataset -> prepared energon shards -> run.py stage 1 then stage 2 (2 processes, TP2, with
 validation loss and scored answers) -> convert_megatron_to_hf.py -> generate.py answers a question
 about an image with the HF model -> evaluate.py scores the Megatron checkpoint on the val split
--> `megatron-ext-train report` draws the stage 2 run as an HTML page.
+-> `megatron-ext-train report` draws the stage 2 run as an HTML page -> synthetic preference pairs
+about the same pictures, prepared -> run.py --stage dpo tunes the stage 2 checkpoint on them (2
+processes, TP2), its held-out pairs evaluated before and after.
 
 Each step runs the real command in a subprocess (`python -m megatron_ext.commands.<group> <command>`,
 what the megatron-ext-* console scripts and the files under scripts/ run), so the demo works from an
@@ -37,6 +39,10 @@ class DemoSettings:
     tp: int = 2
     eval_samples: int = 16
     max_new_tokens: int = 16
+    # DPO on CPU in a few iterations: a learning rate far above the recipe's 5e-7 and a strong beta.
+    dpo_iters: int = 10
+    dpo_lr: float = 1e-4
+    dpo_beta: float = 0.5
 
 
 def _run(title: str, command_name: str, *args, log: Path) -> None:
@@ -64,6 +70,13 @@ def first_sample(dataset_dir: Path) -> tuple[Path, str, str]:
     return dataset_dir / sample["image"], question.replace("<image>", "").strip(), reference
 
 
+def held_out_rewards(save_dir: Path) -> tuple[dict, dict]:
+    """The DPO run's first and last evaluations on the val pairs (metrics.jsonl's val records)."""
+    records = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if r["split"] == "val"]
+    return val[0], val[-1]
+
+
 def run_demo(out: Path, settings: DemoSettings = DemoSettings()) -> dict[str, Path]:
     """Run every step into `out`; returns where each artifact is."""
     out.mkdir(parents=True, exist_ok=True)
@@ -81,39 +94,52 @@ def run_demo(out: Path, settings: DemoSettings = DemoSettings()) -> dict[str, Pa
         "answer (generate.py)": out / "answer.jsonl",
         "evaluation (evaluate.py)": out / "eval",
         "stage 2 report (HTML page)": out / "stage2" / "report.html",
+        "preference pairs": out / "pref-src",
+        "prepared preference pairs": out / "pref-energon",
+        "DPO checkpoints": out / "dpo",
     }
     p = list(paths.values())
-    train_common = ["-g", s.processes, "--tp", s.tp, "--pp", 1, "--data-path", p[4], "--save",
+    train_common = ["-g", s.processes, "--tp", s.tp, "--pp", 1, "--save",
                     "--micro-batch-size", s.micro_batch_size, "--global-batch-size", s.global_batch_size,
                     "--num-workers", 0, "--log-interval", 10]
-    _run("1/11 tiny random HF models (Llama text with GQA, CLIP and SigLIP towers)", "demo tiny-models",
+    _run("1/14 tiny random HF models (Llama text with GQA, CLIP and SigLIP towers)", "demo tiny-models",
          "--save-dir", p[0], "--force", log=log)
-    _run("2/11 assemble an HF LLaVA checkpoint", "convert build-llava", "--save-dir", p[1],
+    _run("2/14 assemble an HF LLaVA checkpoint", "convert build-llava", "--save-dir", p[1],
          "--text-model", p[0] / "text", "--vision-model", p[0] / "vision-clip", "--force", log=log)
-    _run("3/11 convert it to a Megatron checkpoint for TP2", "convert hf-to-megatron", "--tp", s.tp,
+    _run("3/14 convert it to a Megatron checkpoint for TP2", "convert hf-to-megatron", "--tp", s.tp,
          "--pp", 1, "--hf-dir", p[1], "--megatron-dir", p[2], "--force", log=log)
-    _run("4/11 a synthetic image dataset (LLaVA JSON)", "data synthetic", "--output-dir", p[3],
+    _run("4/14 a synthetic image dataset (LLaVA JSON)", "data synthetic", "--output-dir", p[3],
          "--num-samples", s.samples, "--force", log=log)
-    _run("5/11 energon shards, prepared", "data build", p[3] / "llava.json", "--output-dir", p[4],
+    _run("5/14 energon shards, prepared", "data build", p[3] / "llava.json", "--output-dir", p[4],
          "--samples-per-shard", 16, "--num-workers", 0, "--force", log=log)
-    _run("6/11 stage 1: train the projector", "train", *train_common, "--stage", 1,
+    _run("6/14 stage 1: train the projector", "train", *train_common, "--stage", 1, "--data-path", p[4],
          "--megatron-load-dir", p[2], "--save-dir", p[5], "--",
          "--train-iters", s.stage1_iters, "--lr", 1e-3, "--seq-length", s.seq_length, log=log)
-    _run("7/11 stage 2: train the projector and the language model", "train", *train_common, "--stage", 2,
-         "--megatron-load-dir", p[5], "--save-dir", p[6], "--",
+    _run("7/14 stage 2: train the projector and the language model", "train", *train_common, "--stage", 2,
+         "--data-path", p[4], "--megatron-load-dir", p[5], "--save-dir", p[6], "--",
          "--train-iters", s.stage2_iters, "--lr", 1e-3, "--seq-length", s.seq_length,
          "--eval-interval", s.stage2_iters, "--eval-generate-samples", s.eval_samples,
          "--eval-max-new-tokens", s.max_new_tokens, log=log)
-    _run("8/11 convert the trained checkpoint back to HF", "convert megatron-to-hf", "--tp", s.tp,
+    _run("8/14 convert the trained checkpoint back to HF", "convert megatron-to-hf", "--tp", s.tp,
          "--pp", 1, "--megatron-dir", p[6], "--hf-dir", p[7], "--tokenizer-dir", p[1], "--force", log=log)
     image, question, _ = first_sample(p[3])
-    _run("9/11 answer a question about an image with the trained HF model", "eval generate", "--hf-dir", p[7],
+    _run("9/14 answer a question about an image with the trained HF model", "eval generate", "--hf-dir", p[7],
          "--image", image, "--prompt", question, "--max-new-tokens", s.max_new_tokens, "--output-jsonl", p[8],
          log=log)
-    _run("10/11 evaluate the trained Megatron checkpoint on the val split (TP2 snapshot, one process)",
+    _run("10/14 evaluate the trained Megatron checkpoint on the val split (TP2 snapshot, one process)",
          "eval evaluate", "--megatron-dir", p[6], "--data-path", p[4], "--output-dir", p[9], "--force",
          "--fast-n", s.eval_samples, "--max-new-tokens", s.max_new_tokens, log=log)
-    _run("11/11 a report of the stage 2 run: loss, learning rate, throughput, checkpoints", "train report", p[6],
+    _run("11/14 a report of the stage 2 run: loss, learning rate, throughput, checkpoints", "train report", p[6],
          log=log)
+    _run("12/14 synthetic preference pairs: the same pictures and questions, a wrong colour or shape rejected",
+         "data synthetic", "--task", "preference", "--output-dir", p[11], "--num-samples", s.samples, "--force",
+         log=log)
+    _run("13/14 energon shards of the pairs, prepared", "data build", p[11] / "preference.json", "--task",
+         "preference", "--output-dir", p[12], "--samples-per-shard", 16, "--num-workers", 0, "--force", log=log)
+    _run("14/14 DPO: tune the stage 2 checkpoint on the pairs (it is also the reference); held-out pairs "
+         "evaluated before and after", "train", *train_common, "--stage", "dpo", "--data-path", p[12],
+         "--megatron-load-dir", p[6], "--save-dir", p[13], "--",
+         "--train-iters", s.dpo_iters, "--lr", s.dpo_lr, "--dpo-beta", s.dpo_beta, "--seq-length", s.seq_length,
+         "--eval-interval", s.dpo_iters, "--eval-on-start", log=log)
     paths["demo log"] = log
     return paths

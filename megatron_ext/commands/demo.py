@@ -24,16 +24,19 @@ from megatron_ext.families import TINY_TEXT_DEFAULT, text_families
               help="Stage 1 training iterations.")
 @click.option("--stage2-iters", type=int, default=DemoSettings.stage2_iters, show_default=True,
               help="Stage 2 training iterations (fewer: faster, worse answers).")
-def demo(output_dir, stage1_iters, stage2_iters):
+@click.option("--dpo-iters", type=int, default=DemoSettings.dpo_iters, show_default=True,
+              help="DPO iterations on the preference pairs.")
+def demo(output_dir, stage1_iters, stage2_iters, dpo_iters):
     """Build, convert, prepare data, train (stage 1 + 2, TP2), convert back, answer a question about an
-    image and evaluate on the val split, each step the command a user types."""
-    from megatron_ext.demo import first_sample, run_demo
+    image, evaluate on the val split and tune on preference pairs (DPO), each step the command a user types."""
+    from megatron_ext.demo import first_sample, held_out_rewards, run_demo
     from megatron_ext.logs import setup_logging
 
     setup_logging()
     start = time.perf_counter()
     out = Path(output_dir).resolve()
-    paths = run_demo(out, DemoSettings(stage1_iters=stage1_iters, stage2_iters=stage2_iters))
+    paths = run_demo(out, DemoSettings(stage1_iters=stage1_iters, stage2_iters=stage2_iters,
+                                         dpo_iters=dpo_iters))
 
     image, question, reference = first_sample(paths["synthetic dataset"])
     answer = json.loads(paths["answer (generate.py)"].read_text().splitlines()[0])
@@ -47,6 +50,13 @@ def demo(output_dir, stage1_iters, stage2_iters):
     print(f"\n==> scores on {scores['samples']} val samples (scripts/eval/evaluate.py, Megatron checkpoint)")
     print("  ".join(f"{name} {scores[name]:.3f}" for name in ("loss", "perplexity", "exact_match", "bleu", "rouge_l",
                                                               "cider")))
+
+    before, after = held_out_rewards(paths["DPO checkpoints"])
+    print(f"\n==> DPO on {after['pairs']} held-out (val) pairs, before and after {after['iteration']} iterations "
+          "(rewards: beta x log-ratio to the stage 2 reference)")
+    for name, record in (("before", before), ("after", after)):
+        print(f"{name:6s}  rewards/accuracies {record['rewards/accuracies']:.3f}  "
+              f"rewards/margins {record['rewards/margins']:.4f}  loss {record['loss']:.4f}")
 
     print("\nartifacts:")
     for name, path in paths.items():

@@ -152,6 +152,8 @@ class TrainConfig:
     wandb_project: str = opt("megatron-ext", "W&B project.")
     eval_interval: int | None = opt(None, "Validation loss every N iterations.")
     eval_iters: int = opt(10, "Validation batches per evaluation.")
+    eval_on_start: bool = opt(False, "Also evaluate before training (logged as iteration 0): the starting weights' "
+                                     "scores to compare with. A resumed run does not repeat it.")
     eval_generate_samples: int = opt(0, "At every evaluation also answer the first N val samples greedily and log "
                                         "exact match, BLEU, ROUGE-L and CIDEr.")
     eval_max_new_tokens: int = opt(32, "Most tokens per answer in those evaluations.")

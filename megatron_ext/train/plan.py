@@ -280,6 +280,8 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
                         f"{config.micro_batch_size} x data-parallel size {dp} = {per_step}")
     if config.eval_generate_samples and not config.eval_interval:
         raise UserError("--eval-generate-samples needs --eval-interval (evaluations are when answers are generated)")
+    if config.eval_on_start and not config.eval_interval:
+        raise UserError("--eval-on-start needs --eval-interval (the evaluation it runs first)")
     if config.eval_generate_samples < 0 or config.eval_max_new_tokens < 1:
         raise UserError("--eval-generate-samples must be >= 0 and --eval-max-new-tokens >= 1")
     if config.eval_benchmarks and not config.eval_interval:

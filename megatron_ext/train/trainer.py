@@ -305,6 +305,8 @@ class Trainer:
         log.info("training iterations %d..%d, global batch %d = %d micro batches x %d x DP %d",
                  self.iteration + 1, self.plan.train_iters, cfg.global_batch_size, self.plan.num_microbatches,
                  cfg.micro_batch_size, self.plan.execution.data_parallel_size)
+        if cfg.eval_on_start and self.iteration == 0:
+            self.metrics.log(self.evaluate(), prefix="val")
         while self.iteration < self.plan.train_iters:
             self.iteration += 1
             start, lr = time.perf_counter(), self._lr()

@@ -1,5 +1,5 @@
 """The tiny end-to-end demo on CPU: build, convert, prepare data, train (stage 1 + 2, TP2), convert
-back, answer a question about an image and evaluate on the val split.
+back, answer a question about an image, evaluate on the val split, then DPO on preference pairs.
 
     python scripts/demo/run_demo.py [--output-dir demo_output]
 """

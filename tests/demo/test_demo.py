@@ -16,17 +16,19 @@ def test_demo_runs_the_whole_pipeline(tmp_path):
     from transformers import LlavaForConditionalGeneration
 
     out = tmp_path / "demo"
-    proc = run_script("demo/run_demo.py", "--output-dir", out, "--stage1-iters", 4, "--stage2-iters", 4, timeout=600)
+    proc = run_script("demo/run_demo.py", "--output-dir", out, "--stage1-iters", 4, "--stage2-iters", 4,
+                      "--dpo-iters", 4, timeout=600)
     assert "answer:" in proc.stdout and "demo finished" in proc.stdout
     assert json.loads((out / "answer.jsonl").read_text())["answer"] in proc.stdout
 
-    # run.py -g 2 --tp 2 --stage 1 trained, saved and exited 0; stage 2 started from its checkpoint.
-    for stage in ("stage1", "stage2"):
+    # run.py -g 2 --tp 2 --stage 1 trained, saved and exited 0; stage 2 started from its checkpoint, DPO from stage 2's.
+    for stage in ("stage1", "stage2", "dpo"):
         snapshot = layout.find_snapshot(out / stage)
         assert (snapshot.iteration, snapshot.tp, snapshot.meta["kind"]) == (4, 2, "trained")
         records = [json.loads(line) for line in (out / stage / "metrics.jsonl").read_text().splitlines()]
         assert [r["iteration"] for r in records if r["split"] == "train"][-1] == 4
     assert layout.find_snapshot(out / "stage2").meta["run_config"]["start"].startswith(str(out / "stage1"))
+    assert layout.find_snapshot(out / "dpo").meta["run_config"]["start"].startswith(str(out / "stage2"))
     # Stage 2 evaluated at its last iteration: loss and 16 answers scored, the answers kept.
     val = [json.loads(line) for line in (out / "stage2" / "metrics.jsonl").read_text().splitlines()][-1]
     assert val["split"] == "val" and val["iteration"] == 4 and val["generated_samples"] == 16 and "cider" in val
@@ -43,3 +45,13 @@ def test_demo_runs_the_whole_pipeline(tmp_path):
         assert "4 of 4" in shown.page.locator("#summary").inner_text()
         assert shown.page.locator("#checkpoints td").all_inner_texts()[0] == "4"
         assert shown.page.locator(".chart svg").count() == 6 and not shown.console_errors and not shown.requests
+
+    # DPO on the pairs about the same pictures: its held-out pairs evaluated before training (policy = reference:
+    # no reward) and after it, when the policy prefers more chosen answers than it did.
+    assert (out / "pref-src" / "preference.json").is_file() and (out / "pref-energon" / ".nv-meta").is_dir()
+    records = [json.loads(line) for line in (out / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    before, after = [r for r in records if r["split"] == "val"]
+    assert (before["iteration"], after["iteration"]) == (0, 4) and before["pairs"] == after["pairs"] > 0
+    assert before["rewards/margins"] == pytest.approx(0, abs=1e-4)
+    assert after["rewards/accuracies"] > before["rewards/accuracies"]
+    assert f"rewards/accuracies {after['rewards/accuracies']:.3f}" in proc.stdout

@@ -80,6 +80,7 @@ CASES = {
     "no tiles": (["--", "--max-tiles-per-sequence", "0"], 0, "--max-tiles-per-sequence must be >= 1, got 0"),
     "answers without evaluations": (["--", "--eval-generate-samples", "4"], 0,
                                     "--eval-generate-samples needs --eval-interval"),
+    "evaluation on start without evaluations": (["--", "--eval-on-start"], 0, "--eval-on-start needs --eval-interval"),
 }
 
 

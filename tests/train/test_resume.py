@@ -143,10 +143,11 @@ BASE = dict(train_iters=4, save_optim=True, lr_warmup_fraction=0.5, min_lr=1e-4)
 
 @pytest.fixture(scope="module")
 def tp2_run(tmp_path_factory, megatron_clip, train_data):
-    """Four iterations at TP2, checkpoints at 2 and 4, evaluations, TensorBoard and offline W&B."""
+    """Four iterations at TP2, checkpoints at 2 and 4, evaluations (the first before training),
+    TensorBoard and offline W&B."""
     save = tmp_path_factory.mktemp("tp2") / "run"
     train(2, *trainer_args(megatron_clip, train_data, save, tp=2, save_interval=2, keep_last=0, eval_interval=2,
-                           eval_iters=1, wandb=True, **BASE), timeout=300)
+                           eval_iters=1, eval_on_start=True, wandb=True, **BASE), timeout=300)
     return save
 
 
@@ -160,11 +161,14 @@ def test_what_a_run_records(tp2_run):
                                 "iteration_time_s", "samples_per_s", "tokens_per_s", "padding_share",
                                 "tflops_per_gpu", "memory_gb"}
     assert [set(r) for r in _records(tp2_run, "val")] == [{"split", "iteration", "loss", "perplexity",
-                                                            "loss_tokens"}] * 2
+                                                            "loss_tokens"}] * 3
     for iteration, record in expected.items():
         assert record["lr"] == pytest.approx(_lr(iteration, peak=1e-3, minimum=1e-4, warmup=2, total=4), abs=1e-12)
     assert _events(tp2_run / "tensorboard", "train/loss") == [(i, pytest.approx(expected[i]["loss"])) for i in range(1, 5)]
-    assert [step for step, _ in _events(tp2_run / "tensorboard", "val/perplexity")] == [2, 4]
+    assert [step for step, _ in _events(tp2_run / "tensorboard", "val/perplexity")] == [0, 2, 4]
+    # The starting weights were evaluated on the same val batch as the trained ones, and were worse.
+    start, end = _records(tp2_run, "val")[0], _records(tp2_run, "val")[-1]
+    assert start["loss_tokens"] == end["loss_tokens"] and start["loss"] > end["loss"]
     (run,) = (tp2_run / "wandb").glob("offline-run-*/run-*.wandb")  # the records W&B syncs later
     assert all(key in run.read_bytes() for key in (b"seq_length", b"train/loss", b"val/perplexity"))
 
@@ -180,9 +184,11 @@ def test_resume_into_another_layout(tmp_path, tp2_run, megatron_clip, train_data
     shutil.copytree(tp2_run, moved, ignore=shutil.ignore_patterns("iter_0000004", "metrics.jsonl", "wandb",
                                                                   "tensorboard"))
     layout.mark_latest(moved, 2)
-    train(2, *trainer_args(megatron_clip, train_data, moved, pp=2, **BASE), timeout=240)
+    train(2, *trainer_args(megatron_clip, train_data, moved, pp=2, eval_interval=4, eval_iters=1, eval_on_start=True,
+                           **BASE), timeout=240)
     got = metrics(moved)
     assert sorted(got) == [3, 4]
+    assert sorted(metrics(moved, "val")) == [4]  # resumed: no evaluation before its first iteration
     for iteration in (3, 4):
         assert got[iteration]["samples_digest"] == expected[iteration]["samples_digest"]
         assert got[iteration]["loss"] == pytest.approx(expected[iteration]["loss"], rel=1e-5)
