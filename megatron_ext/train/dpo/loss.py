@@ -1,5 +1,5 @@
 """DPO losses and metrics from per-pair sequence log-probabilities, as TRL's DPOTrainer (1.16)
-computes them (tests/train/test_dpo_trl.py compares the two).
+computes them (tests/train/test_dpo.py compares the two).
 
 A pair's log-probability is the sum over its answer's tokens. Losses (`--dpo-loss`):
 - sigmoid: -log sigmoid(beta * delta), delta = (chosen - ref chosen) - (rejected - ref rejected);
