@@ -1,7 +1,8 @@
 """DPO (--stage dpo) equals TRL's DPOTrainer: for the same HF model, reference, pairs and beta, the
-trainer's objective gives TRL's loss and metrics on the global batch at TP2, PP2 (packed), two
-data-parallel replicas of one process each with LoRA, and for OneVision with an anyres image and a
-video at TP2; and one Adam step from the same weights gives TRL's next loss. The vision tower runs
+trainer's objective gives TRL's loss and metrics on the global batch at TP1, TP2, PP2 (packed), two
+data-parallel replicas with LoRA, and for OneVision with an anyres image and a video at TP2; and
+(but under LoRA, whose adapters PEFT initialises otherwise) one Adam step from the same weights
+gives TRL's next loss. The vision tower runs
 once per pair (counted), and the reference under LoRA is the base model (adapters off)."""
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ LR = 1e-3
 FIRST, AFTER = 1e-5, 2e-3
 
 # Each layout also runs one of the losses (TRL's loss_type, label_smoothing, RPO's weight).
-# Model-parallel size 1 is the LoRA cell's layout (each data-parallel replica one process).
 LAYOUTS = {
+    "tp1": (1, {}),
     "tp2-micro-batch-2-ipo": (2, {"tp": 2, "micro_batch_size": 2, "dpo_loss": "ipo"}),
     "pp2-packed-robust": (2, {"pp": 2, "packing_seq_length": 256, "dpo_loss": "robust", "dpo_label_smoothing": 0.1}),
     "lora-dp2-dist-optim": (2, {"lora_rank": 4, "lora_alpha": 8.0, "dist_optim": True, "micro_batch_size": 2}),
