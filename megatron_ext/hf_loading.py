@@ -64,12 +64,3 @@ def load_processor(source: str, flag: str):
 def load_pretrained(model_cls, source: str, flag: str, **kwargs):
     return _load(f"{model_cls.__name__} weights", model_cls.from_pretrained, source, flag, **kwargs)
 
-
-def load_llava(source: str, flag: str, **kwargs):
-    """An HF LLaVA checkpoint in the class its config names (LLaVA, LLaVA-NeXT, OneVision)."""
-    import transformers
-
-    from megatron_ext.families import llava_kind
-
-    model_class = getattr(transformers, llava_kind(load_config(str(source), flag)).model_class)
-    return load_pretrained(model_class, str(source), flag, **kwargs)

@@ -170,9 +170,9 @@ def logit_stats(reference: torch.Tensor, logits: torch.Tensor) -> LogitStats:
 
 def hf_logits(hf_dir: Path, batch) -> torch.Tensor:
     """The HF LLaVA's (of whichever class its config names) logits in float32."""
-    from megatron_ext import hf_loading
+    from megatron_ext import families
 
-    model = hf_loading.load_llava(hf_dir, "--hf-dir", dtype=torch.float32).eval()
+    model = families.load_llava(hf_dir, "--hf-dir", dtype=torch.float32).eval()
     with torch.no_grad():
         return model(**batch).logits.float()
 

@@ -19,6 +19,7 @@ from braceexpand import braceexpand
 from megatron_ext.errors import UserError
 
 META_DIR = ".nv-meta"
+PAIR_SAMPLE_CLASS = "PreferenceSample"  # shard_format's class of preference pairs
 SPLITS = ("train", "val", "test")
 
 
@@ -168,3 +169,13 @@ def require_split(path: str | Path, split: str, flag: str = "--data-path") -> in
     if count == 0:
         raise UserError(f"{flag} {path} has no samples in its {split!r} split")
     return count
+
+
+def holds_pairs(dataset_dir: str | Path) -> bool:
+    """Whether a prepared dataset directory holds preference pairs: its dataset.yaml names the sample
+    type `shard_format.PreferenceSample` (read as text here: the launcher imports no energon)."""
+    described = Path(dataset_dir) / META_DIR / "dataset.yaml"
+    if not described.is_file():  # energon's loader reports the missing file
+        return False
+    sample_type = (yaml.safe_load(described.read_text()) or {}).get("sample_type") or {}
+    return sample_type.get("__class__") == PAIR_SAMPLE_CLASS

@@ -29,7 +29,6 @@ from dataclasses import field
 from pathlib import Path
 from typing import Type
 
-import yaml
 from megatron.energon import Sample, SampleDecoder, StandardWebdatasetFactory, VQASample, edataclass
 
 from megatron_ext.data.conversation import (
@@ -40,7 +39,6 @@ from megatron_ext.data.conversation import (
     sample_messages,
     turn_messages,
 )
-from megatron_ext.data.prepared import META_DIR
 
 # PIL format -> shard extension of the formats stored as they are.
 KEPT_FORMATS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png"}
@@ -237,15 +235,6 @@ class PreferenceWebdataset(StandardWebdatasetFactory[PreferenceSample]):
 
 
 PREFERENCE_DATASET_YAML = _dataset_yaml(PreferenceWebdataset, PreferenceSample)
-
-
-def holds_pairs(dataset_dir: str | Path) -> bool:
-    """Whether a prepared dataset directory holds preference pairs: its dataset.yaml names
-    `PreferenceSample` (`PREFERENCE_DATASET_YAML`)."""
-    described = Path(dataset_dir) / META_DIR / "dataset.yaml"
-    if not described.is_file():  # energon's loader reports the missing file
-        return False
-    return (yaml.safe_load(described.read_text()) or {}).get("sample_type") == PREFERENCE_DATASET_YAML["sample_type"]
 
 
 def preference_of(sample: PreferenceSample) -> tuple[list, list[dict], str, str]:

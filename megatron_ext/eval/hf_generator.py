@@ -22,10 +22,10 @@ class HFGenerator(Generator):
     @classmethod
     def load(cls, hf_dir: str | Path, processor, dtype: str, flag: str = "--hf-dir") -> "HFGenerator":
 
-        from megatron_ext import hf_loading
+        from megatron_ext import families
         from megatron_ext.model.provider import DTYPES
 
-        model = hf_loading.load_llava(hf_dir, flag, dtype=DTYPES[dtype])
+        model = families.load_llava(hf_dir, flag, dtype=DTYPES[dtype])
         return cls(model, processor)
 
     def _new_tokens(self, prompt: EncodedPrompt, options: SamplingOptions, budget: int, streamer) -> list[int]:

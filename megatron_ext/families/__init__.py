@@ -120,3 +120,13 @@ def llava_kind(cfg: Any) -> llava.LlavaKind:
 def llava_kinds() -> dict[str, llava.LlavaKind]:
     """Every supported HF LLaVA architecture, by its build-llava --arch name."""
     return {kind.arch_flag: kind for kind in llava.KINDS.values()}
+
+
+def load_llava(source, flag: str, **kwargs):
+    """An HF LLaVA checkpoint in the class its config names (LLaVA, LLaVA-NeXT, OneVision)."""
+    import transformers
+
+    from megatron_ext import hf_loading
+
+    model_class = getattr(transformers, llava_kind(hf_loading.load_config(str(source), flag)).model_class)
+    return hf_loading.load_pretrained(model_class, str(source), flag, **kwargs)

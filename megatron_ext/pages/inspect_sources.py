@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Iterator
 
 from megatron_ext.data.conversation import BadConversation
-from megatron_ext.data.prepared import split_counts
-from megatron_ext.data.shard_format import decoded_sample, holds_pairs
+from megatron_ext.data.prepared import holds_pairs, split_counts
+from megatron_ext.data.shard_format import decoded_sample
 from megatron_ext.data.sources import Skip, read_records, shard_sample
 from megatron_ext.errors import UserError
 

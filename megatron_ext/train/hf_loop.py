@@ -230,7 +230,7 @@ class HfLoop:
         """`img_seq_len`: image tokens per image in HF's input (our `LlavaArch.img_seq_len`); `dtype`: the
         compute dtype (float32, or bfloat16 through autocast). The model is the checkpoint's own class
         (LLaVA, LLaVA-NeXT, OneVision); a tiled model's media are laid out as its processor's."""
-        from megatron_ext import hf_loading
+        from megatron_ext import families, hf_loading
         from megatron_ext.data.anyres import FeatureLayout
         from megatron_ext.families import llava_kind
         from megatron_ext.hf.processors import load_processor
@@ -238,7 +238,7 @@ class HfLoop:
         kind = llava_kind(hf_loading.load_config(hf_dir, "--hf-dir"))
         self.device = torch.device(device)
         self.autocast = torch.autocast(self.device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
-        self.model = hf_loading.load_llava(hf_dir, "--hf-dir", dtype=torch.float32).to(self.device)
+        self.model = families.load_llava(hf_dir, "--hf-dir", dtype=torch.float32).to(self.device)
         self.model.train()
         self.img_seq_len = img_seq_len
         self.tiled = FeatureLayout.of(load_processor(hf_dir, "--hf-dir", kind)) if kind.tiled else None

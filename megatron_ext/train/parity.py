@@ -162,9 +162,9 @@ def compare_weights(ours_hf: Path, reference, dtype: str) -> tuple[dict, list[st
     """Per module, the largest |ours - reference|, and whether any of its parameters trained. Frozen
     parameters must equal the reference's (the original checkpoint's) at the compute dtype bit for bit:
     in bf16 our model holds bf16 weights where transformers' autocast keeps fp32 ones."""
-    from megatron_ext import hf_loading
+    from megatron_ext import families
 
-    ours = dict(hf_loading.load_llava(ours_hf, "--work-dir", dtype=torch.float32).named_parameters())
+    ours = dict(families.load_llava(ours_hf, "--work-dir", dtype=torch.float32).named_parameters())
     modules, problems = {}, []
     for name, param in reference.named_parameters():
         ref, trained = param.detach().cpu(), param.requires_grad

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megatron_ext import families
 from megatron_ext.checkpoint import layout
-from megatron_ext.data.prepared import SplitCount, UncountedSamples, split_counts
+from megatron_ext.data.prepared import SplitCount, UncountedSamples, holds_pairs, split_counts
 from megatron_ext.errors import UserError
 from megatron_ext.lora.settings import lora_settings
 from megatron_ext.model.arch import LlavaArch
@@ -235,8 +235,6 @@ def _check_same_lora(config: TrainConfig, resume: layout.Snapshot) -> None:
 
 def _check_data_kind(config: TrainConfig, train: SplitCount) -> None:
     """Preference pairs train with --stage dpo and only with it: otherwise every sample would be skipped."""
-    from megatron_ext.data.shard_format import holds_pairs
-
     pairs = [member for member, _, _ in train.members if holds_pairs(member)]
     if config.stage == "dpo" and len(pairs) < len(train.members):
         other = next(member for member, _, _ in train.members if member not in pairs)

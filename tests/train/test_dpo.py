@@ -44,9 +44,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 
 def _hf(llava_dir: Path):
-    from megatron_ext import hf_loading
+    from megatron_ext import families
 
-    return hf_loading.load_llava(llava_dir, "--hf-dir", dtype=torch.float32).eval()
+    return families.load_llava(llava_dir, "--hf-dir", dtype=torch.float32).eval()
 
 
 @pytest.fixture
@@ -74,12 +74,12 @@ def _first(metrics: dict) -> dict:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_dpo_step_equals_trl(layout, tmp_path, checkpoints, train_data):
+def test_dpo_step_equals_trl(layout, tmp_path, checkpoints, preference_data):
     from megatron_ext.train.trl_dpo import per_pair_logps, trl_dpo_step
 
     megatron, hf_dir, tiled = checkpoints
     nproc, options = LAYOUTS[layout]
-    run_torchrun(nproc, WORKER, megatron, train_data, tmp_path, json.dumps(options), timeout=300)
+    run_torchrun(nproc, WORKER, megatron, preference_data, tmp_path, json.dumps(options), timeout=300)
     ours = json.loads((tmp_path / "result.json").read_text())
     micro_batches = torch.load(tmp_path / "micro_batches.pt", weights_only=False)
     config = json.loads((hf_dir / "config.json").read_text())
