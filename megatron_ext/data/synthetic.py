@@ -104,7 +104,16 @@ _CHOICES = {"color": tuple(COLORS), "shape": SHAPES, "place": PLACES}
 
 
 def rejected_answer(facts: dict, kind: str, rng: random.Random, lang: str) -> str:
-    """The answer to a `kind` question about a picture whose colour, shape or place is another."""
+    """A rejected answer to a `kind` question, of the two kinds preference sets hold: half the time the
+    true answer with an object the picture does not show added (a hallucination, as POVID makes its
+    rejected answers), else the answer about a picture whose colour, shape or place is another."""
+    if rng.random() < 0.5:
+        colour = rng.choice([c for c in COLORS if c != facts["color"]])
+        shape, place = rng.choice(SHAPES), rng.choice([p for p in PLACES if p != facts["place"]])
+        answer = _answers(facts, lang)[kind]
+        if lang == "ja":
+            return f"{answer}{_JA[place]}には{_JA[colour]}の{_JA[shape]}もあります。"
+        return f"{answer} There is also a {colour} {shape} in the {place}."
     wrong = rng.choice(_WRONG_FACTS[kind])
     other = rng.choice([value for value in _CHOICES[wrong] if value != facts[wrong]])
     return _answers({**facts, wrong: other}, lang)[kind]
