@@ -48,13 +48,13 @@ def test_demo_runs_the_whole_pipeline(tmp_path):
         assert shown.page.locator(".chart svg").count() == 6 and not shown.console_errors and not shown.requests
 
     # DPO on the pairs about the same pictures: its held-out pairs evaluated before training (policy = reference:
-    # no reward, loss log 2) and after it, when the policy has moved from the reference. Whether the tiny model
-    # then prefers the held-out chosen answers is at chance (BENCHMARKS.md): not asserted.
+    # no reward, loss log 2; the accuracy 0 only because every reward ties) and after it, when the policy
+    # prefers the held-out chosen answers: the hallucinated half of the rejected ones it learns to reject.
     assert (out / "pref-src" / "preference.json").is_file() and (out / "pref-energon" / ".nv-meta").is_dir()
     records = [json.loads(line) for line in (out / "dpo" / "metrics.jsonl").read_text().splitlines()]
     before, after = [r for r in records if r["split"] == "val"]
     assert (before["iteration"], after["iteration"]) == (0, 4) and before["pairs"] == after["pairs"] > 0
     assert before["rewards/margins"] == pytest.approx(0, abs=1e-4)
     assert before["loss"] == pytest.approx(math.log(2), abs=1e-4)
-    assert abs(after["rewards/margins"]) > 1e-4 and math.isfinite(after["loss"]) and after["loss"] != before["loss"]
+    assert after["rewards/margins"] > 0 and after["loss"] < before["loss"] and after["rewards/accuracies"] > 0.5
     assert f"rewards/accuracies {after['rewards/accuracies']:.3f}" in proc.stdout
