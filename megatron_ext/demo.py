@@ -131,7 +131,8 @@ def run_demo(out: Path, settings: DemoSettings = DemoSettings()) -> dict[str, Pa
          "--fast-n", s.eval_samples, "--max-new-tokens", s.max_new_tokens, log=log)
     _run("11/14 a report of the stage 2 run: loss, learning rate, throughput, checkpoints", "train report", p[6],
          log=log)
-    _run("12/14 synthetic preference pairs: the same pictures and questions, a wrong colour or shape rejected",
+    _run("12/14 synthetic preference pairs: the same pictures and questions, rejected answers with an object "
+         "added that is not there or a wrong colour, shape or place",
          "data synthetic", "--task", "preference", "--output-dir", p[11], "--num-samples", s.samples, "--force",
          log=log)
     _run("13/14 energon shards of the pairs, prepared", "data build", p[11] / "preference.json", "--task",

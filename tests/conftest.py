@@ -212,7 +212,7 @@ def megatron_clip(tmp_path_factory, llava_clip) -> Path:
 
 @pytest.fixture(scope="session")
 def preference_data(tmp_path_factory) -> Path:
-    """96 synthetic preference pairs (the true answer chosen, a wrong colour or shape rejected) as
+    """96 synthetic preference pairs (the true answer chosen, a hallucination or a wrong fact rejected) as
     prepared shards of 8: train 80, val 16."""
     from megatron_ext.data.build import build_energon_dataset
     from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset

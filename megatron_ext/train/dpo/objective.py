@@ -39,8 +39,7 @@ class DpoObjective:
         return partial(self._loss, pairs, batch, kwargs, loss_mask)
 
     def _loss(self, pairs: PairPositions, batch: dict, kwargs: dict, loss_mask: torch.Tensor, output: torch.Tensor):
-        logps = pairs.logps(output, loss_mask, kwargs["input_ids"], self.inputs.to_device(batch["segment_ids"]),
-                            self.inputs.image_token_index, self.inputs.img_seq_len)
+        logps = pairs.logps(output, loss_mask, kwargs["input_ids"], self.inputs)
         ref = batch["ref_logps"]
         total = pair_losses(self.settings, logps, ref, pairs.tokens.to(logps.device)).sum()
         if self.settings.rpo_alpha:

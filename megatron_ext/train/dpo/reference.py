@@ -50,8 +50,7 @@ def _logps_only(inputs: ModelInputs, batch: dict, kwargs: dict, loss_mask: torch
     pairs = PairPositions.of(batch)
 
     def loss(output: torch.Tensor):
-        logps = pairs.logps(output, loss_mask, kwargs["input_ids"], inputs.to_device(batch["segment_ids"]),
-                            inputs.image_token_index, inputs.img_seq_len)
+        logps = pairs.logps(output, loss_mask, kwargs["input_ids"], inputs)
         count = torch.full((), pairs.count, dtype=torch.int, device=output.device)
         return output.new_zeros(()), count, {"logps": logps}
 
