@@ -26,11 +26,13 @@ position; megatron-core's import-time aliases of the collectives included). `nn.
 keeps `t`'s place; `.device`, `is_cuda` and `get_device()` agree. Tensors of unknown origin
 (numpy's) are neither.
 
-Backward is watched where Python runs in it: custom autograd functions' backward (megatron-core's
-tensor-parallel linears and their gradient all-reduces, vocab-parallel cross entropy, activation
-recomputation, which reruns the forward) and megatron-core DDP's gradient hooks (the buckets'
-reduce or reduce-scatter) run under the ledger, autograd's gradients in them counted as the device
-tensors a GPU run makes them (torch's function modes do not reach into backward by themselves).
+Backward is watched whole. Custom autograd functions' backward (megatron-core's tensor-parallel
+linears and their gradient all-reduces, vocab-parallel cross entropy, activation recomputation,
+which reruns the forward) and megatron-core DDP's gradient hooks (the buckets' reduce or
+reduce-scatter) run under the ledger, autograd's gradients in them counted as the device tensors a
+GPU run makes them (torch's function modes do not reach into backward by themselves). Autograd's C++
+backward functions, which run no Python, are checked at the dispatcher (`_BackwardKernels`): the
+same rules, their reads recorded as "autograd (NodeName)".
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HOST, DEVICE = "host", "device"
 _PLACE = "_rehearsal_place"
@@ -190,7 +193,11 @@ class DeviceLedger(TorchFunctionMode):
                                  "(rehearsal: a host tensor indexed with device indices)")
         if func not in _CROSSING:
             self._check(func, inputs)
-        result = func(*args, **kwargs)
+        _in_python_call[0] += 1  # the aten ops below are this call's: _BackwardKernels leaves them alone
+        try:
+            result = func(*args, **kwargs)
+        finally:
+            _in_python_call[0] -= 1
         if func in (torch.Tensor.item, torch.Tensor.tolist) or not isinstance(result, (torch.Tensor, list, tuple)):
             return result
         if func is torch.Tensor.to:
@@ -217,14 +224,66 @@ class DeviceLedger(TorchFunctionMode):
         return result
 
     @staticmethod
-    def _check(func, inputs) -> None:
+    def _check(func, inputs, no_scalars=_NO_SCALARS) -> None:
         devices = [t for t in inputs if place(t) == DEVICE]
-        hosts = [t for t in inputs if place(t) == HOST and (t.dim() > 0 or func in _NO_SCALARS)]
+        hosts = [t for t in inputs if place(t) == HOST and (t.dim() > 0 or func in no_scalars)]
         if devices and hosts:
             name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
             raise DeviceMixError(
                 f"Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! "
                 f"(rehearsal: {name} got host tensor {_describe(hosts[0])} and device tensor {_describe(devices[0])})")
+
+
+_in_python_call = [0]  # > 0 while DeviceLedger runs a call of torch's Python API
+_aten = torch.ops.aten
+# The aten ops of autograd's C++ backward functions that read a device tensor back (CUDA needs the
+# values to size the output or to answer), and those that refuse a 0-dim host tensor beside device ones.
+_ATEN_READS = {_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.masked_select.default,
+               _aten.masked_scatter_backward.default,  # its masked_select, one op at the dispatcher
+               _aten.is_nonzero.default, _aten.equal.default, _aten._unique2.default, _aten.unique_dim.default,
+               _aten.repeat_interleave.Tensor}
+_ATEN_BOOL_INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
+                       _aten._index_put_impl_.default}
+_ATEN_NO_SCALARS = {_aten.cat.default, _aten.stack.default, _aten.index_select.default, _aten.gather.default,
+                    _aten.scatter.src, _aten.scatter_add.default, _aten.where.self}
+
+
+class _BackwardKernels(TorchDispatchMode):
+    """The aten ops that autograd's C++ backward functions run (MmBackward0, IndexBackward0, ...), which
+    no function mode sees: the ledger's rules at the dispatcher. Gradients, whatever they meet with no
+    place and what backward formulas create are device tensors, as on a GPU; a host tensor beside them fails; a read of a device
+    tensor's values is a ledger read at "autograd (NodeName)". Ops that DeviceLedger handed down (the
+    Python API's, Python backward functions' included) pass untouched."""
+
+    def __init__(self, ledger: DeviceLedger):
+        super().__init__()
+        self.ledger = ledger
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _in_python_call[0]:
+            return func(*args, **kwargs)
+        inputs = list(_tensors((args, kwargs)))
+        for t in inputs:
+            if place(t) is None:
+                mark(t, DEVICE)
+        node = torch._C._current_autograd_node()
+        where_from = node.name() if node is not None else "autograd's engine"
+        try:
+            DeviceLedger._check(func, inputs, _ATEN_NO_SCALARS)
+        except DeviceMixError as error:
+            raise DeviceMixError(f"{error} in backward, {where_from}") from None
+        bool_index = func in _ATEN_BOOL_INDEXING and any(
+            t is not None and t.dtype == torch.bool and place(t) == DEVICE for t in args[1])
+        if (func in _ATEN_READS or bool_index) and any(place(t) == DEVICE for t in inputs):
+            site = f"autograd ({where_from})"
+            self.ledger.reads[site] = self.ledger.reads.get(site, 0) + 1
+        result = func(*args, **kwargs)
+        # A factory here (a backward formula's zeros) takes the options of a forward tensor: the device's.
+        where = HOST if inputs and all(place(t) == HOST for t in inputs) else DEVICE
+        for out in _tensors(result):
+            mark(out, where)
+        return result
 
 
 # --- attention kernels ------------------------------------------------------------------------
@@ -432,10 +491,13 @@ class _Counts:
                        "collectives": COLLECTIVE_CALLS}, f)
 
 
-def _watch_backward() -> None:
+def _watch_backward(ledger: DeviceLedger) -> None:
     """The Python autograd runs in backward, under the function modes active now (the ledger, and
-    cpu_support's CUDA-to-CPU mode in a run), as in the forward (see the module doc)."""
+    cpu_support's CUDA-to-CPU mode in a run), as in the forward (see the module doc); the C++ backward
+    functions' aten ops under `_BackwardKernels`, entered wherever autograd's engine starts (torch's
+    backward and grad, and megatron-core's own call of the engine in its pipeline schedules)."""
     from megatron.core.distributed import DistributedDataParallel
+    from torch.autograd.variable import Variable
 
     modes = torch.overrides._get_current_function_mode_stack()
 
@@ -452,6 +514,30 @@ def _watch_backward() -> None:
     function.apply = watched(function.apply)
     make_hook = DistributedDataParallel._make_backward_post_hook
     DistributedDataParallel._make_backward_post_hook = lambda self, param: watched(make_hook(self, param))
+    Variable._execution_engine = _WatchedEngine(Variable._execution_engine, ledger)
+
+
+class _WatchedEngine:
+    """autograd's engine, running every backward under `_BackwardKernels` (once: recomputation's
+    backward runs inside another)."""
+
+    def __init__(self, engine, ledger: DeviceLedger):
+        self._engine, self._kernels = engine, _BackwardKernels(ledger)
+        self._depth = 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def run_backward(self, *args, **kwargs):
+        # `loss.backward()` is itself a Python API call in progress: the backward kernels are not its.
+        outer_call, _in_python_call[0] = _in_python_call[0], 0
+        with contextlib.ExitStack() as stack:
+            stack.callback(_in_python_call.__setitem__, 0, outer_call)
+            if not self._depth:
+                stack.enter_context(self._kernels)
+            self._depth += 1
+            stack.callback(lambda: setattr(self, "_depth", self._depth - 1))
+            return self._engine.run_backward(*args, **kwargs)
 
 
 def start() -> DeviceLedger:
@@ -472,7 +558,7 @@ def start() -> DeviceLedger:
         counts.watch(ledger)
         atexit.register(counts.write, os.environ["REHEARSAL_REPORT"], ledger)
     ledger.__enter__()
-    _watch_backward()
+    _watch_backward(ledger)
     return ledger
 
 

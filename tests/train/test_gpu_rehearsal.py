@@ -127,6 +127,9 @@ ALLOWED_READS = {
     # megatron-core's LLaVA preprocessing: shapes that depend on where the image tokens are (split
     # sizes, boolean-mask indexing), 6 per micro batch; avoiding them means replacing its _preprocess_data.
     "megatron/core/models/multimodal/llava_model.py (_preprocess_data)": "per micro batch, megatron-core",
+    # Its boolean-mask assignments of the embeddings, in backward (autograd's C++ IndexPutBackward0):
+    # each gradient taken through a device mask reads the mask's positions back (nonzero), 3 per micro batch.
+    "autograd (IndexPutBackward0)": "per micro batch, megatron-core",
     # megatron-core's per-token loss scaling: `if num_tokens > 0` after the token count's all-reduce.
     "megatron/core/distributed/finalize_model_grads.py (finalize_model_grads)": "per step, megatron-core",
     # The gradient norm for clipping (and its local L2 norm where Apex/TE's multi-tensor kernel is absent).
@@ -139,8 +142,9 @@ ALLOWED_READS = {
 
 
 def _site(entry: str) -> str:
-    path, _, rest = entry.partition(":")
-    return f"{path} {rest.partition(' ')[2]}"
+    """The "file (function)" of a "file:line (function)" entry; autograd's nodes have no line."""
+    path, colon, rest = entry.partition(":")
+    return f"{path} {rest.partition(' ')[2]}" if colon else entry
 
 
 @pytest.fixture(scope="module")
@@ -160,20 +164,23 @@ def megatron_clip_4_layers(tmp_path_factory, tiny_hf) -> str:
 @pytest.mark.timeout(600)
 def test_the_sync_ledger_allows_named_reads_and_none_per_layer(tmp_path, megatron_clip, megatron_clip_4_layers,
                                                                train_data):
+    """At TP2 (rank 0's ledger), so that megatron-core's tensor-parallel layers, vocab-parallel cross
+    entropy and their backward run under it too."""
     reads = {}
     for layers, checkpoint in ((2, megatron_clip), (4, megatron_clip_4_layers)):
         # No checkpoint: saving reads every tensor back, as it must.
         args = trainer_args(checkpoint, train_data, tmp_path / f"run{layers}", global_batch_size=4, train_iters=2,
                             packing_seq_length=128, dtype="bfloat16", attention_backend="sdpa", micro_batch_size=1,
-                            log_interval=2, save=False)
-        _, counts = rehearse(tmp_path, "scripts/train/pretrain_llava.py", *args)
+                            log_interval=2, save=False, tp=2)
+        _, counts = rehearse(tmp_path, "scripts/train/pretrain_llava.py", *args, nproc=2)
         reads[layers] = counts["reads"]
     # RoPE over packed rows, attention, tiles: nothing per layer (megatron-core's unfused THD RoPE read
     # cu_seqlens back twice in every layer).
     assert reads[2] == reads[4]
     assert {_site(s) for s in reads[2]} <= set(ALLOWED_READS), json.dumps(reads[2], indent=1)
-    per_step = {site: n // 2 for site, n in reads[2].items() if "_preprocess_data" not in site}
-    assert sum(per_step.values()) == 5 and sum(reads[2].values()) - 2 * 5 == 6 * 4 * 2  # 4 micro batches a step
+    per_micro_batch = ("_preprocess_data", "IndexPutBackward0")
+    per_step = {site: n // 2 for site, n in reads[2].items() if not any(s in site for s in per_micro_batch)}
+    assert sum(per_step.values()) == 5 and sum(reads[2].values()) - 2 * 5 == (6 + 3) * 4 * 2  # 4 micro batches a step
 
 
 def test_the_sync_ledger_records_each_kind_of_read_with_its_caller():
@@ -267,18 +274,26 @@ def test_a_parameter_keeps_the_place_of_its_data():
         torch.nn.Parameter.__new__ = new
 
 
+def _restore_backward(monkeypatch):
+    """What _watch_backward patches, put back after the test."""
+    from megatron.core.distributed import DistributedDataParallel
+    from torch.autograd.variable import Variable
+
+    backward = torch.autograd.function.BackwardCFunction
+    monkeypatch.setattr(backward, "apply", backward.apply)
+    monkeypatch.setattr(DistributedDataParallel, "_make_backward_post_hook",
+                        DistributedDataParallel._make_backward_post_hook)
+    monkeypatch.setattr(Variable, "_execution_engine", Variable._execution_engine)
+
+
 def test_backward_is_watched(monkeypatch):
     """The planted defect: a custom autograd function (as megatron-core's tensor-parallel linears,
     cross entropy and recomputation are) whose backward scales the gradient by a host tensor. Its
     forward is clean, so only a watched backward sees it."""
-    from megatron.core.distributed import DistributedDataParallel
 
     from tests.train.gpu_rehearsal import _watch_backward
 
-    backward = torch.autograd.function.BackwardCFunction
-    monkeypatch.setattr(backward, "apply", backward.apply)  # restored after the test
-    monkeypatch.setattr(DistributedDataParallel, "_make_backward_post_hook",
-                        DistributedDataParallel._make_backward_post_hook)
+    _restore_backward(monkeypatch)
 
     class Scaled(torch.autograd.Function):
         @staticmethod
@@ -290,10 +305,35 @@ def test_backward_is_watched(monkeypatch):
         def backward(ctx, grad):
             return grad * ctx.scale, None
 
-    with DeviceLedger():
-        _watch_backward()
+    with DeviceLedger() as ledger:
+        _watch_backward(ledger)
         x = mark(torch.ones(3, requires_grad=True), DEVICE)
         Scaled.apply(x, mark(torch.full((3,), 2.0), DEVICE)).sum().backward()
         assert x.grad.tolist() == [2.0, 2.0, 2.0]
         with pytest.raises(DeviceMixError, match="cuda:0 and cpu"):
             Scaled.apply(x, mark(torch.full((3,), 2.0), HOST)).sum().backward()
+
+
+def test_autograds_own_backward_kernels_are_watched(monkeypatch):
+    """The planted defects, in autograd's C++ backward functions, which no Python code runs: a
+    masked_scatter, free on a GPU in the forward, whose backward reads its device mask back
+    (masked_select's size), and a matrix product whose saved operand is a host tensor by the time
+    backward multiplies it with the device gradient."""
+    from tests.train.gpu_rehearsal import _watch_backward
+
+    _restore_backward(monkeypatch)
+    with DeviceLedger() as ledger:
+        _watch_backward(ledger)
+        x = mark(torch.ones(4, requires_grad=True), DEVICE)
+        mask = mark(torch.tensor([True, False, True, False]), DEVICE)
+        target = mark(torch.zeros(4), DEVICE)
+        target.masked_scatter(mask, x * 2).sum().backward()
+        assert ledger.reads == {"autograd (MaskedScatterBackward0)": 1}
+        assert x.grad.tolist() == [2.0, 2.0, 0.0, 0.0] and place(x.grad) == DEVICE
+
+        weight = mark(torch.ones(3, 3, requires_grad=True), DEVICE)
+        saved = mark(torch.ones(3, 3), DEVICE)
+        product = (weight @ saved).sum()
+        mark(saved, HOST)
+        with pytest.raises(DeviceMixError, match="cuda:0 and cpu"):
+            product.backward()
