@@ -349,6 +349,7 @@ _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sc
                 "scatter", "_all_gather_base", "_reduce_scatter_base")
 _OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
 _in_object_collective = [False]
+_in_collective = [False]
 
 
 COLLECTIVE_CALLS: dict[str, int] = {}  # by name, for REHEARSAL_REPORT (objects' inner calls not counted)
@@ -369,10 +370,18 @@ def _device_collective(name, original):
 
     @functools.wraps(original)
     def collective(*args, **kwargs):
+        if _in_collective[0]:
+            # torch's collectives hand themselves, by their patched module name, to the active function
+            # mode (cpu_support's), which calls them again: one call, counted and checked once.
+            return original(*args, **kwargs)
         # The group, wherever the caller put it (megatron-core passes it by keyword and by position).
         group = signature.bind_partial(*args, **kwargs).arguments.get("group")
         _refuse_host(name, list(_tensors((args, kwargs))), group)
-        return original(*args, **kwargs)
+        _in_collective[0] = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _in_collective[0] = False
 
     return collective
 
