@@ -7,14 +7,15 @@ autograd saves in a real forward of the whole model.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
+from pathlib import Path
 
 import pytest
 
 from megatron_ext.train.options import TrainConfig
 from tests.shapes import SHAPES, narrowed
+from tests.train.saved_parts import cut_below_the_layers, saved_in_forward
 
 GIB = 2**30
 SMALL_LLAVA = narrowed(json.loads((SHAPES / "llava" / "llava-hf--llava-1.5-7b-hf.json").read_text()))
@@ -116,58 +117,6 @@ ACTIVATION_CASES = [("sdpa", "none", seq, images) for seq in (1280, 2560) for im
     ("sdpa", recompute, seq, images) for recompute in ("selective", "full") for seq, images in ((640, 1), (1280, 2))]
 
 
-@contextlib.contextmanager
-def counted_inside(modules, counter):
-    """Saves made while one of `modules` runs its forward go to `counter()` (called once per run), not
-    to any counting around the block: the innermost saved-tensor hooks are the ones that count."""
-    inside = contextlib.ExitStack()
-
-    def enter(*_):  # a pre-hook's return value would replace the module's inputs
-        inside.enter_context(counter().counting())
-
-    with contextlib.ExitStack() as hooks:
-        for module in modules:
-            hooks.callback(module.register_forward_pre_hook(enter).remove)
-            hooks.callback(module.register_forward_hook(lambda *_: inside.close()).remove)
-        yield
-
-
-@contextlib.contextmanager
-def saved_by_part(model, parameters):
-    """(vision, rest): the bytes saved for backward by the forwards in the block, the vision tower's
-    and projector's (counted while those modules run) apart from the rest's (the language model's)."""
-    from megatron_ext.train.saved_tensors import SavedBytes
-
-    vision, rest = SavedBytes(parameters), SavedBytes(parameters)
-    with rest.counting(), counted_inside((model.vision_model, model.vision_projection), lambda: vision):
-        yield vision, rest
-
-
-def cut_below_the_layers(model):
-    """Backward stops at the LM layers' input (a leaf from there): the tower's backward measures
-    nothing here. megatron's recomputation refuses torch.autograd.grad, which would stop there too."""
-
-    def cut(_, args, kwargs):
-        return args, {**kwargs, "hidden_states": kwargs["hidden_states"].detach().requires_grad_()}
-
-    model.language_model.decoder.register_forward_pre_hook(cut, with_kwargs=True)
-
-
-def largest_recomputed_layer(model, parameters, loss) -> int:
-    """The most bytes one LM layer saves when full recomputation reruns it in the backward of `loss`."""
-    from megatron_ext.train.saved_tensors import SavedBytes
-
-    runs = []
-
-    def run():
-        runs.append(SavedBytes(parameters))
-        return runs[-1]
-
-    with counted_inside(model.language_model.decoder.layers, run):
-        loss.sum().backward()
-    return max(r.bytes for r in runs)
-
-
 @pytest.fixture(scope="module")
 def activations_planned_and_saved():
     """{case: (the plan's rank, vision bytes, LM bytes) kept by a real CPU forward}: one model the
@@ -177,8 +126,6 @@ def activations_planned_and_saved():
     what the forward saves. With it the forward saves each layer's input (megatron's checkpoints) and
     backward reruns one layer at a time, which then holds that layer's activations: the LM bytes are
     the forward's plus the most that one layer saves when backward recomputes it."""
-    import torch
-
     from megatron_ext import cpu_support
     from megatron_ext.model.meta_ranks import as_rank
     from megatron_ext.train.memory_plan import memory_plan, published_shape_plan
@@ -198,25 +145,11 @@ def activations_planned_and_saved():
         arch = longest.arch
         with as_rank(0, 1, 1):
             model = trained_model(longest)
-            parameters = list(model.parameters())
             if recompute == "full":
                 cut_below_the_layers(model)
             for (seq, images), rank in ranks.items():
-                text = seq - images * (arch.img_seq_len - 1)  # each image token becomes img_seq_len positions
-                ids = torch.randint(0, arch.image_token_index, (1, text))
-                ids[0, 1:1 + images] = arch.image_token_index
-                # The unpacked rows' path (the layers' causal mask): a one-row micro batch on the CPU in
-                # fp32 goes through SDPA's masked kernel, which keeps an fp32 copy of the block mask in
-                # every layer; a GPU's varlen flash kernel keeps none (docs/gpu.md).
-                with saved_by_part(model, parameters) as (vision, rest):
-                    loss, _ = model(images=torch.randn(images, 3, arch.vision.image_size, arch.vision.image_size),
-                                    input_ids=ids, position_ids=None, attention_mask=None,
-                                    labels=torch.randint(0, arch.image_token_index, (1, text)),
-                                    loss_mask=torch.ones(1, text))
-                lm = rest.bytes
-                if recompute == "full":
-                    lm += largest_recomputed_layer(model, parameters, loss)
-                out[backend, recompute, seq, images] = rank, vision.bytes, lm
+                out[backend, recompute, seq, images] = rank, *saved_in_forward(model, arch, seq, images,
+                                                                               recompute == "full")
     return out
 
 
@@ -230,6 +163,40 @@ def test_activations_are_within_10_percent_of_what_a_real_forward_saves(activati
     assert rank.vision_activations == pytest.approx(vision, rel=0.10)
     # The check has teeth: every part is there, the tower's grows with the images.
     assert vision > images * 2**20 and lm > seq * 2**14
+
+
+# (sequence parallel, sequence length, images) at TP 2, planned with Transformer Engine (sequence
+# parallel by default there): two lengths and two image counts with it, and one without for contrast.
+TP2_CASES = [(True, 640, 1), (True, 1280, 2), (False, 1280, 2)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_each_tp2_ranks_activations_with_and_without_sequence_parallelism_are_within_10_percent(tmp_path):
+    """Each rank of two, its real forward (activation_worker.py, gloo) against the plan's rank; sequence
+    parallelism drops the plan by what it drops the forward by (the replicated part, halved)."""
+    from megatron_ext.train.memory_plan import memory_plan, published_shape_plan
+    from tests.helpers import run_torchrun
+
+    cases = [[dict(train_iters=1, global_batch_size=1, seq_length=seq, stage=2, unfreeze_vit=True, packing_seq_length=seq,
+                   max_tiles_per_sequence=images, tp=2, sequence_parallel=sp), seq, images]
+             for sp, seq, images in TP2_CASES]
+    config = tmp_path / "llava.json"
+    config.write_text(json.dumps(ACTIVATION_LLAVA))
+    run_torchrun(2, str(Path(__file__).with_name("activation_worker.py")), config, json.dumps(cases), tmp_path,
+                 timeout=200)
+    saved = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    planned = []
+    for (options, seq, images), *by_rank in zip(cases, *saved):
+        plan = published_shape_plan(ACTIVATION_LLAVA, TrainConfig(**options), world_size=2, te=True, on_gpu=False)
+        (rank,) = memory_plan(plan, 80 * GIB).ranks  # both tensor ranks hold the same
+        assert rank.tp_ranks == (0, 1) and plan.execution.model.sequence_parallel == options["sequence_parallel"]
+        for vision, lm in by_rank:
+            assert rank.lm_activations == pytest.approx(lm, rel=0.10), (options, seq, images)
+            assert rank.vision_activations == pytest.approx(vision, rel=0.10), (options, seq, images)
+        planned.append(rank.lm_activations)
+    drop_planned, drop_saved = planned[2] - planned[1], saved[0][2][1] - saved[0][1][1]
+    assert drop_saved > 0.15 * saved[0][2][1] and drop_planned == pytest.approx(drop_saved, rel=0.10)
 
 
 def test_dpo_counts_its_reference_copy_and_suggests_precomputing():
