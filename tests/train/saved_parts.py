@@ -82,3 +82,29 @@ def saved_in_forward(model, arch, seq: int, images: int, full_recompute: bool = 
     if full_recompute:
         lm += largest_recomputed_layer(model, parameters, loss)
     return vision.bytes, lm
+
+
+def saved_in_tiled_forward(model, arch, seq: int, layout) -> tuple[int, int]:
+    """(vision, LM) bytes kept for backward by a forward of a tiled LLaVA (OneVision, NeXT) over one
+    packed row of `seq` positions holding `layout`'s images and videos (`tiling.Media`), each feature
+    one image token, text around them."""
+    import torch
+
+    from megatron_ext.model.tiling import VIDEO, feature_count, layout_tensor
+
+    parameters = list(model.parameters())
+    tile = arch.vision.image_size
+    side = tile // arch.vision.patch_size
+    torch.manual_seed(seq)
+    ids = torch.randint(0, arch.image_token_index, (1, seq))
+    start = 1
+    for media in layout:
+        features = feature_count(media, arch.tiling, tile, side)
+        ids[0, start:start + features] = arch.tiling.video_token_index if media.kind == VIDEO else arch.image_token_index
+        start += features + 1
+    tiles = sum(media.tiles for media in layout)
+    with saved_by_part(model, parameters) as (vision, rest):
+        model(images=torch.randn(tiles, 3, tile, tile), input_ids=ids, position_ids=None, attention_mask=None,
+              labels=torch.randint(0, arch.image_token_index, (1, seq)), loss_mask=torch.ones(1, seq),
+              media_layout=layout_tensor(layout))
+    return vision.bytes, rest.bytes
