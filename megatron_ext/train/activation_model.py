@@ -15,6 +15,9 @@ Where GPU kernels keep other tensors than the CPU ones measured here:
   these backends are measured with megatron's selective recomputation of core attention (which
   saves exactly q, k, v) plus that log-sum-exp. The vision tower takes no recompute setting (it
   never recomputes in a run); its layers' core attention is checkpointed for the measurement alone.
+- grouped-query attention: flash reads the grouped K/V heads as they are, as measured here; where
+  no kernel takes them grouped (the CPU's; a GPU's in fp32 or with a mask), `model/attention.py`
+  repeats them to every query head, and the repeated K/V are kept too.
 - te: Transformer Engine's fused LayerNormLinear keeps the norm's output and its statistics
   instead of the norm's fp32 input (torch's RMSNorm here); its layers are measured as the sdpa
   layers they compute the same function as (TE does not build on meta).
@@ -25,6 +28,13 @@ Where GPU kernels keep other tensors than the CPU ones measured here:
   replicated part R = (t m(t) - m(1)) / (t - 1) is divided by t.
 - packing: a pack is measured as one sequence of --seq-length tokens; flash over the packs'
   cu_seqlens saves the same per-token tensors (the local kernel's scores are then an upper bound).
+
+tests/train/test_memory_plan.py checks the terms against the saved-tensor bytes of real CPU forwards
+of the trainer's models, within 10% (in fact 0.5%, OneVision's 1.5% the repeated K/V above): a small
+LLaVA-1.5 at two lengths and two image counts with sdpa without recomputation, with selective and
+with full (the forward's checkpoints plus the largest layer that backward recomputes, measured in a
+real backward: the peak `lm_layers_bytes` models), local without and with selective; each rank at
+TP2 with and without sequence parallelism; a tiled OneVision with an anyres image, then with a video.
 """
 
 from __future__ import annotations
