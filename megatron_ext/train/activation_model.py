@@ -32,9 +32,10 @@ Where GPU kernels keep other tensors than the CPU ones measured here:
 tests/train/test_memory_plan.py checks the terms against the saved-tensor bytes of real CPU forwards
 of the trainer's models, within 10% (in fact 0.5%, OneVision's 1.5% the repeated K/V above): a small
 LLaVA-1.5 at two lengths and two image counts with sdpa without recomputation, with selective and
-with full (the forward's checkpoints plus the largest layer that backward recomputes, measured in a
-real backward: the peak `lm_layers_bytes` models), local without and with selective; each rank at
-TP2 with and without sequence parallelism; a tiled OneVision with an anyres image, then with a video.
+with full (the forward's saves plus the largest group that backward recomputes, measured in a real
+backward: the peak `lm_layers_bytes` models; uniform in groups of one and of two layers, and block),
+local without and with selective; each rank at TP2 with and without sequence parallelism; a tiled
+OneVision with an anyres image, then with a video.
 """
 
 from __future__ import annotations

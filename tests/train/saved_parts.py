@@ -45,8 +45,10 @@ def cut_below_the_layers(model):
     model.language_model.decoder.register_forward_pre_hook(cut, with_kwargs=True)
 
 
-def largest_recomputed_layer(model, parameters, loss) -> int:
-    """The most bytes one LM layer saves when full recomputation reruns it in the backward of `loss`."""
+def largest_recomputed_group(model, parameters, loss, layers_per_group: int) -> int:
+    """The most bytes one group of LM layers saves while full recomputation reruns it in the backward
+    of `loss`: a group's layers rerun one after the other, and hold their activations together until
+    the group's backward is done."""
     from megatron_ext.train.saved_tensors import SavedBytes
 
     runs = []
@@ -57,13 +59,14 @@ def largest_recomputed_layer(model, parameters, loss) -> int:
 
     with counted_inside(model.language_model.decoder.layers, run):
         loss.sum().backward()
-    return max(r.bytes for r in runs)
+    return max(sum(r.bytes for r in runs[i:i + layers_per_group]) for i in range(0, len(runs), layers_per_group))
 
 
-def saved_in_forward(model, arch, seq: int, images: int, full_recompute: bool = False) -> tuple[int, int]:
+def saved_in_forward(model, arch, seq: int, images: int, recomputed_group: int = 0) -> tuple[int, int]:
     """(vision, LM) bytes kept for backward by a forward of one packed row of `seq` positions holding
-    `images` LLaVA-1.5 images. The LM's peak under full recomputation: the forward's checkpoints plus
-    the largest layer backward recomputes (`model` then cut by `cut_below_the_layers`)."""
+    `images` LLaVA-1.5 images. With full recomputation in groups of `recomputed_group` layers, the
+    LM's peak: the forward's saves (the checkpoints, the layers not recomputed) plus the largest group
+    backward recomputes (`model` then cut by `cut_below_the_layers`)."""
     import torch
 
     parameters = list(model.parameters())
@@ -79,8 +82,8 @@ def saved_in_forward(model, arch, seq: int, images: int, full_recompute: bool = 
                         input_ids=ids, position_ids=None, attention_mask=None,
                         labels=torch.randint(0, arch.image_token_index, (1, text)), loss_mask=torch.ones(1, text))
     lm = rest.bytes
-    if full_recompute:
-        lm += largest_recomputed_layer(model, parameters, loss)
+    if recomputed_group:
+        lm += largest_recomputed_group(model, parameters, loss, recomputed_group)
     return vision.bytes, lm
 
 

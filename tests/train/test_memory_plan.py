@@ -107,14 +107,22 @@ def dataclasses_replace_recompute(knobs, granularity):
 ACTIVATION_LLAVA = copy.deepcopy(SMALL_LLAVA)
 ACTIVATION_LLAVA.update(vocab_size=4096, image_token_index=4000, pad_token_id=4001)
 ACTIVATION_LLAVA["text_config"]["vocab_size"] = 4096
+# Recompute settings by name: their options, and the layers that full recomputation reruns together
+# (uniform: --recompute-num-layers per group; block: the first --recompute-num-layers one by one).
+RECOMPUTE = {"none": (dict(recompute_granularity="none"), 0),
+             "selective": (dict(recompute_granularity="selective"), 0),
+             "full": (dict(recompute_granularity="full"), 1),
+             "full, groups of 2": (dict(recompute_granularity="full", recompute_num_layers=2), 2),
+             "full, block of 1": (dict(recompute_granularity="full", recompute_method="block"), 1)}
 # (backend, recompute, sequence length, images of 576 positions), the tower trained so it keeps
 # activations: two lengths x two image counts with sdpa (a flash kernel's tensors); local's S x S
 # scores without recomputation and with selective recomputation (local's default) at a short length;
 # selective and full recomputation of sdpa's layers at two lengths and two image counts (paired: the
-# image count changes the tower, which takes no recompute setting).
+# image count changes the tower, which takes no recompute setting), full's other methods at one.
 ACTIVATION_CASES = [("sdpa", "none", seq, images) for seq in (1280, 2560) for images in (1, 2)] + [
     ("local", "none", 640, 1), ("local", "selective", 640, 1)] + [
-    ("sdpa", recompute, seq, images) for recompute in ("selective", "full") for seq, images in ((640, 1), (1280, 2))]
+    ("sdpa", recompute, seq, images) for recompute in ("selective", "full") for seq, images in ((640, 1), (1280, 2))] + [
+    ("sdpa", "full, groups of 2", 640, 1), ("sdpa", "full, block of 1", 640, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +131,10 @@ def activations_planned_and_saved():
     trainer builds per backend and recompute setting (fp32, TP1), its forwards on real tensors.
 
     What the plan models is the most that backward holds at once. Without full recomputation that is
-    what the forward saves. With it the forward saves each layer's input (megatron's checkpoints) and
-    backward reruns one layer at a time, which then holds that layer's activations: the LM bytes are
-    the forward's plus the most that one layer saves when backward recomputes it."""
+    what the forward saves. With it the forward saves each group's input (megatron's checkpoints) and
+    the activations of the layers not recomputed (block), and backward reruns one group at a time,
+    which then holds its layers' activations: the LM bytes are the forward's plus the most that one
+    group saves when backward recomputes it, measured in a real backward."""
     from megatron_ext import cpu_support
     from megatron_ext.model.meta_ranks import as_rank
     from megatron_ext.train.memory_plan import memory_plan, published_shape_plan
@@ -138,18 +147,18 @@ def activations_planned_and_saved():
         for seq, images in (case[2:] for case in ACTIVATION_CASES if case[:2] == (backend, recompute)):
             config = TrainConfig(train_iters=1, global_batch_size=1, seq_length=seq, stage=2, unfreeze_vit=True,
                                  packing_seq_length=seq, max_tiles_per_sequence=images, attention_backend=backend,
-                                 recompute_granularity=recompute)
+                                 **RECOMPUTE[recompute][0])
             plans[seq, images] = published_shape_plan(ACTIVATION_LLAVA, config, world_size=1, te=False, on_gpu=False)
         ranks = {case: memory_plan(plan, 80 * GIB).ranks[0] for case, plan in plans.items()}
         longest = plans[max(plans)]
         arch = longest.arch
         with as_rank(0, 1, 1):
             model = trained_model(longest)
-            if recompute == "full":
+            group = RECOMPUTE[recompute][1]
+            if group:
                 cut_below_the_layers(model)
             for (seq, images), rank in ranks.items():
-                out[backend, recompute, seq, images] = rank, *saved_in_forward(model, arch, seq, images,
-                                                                               recompute == "full")
+                out[backend, recompute, seq, images] = rank, *saved_in_forward(model, arch, seq, images, group)
     return out
 
 
