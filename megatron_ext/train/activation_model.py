@@ -5,25 +5,37 @@ counts what autograd keeps; no memory, no compute), frozen as in the run:
 - a language-model layer at two short lengths, fitted to a*s + c*s^2 (linear terms and the S x S
   attention scores of megatron's local kernel) and evaluated at the run's --seq-length;
 - the vision tower and the projector for one tile, as LLaVAModel runs them (stem, every layer, the
-  class token dropped, the projector), times tiles; on the last stage the logits and the loss.
+  class token dropped, the projector), times tiles; on the last stage the final norm, the logits and
+  the loss.
 
 Where GPU kernels keep other tensors than the CPU ones measured here:
 - sdpa and te (flash attention): on meta, SDPA runs its math kernel, which saves the
   [b, heads, S, S] scores; flash saves only q, k, v, the output and a [b, heads, S] fp32
-  log-sum-exp (the CPU's flash kernel too, its output in a layout that the output projection
-  copies: 3% more than modelled in tests/train/test_memory_plan.py's real forwards). So these backends are measured with megatron's selective recomputation of core
-  attention (which saves exactly q, k, v) plus that log-sum-exp. The vision tower takes no
-  recompute setting (it never recomputes in a run); its layers' core attention is checkpointed
-  for the measurement alone.
+  log-sum-exp (the CPU's flash kernel too; the output projection reads its output as it is). So
+  these backends are measured with megatron's selective recomputation of core attention (which
+  saves exactly q, k, v) plus that log-sum-exp. The vision tower takes no recompute setting (it
+  never recomputes in a run); its layers' core attention is checkpointed for the measurement alone.
+- grouped-query attention: flash reads the grouped K/V heads as they are, as measured here; where
+  no kernel takes them grouped (the CPU's; a GPU's in fp32 or with a mask), `model/attention.py`
+  repeats them to every query head, and the repeated K/V are kept too.
 - te: Transformer Engine's fused LayerNormLinear keeps the norm's output and its statistics
   instead of the norm's fp32 input (torch's RMSNorm here); its layers are measured as the sdpa
   layers they compute the same function as (TE does not build on meta).
 - sequence parallelism: the tensors that TP replicates (the residual stream, norm inputs and
   outputs, the inputs of the column-parallel linears) are split over TP, as megatron-core saves
-  them sequence-sharded and gathers them again in backward. The layer is measured at TP and at TP 1
-  without it: with m(t) = R + S/t, the replicated part R = (t m(t) - m(1)) / (t - 1) is divided by t.
-- packing: a pack is measured as one sequence of --seq-length tokens; flash over the packs' cu_seqlens
-  saves the same per-token tensors (the local kernel's scores are then an upper bound).
+  them sequence-sharded and gathers them again in backward. The layer and the last stage's final
+  norm, logits and loss are measured at TP and at TP 1 without it: with m(t) = R + S/t, the
+  replicated part R = (t m(t) - m(1)) / (t - 1) is divided by t.
+- packing: a pack is measured as one sequence of --seq-length tokens; flash over the packs'
+  cu_seqlens saves the same per-token tensors (the local kernel's scores are then an upper bound).
+
+tests/train/test_memory_plan.py checks the terms against the saved-tensor bytes of real CPU forwards
+of the trainer's models, within 10% (in fact 0.5%, OneVision's 1.5% the repeated K/V above): a small
+LLaVA-1.5 at two lengths and two image counts with sdpa without recomputation, with selective and
+with full (the forward's saves plus the largest group that backward recomputes, measured in a real
+backward: the peak `lm_layers_bytes` models; uniform in groups of one and of two layers, and block),
+local without and with selective; each rank at TP2 with and without sequence parallelism; a tiled
+OneVision with an anyres image, then with a video.
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ class Measured:
     layer_linear: float  # a: bytes per token of one LM layer
     layer_quadratic: float  # c: bytes per token^2 (S x S scores)
     layer_input: int  # per token: what full recomputation keeps of a layer (its input)
-    lm_other: int  # logits and loss (last stage) at the run's length
+    lm_other: int  # the final norm, logits and loss (last stage) at the run's length
     vision_tile: int  # the tower and the projector for one tile (the tower's part is 0 when it is frozen)
 
     def layer(self, tokens: int) -> float:
@@ -85,7 +97,7 @@ def _flash_lse(config, tokens: int) -> int:
 
 
 def _lm_other(model, tokens: int) -> int:
-    """Logits and the vocab-parallel cross-entropy of the last stage."""
+    """The final norm, the logits and the vocab-parallel cross-entropy of the last stage."""
     import torch
 
     lm = model.language_model
@@ -94,9 +106,10 @@ def _lm_other(model, tokens: int) -> int:
     hidden = _meta((tokens, 1, lm.config.hidden_size), lm.config.params_dtype, True)
     labels = torch.empty((1, tokens), dtype=torch.long, device="meta")
     weight = lm.shared_embedding_or_output_weight() if lm.share_embeddings_and_output_weights else None
+    norm = lm.decoder.final_layernorm or (lambda h: h)
 
     def forward():
-        logits, _ = lm.output_layer(hidden, weight=weight)
+        logits, _ = lm.output_layer(norm(hidden), weight=weight)
         return lm.compute_language_model_loss(labels, logits)
 
     return saved_bytes(forward, model.parameters())
@@ -166,7 +179,8 @@ def measure(model, arch, seq_length: int, flash_lse: bool, vision_flash: bool, i
 
 
 def with_sequence_parallel(at_tp: Measured, at_one: Measured, tp: int) -> Measured:
-    """`at_tp` with the TP-replicated part of each layer split over TP (see the module's docstring)."""
+    """`at_tp` with the TP-replicated part of each layer and of the last stage's output split over TP
+    (see the module's docstring); `at_one`: the last stage at TP 1."""
 
     def split(mt: float, m1: float) -> float:
         replicated = (tp * mt - m1) / (tp - 1)
@@ -174,7 +188,8 @@ def with_sequence_parallel(at_tp: Measured, at_one: Measured, tp: int) -> Measur
 
     return Measured(layer_linear=split(at_tp.layer_linear, at_one.layer_linear),
                     layer_quadratic=split(at_tp.layer_quadratic, at_one.layer_quadratic),
-                    layer_input=math.ceil(at_tp.layer_input / tp), lm_other=at_tp.lm_other,
+                    layer_input=math.ceil(at_tp.layer_input / tp),
+                    lm_other=math.ceil(split(at_tp.lm_other, at_one.lm_other)) if at_tp.lm_other else 0,
                     vision_tile=at_tp.vision_tile)
 
 

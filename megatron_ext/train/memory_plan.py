@@ -130,12 +130,12 @@ def _measure(plan: RunPlan, knobs: Knobs, model) -> Measured:
                    vision_flash=not local, input_grad=not lora_only, tower_trained=cfg.unfreeze_vit)
 
 
-def _layer_at_tp_one(plan: RunPlan, knobs: Knobs) -> Measured:
+def _last_stage_at_tp_one(plan: RunPlan, knobs: Knobs) -> Measured:
     from megatron_ext.model.meta_ranks import as_rank
     from megatron_ext.model.provider import build_model
     from megatron_ext.train.model_setup import freeze_for_stage
 
-    with as_rank(0, 1, knobs.pp):
+    with as_rank(knobs.pp - 1, 1, knobs.pp):
         model = build_model(plan.arch, plan.families, _options(plan, knobs), meta=True)
         freeze_for_stage(model, plan)
         return _measure(plan, knobs, model)
@@ -164,7 +164,7 @@ def memory_plan(plan: RunPlan, gpu_memory: int, knobs: Knobs | None = None) -> M
 
     knobs = knobs or Knobs.of(plan)
     dp = knobs.data_parallel(plan)
-    at_one = _layer_at_tp_one(plan, knobs) if knobs.sequence_parallel and knobs.tp > 1 else None
+    at_one = _last_stage_at_tp_one(plan, knobs) if knobs.sequence_parallel and knobs.tp > 1 else None
     ranks: list[RankMemory] = []
     measured: dict[int, Measured] = {}
     for rank, model in rank_models(plan.arch, plan.families, (knobs.tp, knobs.pp), _options(plan, knobs)):
