@@ -82,11 +82,60 @@ def run_script(script: str, *args, timeout: float = 300, **kwargs) -> subprocess
 def run_torchrun(nproc: int, target: str, *args, timeout: float = 300, env: dict | None = None,
                  check: bool = True) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc-per-node N target args...` (target: a .py path or `-m module`);
-    --standalone has torchrun bind a free port itself."""
-    target_args = target.split() if target.startswith("-m ") else [target]
+    --standalone has torchrun bind a free port itself. For tests of what torchrun itself does; other
+    jobs run under `run_ranks`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           *target_args, *map(str, args)]
+           *_target(target), *map(str, args)]
     return run(cmd, timeout=timeout, env=env, check=check)
+
+
+def _target(target: str) -> list[str]:
+    return target.split() if target.startswith("-m ") else [target]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(nproc: int, target: str, *args, timeout: float = 300, env: dict | None = None,
+              check: bool = True) -> subprocess.CompletedProcess:
+    """`target args...` (a .py path or `-m module`) on `nproc` ranks, as torchrun starts them (env://
+    variables, a free port on localhost), without torchrun's own process, which spends seconds of a
+    test's CPU importing torch at every launch. As under torchrun, the first rank to fail stops the
+    others and the job fails; a hang fails the test after `timeout` s. The ranks' output is merged.
+    The exit status is the first failing rank's (torchrun's is 1)."""
+    import tempfile
+    import time
+
+    cmd = [sys.executable, *_target(target), *map(str, args)]
+    base, port = env or child_env(), str(_free_port())
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, contextlib.ExitStack() as ranks:
+        procs = [ranks.enter_context(started(cmd, cwd=REPO_ROOT, stdout=out, stderr=err, env={
+            **base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}))
+            for rank in range(nproc)]
+        deadline, status = time.monotonic() + timeout, None
+        while status is None:
+            codes = [proc.poll() for proc in procs]
+            status = next((code for code in codes if code), 0 if all(c == 0 for c in codes) else None)
+            if status is None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            time.sleep(0.05)
+        for proc in procs:  # a failure: give the others a moment to exit on their own, then stop them
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5 if status else None)
+        ranks.close()
+        out.seek(0)
+        err.seek(0)
+        result = subprocess.CompletedProcess(cmd, status, out.read(), err.read())
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} on {nproc} ranks exited {result.returncode}\n--- stdout\n"
+                             f"{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}")
+    return result
 
 
 def hf_tensors(hf_dir: Path) -> dict:

@@ -22,7 +22,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import hf_tensors, run_python, run_torchrun
+from tests.helpers import hf_tensors, run_python, run_ranks
 from tests.shapes import (
     LAYOUTS,
     at_two_layers,
@@ -83,7 +83,7 @@ def numeric(tmp_path_factory):
     (work / "in.json").write_text(json.dumps(request))
     out = work / "out"
     tp, pp = NUMERIC_LAYOUT
-    run_torchrun(tp * pp, "tests/convert/shapes_worker.py", out, work / "in.json", timeout=600)
+    run_ranks(tp * pp, "tests/convert/shapes_worker.py", out, work / "in.json", timeout=600)
     return out, hf_dirs
 
 

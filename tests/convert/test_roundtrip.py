@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import hf_tensors, run_torchrun
+from tests.helpers import hf_tensors, run_ranks
 
 FIXTURES = {"clip": "llava_clip", "qwen": "llava_qwen2_siglip", "padded": "llava_padded", "qwen3": "llava_qwen3_siglip",
             "internvit": "llava_internvit", "gemma3": "llava_gemma3_siglip", "mistral": "llava_mistral_clip",
@@ -42,7 +42,7 @@ def converted(request, tmp_path_factory):
     hf_dirs = {name: request.getfixturevalue(fixture) for name, fixture in FIXTURES.items()}
     out = tmp_path_factory.mktemp("roundtrip")
     hf_dirs["bf16"] = _bf16_copy(hf_dirs["clip"], out / "hf_bf16")
-    run_torchrun(4, "tests/convert/convert_worker.py", out, *(f"{n}={p}" for n, p in hf_dirs.items()), timeout=400)
+    run_ranks(4, "tests/convert/convert_worker.py", out, *(f"{n}={p}" for n, p in hf_dirs.items()), timeout=400)
     return out, hf_dirs
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import hf_tensors, run_torchrun
+from tests.helpers import hf_tensors, run_ranks
 
 FIXTURES = {"next": "llava_next_clip", "onevision": "llava_onevision_siglip"}
 LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"]
@@ -70,7 +70,7 @@ def converted(request, tmp_path_factory):
         (out / "inputs" / name).mkdir(parents=True)
         for sample, batch in _samples(name, hf_dir).items():
             torch.save(batch, out / "inputs" / name / f"{sample}.pt")
-    run_torchrun(4, "tests/convert/tiled_worker.py", out, *(f"{n}={p}" for n, p in hf_dirs.items()), timeout=600)
+    run_ranks(4, "tests/convert/tiled_worker.py", out, *(f"{n}={p}" for n, p in hf_dirs.items()), timeout=600)
     return out, hf_dirs
 
 

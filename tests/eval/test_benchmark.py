@@ -12,7 +12,7 @@ import pytest
 
 from megatron_ext.convert.compare import synthetic_image
 from tests.eval.lmms_tasks import write_tasks
-from tests.helpers import REPO_ROOT, child_env, run_script, run_torchrun
+from tests.helpers import REPO_ROOT, child_env, run_ranks, run_script
 from tests.train.conftest import metrics, train, trainer_args
 
 MAX_NEW_TOKENS = 6
@@ -82,7 +82,7 @@ def test_hf_and_megatron_tp2_give_the_same_answers_and_lmms_eval_scores(llava_cl
     hf_out, megatron_out = tmp_path / "hf", tmp_path / "megatron"
     shown = run_script("eval/benchmark.py", "--hf-dir", llava_clip, *common, "--output-dir", hf_out, env=env,
                        timeout=240).stdout
-    run_torchrun(2, "scripts/eval/benchmark.py", "--megatron-dir", megatron_clip, "--tp", 2, *common, "--output-dir",
+    run_ranks(2, "scripts/eval/benchmark.py", "--megatron-dir", megatron_clip, "--tp", 2, *common, "--output-dir",
                  megatron_out, env=env, timeout=300)
 
     hf_answers, megatron_answers = _answers(hf_out), _answers(megatron_out)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.data.conversation import IMAGE_MARKER
-from tests.helpers import run_script, run_torchrun
+from tests.helpers import run_ranks, run_script
 
 MAX_NEW_TOKENS = 12
 PROMPTS = ["Describe this image.", "What color is the shape in the picture?"]
@@ -44,7 +44,7 @@ def _expected(hf_reference, images: list[Path]) -> list[list[int]]:
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])  # TP1: test_a_bf16_hub_style_checkpoint_generates_on_cpu
 def test_megatron_greedy_tokens_equal_transformers_generate(layout, megatron_clip, images, hf_reference, tmp_path):
     requests, answers = _requests(tmp_path, images), tmp_path / "answers.jsonl"
-    run_torchrun(2, "scripts/eval/generate.py", "--megatron-dir", megatron_clip, "--input-jsonl", requests,
+    run_ranks(2, "scripts/eval/generate.py", "--megatron-dir", megatron_clip, "--input-jsonl", requests,
                  "--output-jsonl", answers, "--max-new-tokens", MAX_NEW_TOKENS, "--tp" if layout == "tp2" else "--pp", 2,
                  timeout=180)
     _check_answers(answers, hf_reference, images)

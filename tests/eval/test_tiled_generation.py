@@ -13,7 +13,7 @@ import pytest
 from megatron_ext.convert.compare import synthetic_image
 from megatron_ext.eval.prompts import load_image, user_turn
 from tests.eval.lmms_tasks import write_tasks
-from tests.helpers import child_env, run_script, run_torchrun
+from tests.helpers import child_env, run_ranks, run_script
 
 MAX_NEW_TOKENS = 10
 FRAMES = 4
@@ -89,7 +89,7 @@ def _answers(path: Path) -> list[list[int]]:
 def test_megatron_greedy_tokens_equal_transformers_generate(name, layout, converted, references, media, tmp_path):
     requests, lines = _requests(name, media, tmp_path)
     answers = tmp_path / "answers.jsonl"
-    run_torchrun(2, "scripts/eval/generate.py", "--megatron-dir", converted[name], layout, 2, "--input-jsonl", requests,
+    run_ranks(2, "scripts/eval/generate.py", "--megatron-dir", converted[name], layout, 2, "--input-jsonl", requests,
                  "--output-jsonl", answers, "--max-new-tokens", MAX_NEW_TOKENS, "--video-frames", FRAMES, timeout=300)
     expected = _expected(references[name], lines)
     assert _answers(answers) == expected

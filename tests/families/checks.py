@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from tests.eval.test_generate import MAX_NEW_TOKENS, _expected, _requests
-from tests.helpers import hf_tensors, run_torchrun
+from tests.helpers import hf_tensors, run_ranks
 from tests.train.conftest import train, trainer_args
 
 
@@ -25,7 +25,7 @@ def assert_greedy_at_tp2_equals_transformers(hf_dir: Path, tmp_path: Path) -> Pa
     synthetic_image(0).save(images[0])
     synthetic_image(1, size=(90, 40)).save(images[1])
     requests, answers = _requests(tmp_path, images), tmp_path / "answers.jsonl"
-    run_torchrun(2, "scripts/eval/generate.py", "--megatron-dir", megatron, "--input-jsonl", requests,
+    run_ranks(2, "scripts/eval/generate.py", "--megatron-dir", megatron, "--input-jsonl", requests,
                  "--output-jsonl", answers, "--max-new-tokens", MAX_NEW_TOKENS, "--tp", 2, timeout=180)
     expected = _expected(HFReference(hf_dir), images)
     assert [json.loads(line)["token_ids"] for line in answers.read_text().splitlines()] == expected

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron_ext.model.backends import te_available
-from tests.helpers import child_env, run_torchrun
+from tests.helpers import child_env, run_ranks
 from tests.model.test_attention import _attention, _reference
 from tests.model.test_backends import WORKER, _max_diff
 from tests.tiled_data import SEQ as TILED_SEQ
@@ -38,8 +38,8 @@ pytestmark = pytest.mark.gpu
 def _torchrun(where: str, script: str, *args, timeout: float = 400):
     """`script` on one GPU (cuda), two as TP2 (cuda-tp2), or one process on this CPU under the GPU rehearsal."""
     if where.startswith("cuda"):
-        return run_torchrun(2 if where == "cuda-tp2" else 1, script, *args, timeout=timeout, env=child_env(gpu=True))
-    return run_torchrun(1, REHEARSAL, script, *args, timeout=timeout, env=child_env(REHEARSAL_MATH_LIMIT="0"))
+        return run_ranks(2 if where == "cuda-tp2" else 1, script, *args, timeout=timeout, env=child_env(gpu=True))
+    return run_ranks(1, REHEARSAL, script, *args, timeout=timeout, env=child_env(REHEARSAL_MATH_LIMIT="0"))
 
 
 def _losses(tmp_path: Path, where: str, checkpoint: Path, backends: str) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_torchrun
+from tests.helpers import run_ranks
 
 WORKER = str(Path(__file__).with_name("backend_worker.py"))
 LAYOUTS = ("unpacked", "unpacked-rows", "packed", "packed-rows")
@@ -24,7 +24,7 @@ TP1_KEYS = ("sdpa/packed", "sdpa/unpacked-rows", "local/packed-rows", "sdpa/alig
 def losses(tmp_path_factory, megatron_clip) -> dict:
     """The worker's losses at TP2, and under "tp1" those of TP1_KEYS at TP1."""
     path = tmp_path_factory.mktemp("backends") / "losses.json"
-    run_torchrun(2, WORKER, megatron_clip, path, "local,sdpa", ",".join(TP1_KEYS), timeout=300)
+    run_ranks(2, WORKER, megatron_clip, path, "local,sdpa", ",".join(TP1_KEYS), timeout=300)
     out = json.loads(path.read_text())
     assert out["tp"] == 2 and sorted(out["tp1"]) == sorted(TP1_KEYS)
     return out

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from tests.helpers import REPO_ROOT, run_torchrun
+from tests.helpers import REPO_ROOT, run_ranks
 
 
 def _small_run(checkpoint: Path, data: Path, save_dir: Path, **options) -> dict:
@@ -51,7 +51,7 @@ def run_py(checkpoint: Path, data: Path, save: Path, iters: int, gpus: int = 2) 
 
 
 def train(nproc: int, *args, timeout: float = 240, check: bool = True, env: dict | None = None):
-    return run_torchrun(nproc, "scripts/train/pretrain_llava.py", *args, timeout=timeout, check=check, env=env)
+    return run_ranks(nproc, "scripts/train/pretrain_llava.py", *args, timeout=timeout, check=check, env=env)
 
 
 def metrics(save_dir: Path, split: str = "train") -> dict[int, dict]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import run_torchrun
+from tests.helpers import run_ranks
 
 WORKER = str(Path(__file__).with_name("dpo_worker.py"))
 LR = 1e-3
@@ -79,7 +79,7 @@ def test_dpo_step_equals_trl(layout, tmp_path, checkpoints, preference_data):
 
     megatron, hf_dir, tiled = checkpoints
     nproc, options = LAYOUTS[layout]
-    run_torchrun(nproc, WORKER, megatron, preference_data, tmp_path, json.dumps(options), timeout=300)
+    run_ranks(nproc, WORKER, megatron, preference_data, tmp_path, json.dumps(options), timeout=300)
     ours = json.loads((tmp_path / "result.json").read_text())
     micro_batches = torch.load(tmp_path / "micro_batches.pt", weights_only=False)
     config = json.loads((hf_dir / "config.json").read_text())

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_ext.checkpoint import layout
-from tests.helpers import child_env, run_torchrun
+from tests.helpers import child_env, run_ranks
 from tests.tiled_data import SEQ
 from tests.train.conftest import metrics, trainer_args
 from tests.train.gpu_rehearsal import DEVICE, HOST, DeviceLedger, DeviceMixError, mark, place
@@ -27,7 +27,7 @@ def rehearse(tmp_path, script, *args, check=True, nproc=1):
     (attention counts, the sync ledger)."""
     report = tmp_path / "rehearsal.json"
     # Every call only the math kernel would take fails, however short (the tests' sequences are).
-    proc = run_torchrun(nproc, REHEARSAL, script, *args, timeout=400, check=check,
+    proc = run_ranks(nproc, REHEARSAL, script, *args, timeout=400, check=check,
                         env=child_env(REHEARSAL_REPORT=str(report), REHEARSAL_MATH_LIMIT="0"))
     return proc, json.loads(report.read_text()) if report.exists() else None
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_script, run_torchrun
+from tests.helpers import run_ranks, run_script
 from tests.train.conftest import assert_held_state_is_planned, metrics, train, trainer_args
 
 WORKER = str(Path(__file__).with_name("lora_worker.py"))
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 
 def _run(tmp_path, megatron_clip, train_data, nproc, iters, **options) -> list[dict]:
-    run_torchrun(nproc, WORKER, megatron_clip, train_data, tmp_path, json.dumps({**LORA, **options}), iters, timeout=300)
+    run_ranks(nproc, WORKER, megatron_clip, train_data, tmp_path, json.dumps({**LORA, **options}), iters, timeout=300)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_torchrun
+from tests.helpers import run_ranks
 
 WORKER = str(Path(__file__).with_name("invariance_worker.py"))
 
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 def _steps(tmp_path, megatron_clip, train_data, nproc, options) -> list[dict]:
     out = tmp_path / "steps.json"
-    run_torchrun(nproc, WORKER, megatron_clip, train_data, out, json.dumps(options), timeout=300)
+    run_ranks(nproc, WORKER, megatron_clip, train_data, out, json.dumps(options), timeout=300)
     return json.loads(out.read_text())["steps"]
 
 

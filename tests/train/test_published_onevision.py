@@ -12,7 +12,7 @@ import pytest
 
 from megatron_ext.convert.compare import synthetic_image
 from tests.eval.conftest import HFReference
-from tests.helpers import run_script, run_torchrun
+from tests.helpers import run_ranks, run_script
 from tests.shapes import build, llava_shapes, narrowed
 from tests.tiled_data import turns, write_video
 from tests.train.conftest import launcher_args, metrics
@@ -72,7 +72,7 @@ def test_stage2_packed_at_tp2_trains_and_answers_as_transformers(tmp_path, data)
                 {"image": str(media / "1.png"), "prompt": "What is it?"},
                 {"video": str(media / "clip.mp4"), "prompt": "What happens?"}]
     (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
-    run_torchrun(2, "scripts/eval/generate.py", "--megatron-dir", save, "--tp", 2, "--input-jsonl",
+    run_ranks(2, "scripts/eval/generate.py", "--megatron-dir", save, "--tp", 2, "--input-jsonl",
                  tmp_path / "requests.jsonl", "--output-jsonl", tmp_path / "answers.jsonl", "--max-new-tokens",
                  MAX_NEW_TOKENS, "--video-frames", FRAMES, timeout=300)
     answers = [json.loads(line)["token_ids"] for line in (tmp_path / "answers.jsonl").read_text().splitlines()]

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from megatron_ext.checkpoint import layout
-from tests.helpers import child_env, kill_tree, run_torchrun, started
+from tests.helpers import child_env, kill_tree, run_ranks, started
 from tests.train.conftest import metrics, train, trainer_args
 
 ITERS, EVERY = 12, 2
@@ -74,7 +74,7 @@ def test_stopped_failed_and_killed_again_and_again_the_run_ends_as_if_never_stop
     before = _published_snapshots_are_complete(save)
 
     # The writer writes the run's second snapshot, then raises (a full disk): it is never published.
-    failed = run_torchrun(2, "tests/train/failing_save.py", *_args(save, megatron_clip, train_data),
+    failed = run_ranks(2, "tests/train/failing_save.py", *_args(save, megatron_clip, train_data),
                           env=child_env(FAIL_SAVE="2"), check=False, timeout=300)
     assert failed.returncode != 0 and "injected checkpoint writer failure" in failed.stderr
     assert _published_snapshots_are_complete(save) == before + EVERY == layout.find_snapshot(save).iteration
