@@ -25,7 +25,7 @@ from megatron_ext.lora.settings import saved_settings
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-_PEFT_PREFIX = "base_model.model."
+PEFT_PREFIX = "base_model.model."
 _A, _B = ADAPTER_SUFFIXES
 
 
@@ -98,15 +98,15 @@ def write_peft_adapter(megatron_dir, adapter_dir, force: bool = False) -> Path:
     weights, targets = {}, set()
     for name, (a, b) in trained.adapters.items():
         for module, a, b_part in peft_modules(table[name], modules, a, b):
-            weights[f"{_PEFT_PREFIX}{module}.lora_A.weight"] = a.clone()  # safetensors stores no shared memory
-            weights[f"{_PEFT_PREFIX}{module}.lora_B.weight"] = b_part.clone()
+            weights[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.clone()  # safetensors stores no shared memory
+            weights[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b_part.clone()
             targets.add(module)
     saved_modules = set()
     for name, tensor in trained.full.items():
         (hf_name,), (hf_tensor,) = table[name].hf, table[name].rule.megatron_to_hf(tensor)
         module_weight = modules[hf_name] if hf_name.endswith(".weight") else modules[hf_name[: -len(".bias")] + ".weight"]
         suffix = hf_name.rsplit(".", 1)[1]
-        weights[f"{_PEFT_PREFIX}{module_weight}.{suffix}"] = hf_tensor.contiguous()
+        weights[f"{PEFT_PREFIX}{module_weight}.{suffix}"] = hf_tensor.contiguous()
         saved_modules.add(module_weight.rsplit(".", 1)[0])
     config = {
         "peft_type": "LORA",
