@@ -261,3 +261,17 @@ def test_catches_one_parameter_gradient_off(ours, llava_clip, monkeypatch):
     problems = _problems(ours, llava_clip)
     assert "step 1: loss differs" not in problems and "step 1: grad norm differs" not in problems
     assert "multi_modal_projector.linear_1.bias: first-step gradient differs" in problems
+
+
+def test_catches_sgd_without_momentum(our_runs, monkeypatch):
+    """transformers' SGD without momentum: every loss and gradient norm is the same (momentum first
+    changes step 2's update, after the last one measured), and step 2 moves weights by lr x 0.9 x step
+    1's gradient less: within Adam's bound, far outside SGD's."""
+    plain = hf_loop.hf_optimizer
+    monkeypatch.setattr(hf_loop, "hf_optimizer", lambda groups, hyper: plain(groups, dataclasses.replace(hyper, momentum=0.0)))
+    ours, hf_dir = our_runs("gemma3-siglip-pp2-sgd")
+    report = _report(ours, hf_dir)
+    problems = "\n".join(report.problems)
+    assert "step" not in problems and "gradient" not in problems
+    assert "language_model.layers.0: weights differ" in problems
+    assert max(diff for diff, _ in report.modules.values()) < parity.weight_bound(BASE["lr"], STEPS)
