@@ -22,11 +22,15 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_ext.errors import UserError
 from megatron_ext.train.options import TrainConfig
+
+if TYPE_CHECKING:
+    from megatron_ext.train.hf_loop import Adapters
 
 # fp32: the two sides differ by float rounding only (summation order, fused kernels).
 FP32_RTOL = 1e-5
@@ -178,7 +182,7 @@ def run_hf(hf_dir: str | Path, ours: OurRun, progress=print) -> HfRun:
     return HfRun(loop.model, results, {hf_key(name): grad for name, grad in loop.first_grads.items()})
 
 
-def hf_adapters(ours: OurRun):
+def hf_adapters(ours: OurRun) -> Adapters | None:
     """LoRA: our initial adapters for the transformers loop, the A of each fused layer (a mapping row
     of several HF weights) tied across the HF modules it feeds (hf_loop.Adapters)."""
     from megatron_ext.convert.lora_export import ADAPTER_CONFIG_FILE, hf_module_names
@@ -217,7 +221,7 @@ def first_step_grads(ours: OurRun) -> dict[str, torch.Tensor]:
     grads_dir = ours.record_dir / GRADS_DIR
     table, modules = llava_mapping(ours.plan.arch), hf_module_names(ours.plan.hf_config)
     stored = stored_tensors(grads_dir, tuple({name.split(".")[0] for name in table}))
-    # An adapter's A and B are in one layer: read a layer at a time, then pair them.
+    # read_tensors takes a layer at a time; an adapter's A and B are paired once all are read.
     tensors = {name: t for group in by_layer(stored) for name, t in read_tensors(grads_dir, group).items()}
     out = {}
     for name, grad in tensors.items():
