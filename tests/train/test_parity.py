@@ -142,6 +142,14 @@ def test_lora_trains_like_peft(our_runs):
     assert all(p.abs().max() > 0 for n, p in hf.model.named_parameters() if "lora_B" in n)
 
 
+def test_lora_dropout_is_refused(tmp_path):
+    """Each side draws its own dropout masks: no step could match."""
+    from megatron_ext.errors import UserError
+
+    with pytest.raises(UserError, match="--lora-dropout"):
+        parity.trainer_config(tmp_path, "data", tmp_path / "ours", STEPS, {"lora_rank": 4, "lora_dropout": 0.1})
+
+
 def test_bf16_compares_transformers_under_autocast_with_bf16_tolerances(ours, llava_clip):
     """The GPU's default dtype, on the CPU: transformers' loop runs its forward under bf16 autocast
     (fp32 weights), as the Trainer's bf16=True, and the check applies the bf16 tolerances. Our run
