@@ -2,10 +2,11 @@
 would? (megatron_ext/train/parity.py)
 
     megatron-ext-parity --hf-dir HF --data-path DATA --steps 3 --stage 2 [-g 2 --tp 2]
-        [--packing-seq-length 512] [--set lr=1e-4 --set weight_decay=0.1 ...]
+        [--packing-seq-length 512] [--optimizer sgd] [--lora-rank 8] [--set lr=1e-4 --set weight_decay=0.1 ...]
 
 Prints one row per step (learning rate, loss and gradient norm of both sides, relative differences)
-and the largest weight difference per module; exits 0 within tolerance, 1 otherwise.
+and per module the largest weight difference and the largest relative difference of a first-step
+gradient; exits 0 within tolerance, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from pathlib import Path
 import click
 
 from megatron_ext.errors import UserError, run_command
+from megatron_ext.train.options import TrainConfig
+
+
+def _default(name: str):
+    """A trainer option's default, so the check runs what the trainer runs when a flag is not given."""
+    return TrainConfig.__dataclass_fields__[name].default
 
 
 def _settings(values: tuple[str, ...]) -> dict:
@@ -49,20 +56,32 @@ def _settings(values: tuple[str, ...]) -> dict:
 @click.option("--seq-length", type=int, default=None, help="Default: the trainer's.")
 @click.option("--packing-seq-length", type=int, default=None)
 @click.option("--dist-optim", is_flag=True)
+@click.option("--optimizer", type=click.Choice(["adam", "sgd"]), default=_default("optimizer"), show_default=True,
+              help="Both sides: AdamW, or SGD (torch.optim.SGD), whose final weights are pinned far tighter.")
+@click.option("--sgd-momentum", type=float, default=_default("sgd_momentum"), show_default=True)
+@click.option("--lora-rank", type=int, default=0, show_default=True,
+              help="LoRA (stage 2): our adapters against a PEFT model that starts from them.")
+@click.option("--lora-alpha", type=float, default=_default("lora_alpha"), show_default=True)
+@click.option("--lora-targets", default=_default("lora_targets"), show_default=True)
+@click.option("--lora-train-projector", is_flag=True)
 @click.option("--set", "settings", multiple=True, help="Any other trainer option, NAME=VALUE (repeatable).")
 @click.option("--rtol", type=float, default=None, help="Relative tolerance of losses and gradient norms "
               "[default: 1e-5 in fp32, 3e-2 in bf16, a GPU's default dtype].")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None, help="Where the converted and trained "
               "checkpoints go (default: a temporary directory, removed afterwards).")
 def check_parity(hf_dir, megatron_dir, data_path, steps, gpus, tp, pp, stage, micro_batch_size, global_batch_size, seq_length,
-                 packing_seq_length, dist_optim, settings, rtol, work_dir):
-    """Train STEPS steps with our trainer and with a plain PyTorch loop on transformers' model, on the
-    same global batches, and compare them step by step and weight by weight."""
+                 packing_seq_length, dist_optim, optimizer, sgd_momentum, lora_rank, lora_alpha, lora_targets,
+                 lora_train_projector, settings, rtol, work_dir):
+    """Train STEPS steps with our trainer and with a plain PyTorch loop on transformers' model (with
+    --lora-rank a PEFT model), on the same global batches, and compare them step by step, gradient
+    by gradient and weight by weight."""
     from megatron_ext.train.parity import check_parity as check
 
     options = {"tp": tp, "pp": pp, "stage": stage, "micro_batch_size": micro_batch_size,
                "global_batch_size": global_batch_size, "seq_length": seq_length,
-               "packing_seq_length": packing_seq_length, "dist_optim": dist_optim, **_settings(settings)}
+               "packing_seq_length": packing_seq_length, "dist_optim": dist_optim, "optimizer": optimizer,
+               "sgd_momentum": sgd_momentum, "lora_rank": lora_rank, "lora_alpha": lora_alpha,
+               "lora_targets": lora_targets, "lora_train_projector": lora_train_projector, **_settings(settings)}
     given = contextlib.nullcontext(work_dir) if work_dir else tempfile.TemporaryDirectory(prefix="parity-")
     with given as out:
         Path(out).mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from megatron_ext.lora.settings import saved_settings
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-_PEFT_PREFIX = "base_model.model."
+PEFT_PREFIX = "base_model.model."
 _A, _B = ADAPTER_SUFFIXES
 
 
@@ -69,12 +69,19 @@ def adapter_snapshot(megatron_dir, flag: str = "--megatron-dir") -> layout.Snaps
     return snapshot
 
 
-def _hf_module_names(hf_config: dict) -> dict[str, str]:
+def hf_module_names(hf_config: dict) -> dict[str, str]:
     """Canonical HF weight name -> the name of that module in a transformers model (what PEFT uses)."""
     from megatron_ext.convert.hf_checkpoint import meta_llava
 
     return {normalize_hf_name(name): name[: -len(".weight")] for name, _ in meta_llava(hf_config).named_parameters()
             if name.endswith(".weight")}
+
+
+def peft_modules(row, modules: dict[str, str], a: torch.Tensor, b: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The HF modules (transformers' names) one Megatron adapter (`row`: its weight's mapping row) maps
+    onto, each with its (A, B): A is every module's, B is split as the weight's rows are."""
+    parts = row.rule.megatron_to_hf(b) if len(row.hf) > 1 else [b]
+    return [(modules[hf_name], a, b_part) for hf_name, b_part in zip(row.hf, parts)]
 
 
 def write_peft_adapter(megatron_dir, adapter_dir, force: bool = False) -> Path:
@@ -87,22 +94,19 @@ def write_peft_adapter(megatron_dir, adapter_dir, force: bool = False) -> Path:
     trained = read_trained(snapshot)
     arch, options = snapshot.arch, snapshot.trainer_options
     table = llava_mapping(arch)
-    modules = _hf_module_names(snapshot.hf_config)
+    modules = hf_module_names(snapshot.hf_config)
     weights, targets = {}, set()
     for name, (a, b) in trained.adapters.items():
-        row = table[name]
-        parts = row.rule.megatron_to_hf(b) if len(row.hf) > 1 else [b]
-        for hf_name, b_part in zip(row.hf, parts):
-            module = modules[hf_name]
-            weights[f"{_PEFT_PREFIX}{module}.lora_A.weight"] = a.clone()  # safetensors stores no shared memory
-            weights[f"{_PEFT_PREFIX}{module}.lora_B.weight"] = b_part.clone()
+        for module, a, b_part in peft_modules(table[name], modules, a, b):
+            weights[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.clone()  # safetensors stores no shared memory
+            weights[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b_part.clone()
             targets.add(module)
     saved_modules = set()
     for name, tensor in trained.full.items():
         (hf_name,), (hf_tensor,) = table[name].hf, table[name].rule.megatron_to_hf(tensor)
         module_weight = modules[hf_name] if hf_name.endswith(".weight") else modules[hf_name[: -len(".bias")] + ".weight"]
         suffix = hf_name.rsplit(".", 1)[1]
-        weights[f"{_PEFT_PREFIX}{module_weight}.{suffix}"] = hf_tensor.contiguous()
+        weights[f"{PEFT_PREFIX}{module_weight}.{suffix}"] = hf_tensor.contiguous()
         saved_modules.add(module_weight.rsplit(".", 1)[0])
     config = {
         "peft_type": "LORA",

@@ -3,16 +3,20 @@ trained as transformers' Trainer trains it, on the global batches our trainer re
 
 What it copies from the Trainer: the loss is the model's own (`labels`, with `num_items_in_batch` =
 the trained tokens of the whole global batch, so every token weighs the same); AdamW
-(torch.optim.AdamW) with weight decay on the parameters `Trainer.get_decay_parameter_names` names;
-`clip_grad_norm_` over every trained parameter; the schedule from `transformers.get_scheduler`.
-Each sample runs alone (no padding, no packing), as a micro batch of one. In bf16 (on a GPU) the
-weights and AdamW stay fp32 and the forward runs under `torch.autocast`, as the Trainer's `bf16=True`.
+(torch.optim.AdamW), or torch.optim.SGD, with weight decay on the parameters
+`Trainer.get_decay_parameter_names` names; `clip_grad_norm_` over every trained parameter; the
+schedule from `transformers.get_scheduler`. Each sample runs alone (no padding, no packing), as a
+micro batch of one. In bf16 (on a GPU) the weights and the optimizer stay fp32 and the forward runs
+under `torch.autocast`, as the Trainer's `bf16=True`. With `Adapters` the model is a PEFT LoRA model
+that starts from our run's initial adapters. The first step's gradients are kept (`first_grads`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -217,6 +221,56 @@ class Hyper:
     betas: tuple[float, float]
     eps: float
     clip_grad: float
+    optimizer: str = "adam"  # or "sgd"
+    momentum: float = 0.0  # SGD's
+
+
+def hf_optimizer(groups: list[dict], hyper: Hyper) -> torch.optim.Optimizer:
+    """megatron-core's optimizer in torch's class: AdamW (decoupled weight decay), or SGD, whose weight
+    decay is added to the gradient before the momentum, as in megatron-core's (torch's or a fused
+    twin with the same rule)."""
+    if hyper.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=hyper.lr, momentum=hyper.momentum)
+    return torch.optim.AdamW(groups, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps)
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """A PEFT LoRA adapter directory (our run's initial adapters, exported) for the model to train.
+
+    `tied`: groups of transformers module names whose lora_A is to be one parameter. Our adapters wrap
+    megatron-core's fused layers, so q, k and v (gate and up) share one A, trained on the sum of their
+    gradients; PEFT gives each module its own. Tied, the PEFT model trains what ours trains."""
+
+    dir: Path
+    tied: tuple[tuple[str, ...], ...] = ()
+
+
+def with_adapters(model, adapters: Adapters):
+    """transformers' `model` wrapped by peft with the adapters' rank, alpha and target modules (PEFT's
+    scaling alpha / r, no rsLoRA, no dropout: the parity check refuses --lora-dropout, whose masks
+    cannot match), their lora_A tied as `adapters.tied` says, loaded with the adapters' weights. The
+    base is frozen; the projector trains when the adapter saves it (--lora-train-projector)."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    from megatron_ext.convert.lora_export import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+
+    config = json.loads((adapters.dir / ADAPTER_CONFIG_FILE).read_text())
+    model = get_peft_model(model, LoraConfig(r=config["r"], lora_alpha=config["lora_alpha"], lora_dropout=0.0,
+                                             target_modules=config["target_modules"], bias="none", use_rslora=False))
+    for group in adapters.tied:
+        shared = model.base_model.model.get_submodule(group[0]).lora_A["default"].weight
+        for name in group[1:]:
+            model.base_model.model.get_submodule(name).lora_A["default"].weight = shared
+    params = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for key, tensor in load_file(adapters.dir / ADAPTER_WEIGHTS_FILE).items():
+            name = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight")
+            params[name].copy_(tensor)
+    for module in config.get("modules_to_save") or ():
+        model.base_model.model.get_submodule(module).requires_grad_(True)
+    return model
 
 
 def global_normalizer(batches: list[list[HfSample]]) -> list[int]:
@@ -226,10 +280,12 @@ def global_normalizer(batches: list[list[HfSample]]) -> list[int]:
 
 
 class HfLoop:
-    def __init__(self, hf_dir: str, hyper: Hyper, img_seq_len: int, device: str = "cpu", dtype: str = "float32"):
+    def __init__(self, hf_dir: str, hyper: Hyper, img_seq_len: int, device: str = "cpu", dtype: str = "float32",
+                 adapters: Adapters | None = None):
         """`img_seq_len`: image tokens per image in HF's input (our `LlavaArch.img_seq_len`); `dtype`: the
         compute dtype (float32, or bfloat16 through autocast). The model is the checkpoint's own class
-        (LLaVA, LLaVA-NeXT, OneVision); a tiled model's media are laid out as its processor's."""
+        (LLaVA, LLaVA-NeXT, OneVision); a tiled model's media are laid out as its processor's. With
+        `adapters`, a PEFT model training those (`with_adapters`) instead of the stage's parts."""
         from megatron_ext import families, hf_loading
         from megatron_ext.data.anyres import FeatureLayout
         from megatron_ext.families import llava_kind
@@ -238,21 +294,27 @@ class HfLoop:
         kind = llava_kind(hf_loading.load_config(hf_dir, "--hf-dir"))
         self.device = torch.device(device)
         self.autocast = torch.autocast(self.device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
-        self.model = families.load_llava(hf_dir, "--hf-dir", dtype=torch.float32).to(self.device)
-        self.model.train()
+        model = families.load_llava(hf_dir, "--hf-dir", dtype=torch.float32)
         self.img_seq_len = img_seq_len
         self.tiled = FeatureLayout.of(load_processor(hf_dir, "--hf-dir", kind)) if kind.tiled else None
-        self.config = self.model.config
-        for name, p in self.model.named_parameters():
-            p.requires_grad_(not frozen(name, hyper.stage, hyper.unfreeze_vit))
+        self.config = model.config
+        if adapters is None:
+            for name, p in model.named_parameters():
+                p.requires_grad_(not frozen(name, hyper.stage, hyper.unfreeze_vit))
+        else:
+            model = with_adapters(model, adapters)
+        self.model = model.to(self.device)
+        self.model.train()
         self.trained = [p for p in self.model.parameters() if p.requires_grad]
+        # LoRA's A and B are weights of linear layers: decayed here as by megatron-core (2-D).
         decay = decayed_names(self.model)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         groups = [{"params": [p for n, p in named if n in decay], "weight_decay": hyper.weight_decay},
                   {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps)
+        self.optimizer = hf_optimizer(groups, hyper)
         self.scheduler = hf_scheduler(self.optimizer, hyper.style, hyper.warmup, hyper.steps, hyper.lr, hyper.min_lr)
         self.clip_grad = hyper.clip_grad
+        self.first_grads: dict[str, torch.Tensor] | None = None  # by parameter name, before clipping
 
     def step(self, micro_batches: list[dict]) -> tuple[float, float]:
         """One optimizer step on our recorded micro batches: (loss, gradient norm before clipping)."""
@@ -266,6 +328,9 @@ class HfLoop:
                                      num_items_in_batch=torch.tensor(normalizer, device=self.device))
                 out.loss.backward()
                 loss += out.loss.item()
+        if self.first_grads is None:
+            self.first_grads = {n: p.grad.detach().cpu().clone() if p.grad is not None else torch.zeros_like(p, device="cpu")
+                                for n, p in self.model.named_parameters() if p.requires_grad}
         norm = torch.nn.utils.clip_grad_norm_(self.trained, self.clip_grad if self.clip_grad else math.inf)
         self.optimizer.step()
         self.scheduler.step()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from megatron_ext.errors import UserError
 from megatron_ext.train.activation_model import Measured, Recompute, lm_layers_bytes, measure, with_sequence_parallel
-from megatron_ext.train.memory_state import StateBytes, ddp_bucket_size, state_bytes
+from megatron_ext.train.memory_state import StateBytes, ddp_bucket_size, moments, state_bytes
 from megatron_ext.train.plan import RunPlan
 
 GIB = 2**30
@@ -151,7 +151,7 @@ def _rank_memory(plan: RunPlan, knobs: Knobs, model, m: Measured, stage: int, tp
     vision = tiles * m.vision_tile
     in_flight = min(knobs.pp - stage, plan.num_microbatches)
     bucket_size = ddp_bucket_size(plan.execution.overlap_grad_reduce, plan.execution.ddp_bucket_size, dp, stage)
-    state = state_bytes(model, knobs.dist_optim, dp, bucket_size)
+    state = state_bytes(model, knobs.dist_optim, dp, bucket_size, moments(cfg.optimizer, cfg.sgd_momentum))
     return RankMemory(stage=stage, tp_ranks=(tp_rank,), state=state, lm_activations=in_flight * lm,
                       vision_activations=in_flight * vision, in_flight=in_flight,
                       reference_bytes=state.param_bytes if knobs.reference_copy else 0)

@@ -14,10 +14,16 @@ from megatron_ext.model.sequence_alignment import round_up
 
 # megatron-core's DDP keeps gradients in fp32: the trainer sets grad_reduce_in_fp32 (model_setup.py).
 GRAD_BYTES = 4
-# Adam's two moments are fp32; a 16-bit model also gets an fp32 master copy of each trained
-# parameter (megatron-core's Float16OptimizerWithFloat16Params / distributed optimizer).
-MOMENT_BYTES = 2 * 4
+# Optimizer state is fp32: Adam's two moments, SGD's momentum buffer (none without momentum); a
+# 16-bit model also gets an fp32 master copy of each trained parameter (megatron-core's
+# Float16OptimizerWithFloat16Params / distributed optimizer).
+MOMENT_BYTES = 4
 MASTER_BYTES = 4
+
+
+def moments(optimizer: str, sgd_momentum: float) -> int:
+    """fp32 tensors of optimizer state per trained parameter (--optimizer, --sgd-momentum)."""
+    return 2 if optimizer == "adam" else int(sgd_momentum != 0)
 
 
 @dataclass(frozen=True)
@@ -88,8 +94,9 @@ def _shard_elements(buckets: list[Bucket], dp: int, dp_rank: int) -> int:
     return total
 
 
-def state_bytes(model, dist_optim: bool, dp: int, bucket_size: int | None = None) -> StateBytes:
-    """`model`: this rank's LLaVAModel, frozen for the run; `bucket_size`: `ddp_bucket_size`'s. With
+def state_bytes(model, dist_optim: bool, dp: int, bucket_size: int | None = None, moments: int = 2) -> StateBytes:
+    """`model`: this rank's LLaVAModel, frozen for the run; `bucket_size`: `ddp_bucket_size`'s;
+    `moments`: `moments(...)` of the run's optimizer. With
     --dist-optim megatron-core keeps trained parameters and gradients in padded buffers and shards
     the optimizer state over the `dp` data-parallel ranks, unevenly where padding falls: the largest
     share is counted."""
@@ -98,7 +105,7 @@ def state_bytes(model, dist_optim: bool, dp: int, bucket_size: int | None = None
     trained_numel = sum(p.numel() for p in trained)
     frozen_bytes = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
     sixteen_bit = any(p.element_size() == 2 for p in trained)
-    per_element = MOMENT_BYTES + (MASTER_BYTES if sixteen_bit else 0)
+    per_element = moments * MOMENT_BYTES + (MASTER_BYTES if sixteen_bit else 0)
     buffers = {}
     for p in trained:
         buffers.setdefault(p.dtype, []).append(p)

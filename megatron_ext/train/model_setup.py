@@ -116,8 +116,8 @@ def build_training_model(plan: RunPlan) -> TrainingModel:
     # Every rank gets an optimizer, also a pipeline stage whose layers are all frozen: megatron
     # reduces gradient statistics over the model-parallel group inside optimizer.step().
     optimizer_config = OptimizerConfig(
-        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+        optimizer=cfg.optimizer, lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, sgd_momentum=cfg.sgd_momentum,
         clip_grad=cfg.clip_grad, bf16=plan.dtype == "bfloat16", params_dtype=DTYPES[plan.dtype],
         use_distributed_optimizer=cfg.dist_optim, overlap_param_gather=plan.execution.overlap_param_gather,
     )

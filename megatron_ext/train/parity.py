@@ -2,11 +2,14 @@
 scripts/train/check_parity.py.
 
 1. `run_ours`: the HF checkpoint converted, N steps of our real trainer under torchrun in the
-   layout asked for (`train.parity_run` records each global batch), the result exported to HF.
-2. `run_hf`: N steps of `train.hf_loop` (transformers' model, trained as its Trainer trains) on
-   the same global batches, with the same optimizer settings, schedule and frozen parts.
-3. `compare`: per step, loss and gradient norm of both sides; per module, the largest weight
-   difference of the two final models. Frozen parameters must be bit-identical (at the compute dtype).
+   layout asked for (`train.parity_run` records each global batch and the first step's gradients),
+   the result exported to HF (LoRA: its initial and final adapters exported to PEFT).
+2. `run_hf`: N steps of `train.hf_loop` (transformers' model, trained as its Trainer trains; LoRA:
+   a PEFT model starting from our initial adapters) on the same global batches, with the same
+   optimizer (AdamW or SGD), schedule and frozen parts.
+3. `compare`: per step, loss and gradient norm of both sides; per trained parameter, the first
+   step's gradient; per module, the largest weight difference of the two final models (LoRA: the
+   adapters). Frozen parameters must be bit-identical (at the compute dtype).
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_ext.errors import UserError
 from megatron_ext.train.options import TrainConfig
+
+if TYPE_CHECKING:
+    from megatron_ext.train.hf_loop import Adapters
 
 # fp32: the two sides differ by float rounding only (summation order, fused kernels).
 FP32_RTOL = 1e-5
@@ -32,14 +39,27 @@ FP32_RTOL = 1e-5
 # 4 steps of a hidden-512 LLaVA: losses within 5.7e-3, gradient norms within 2.0e-2 (docs/training.md).
 BF16_RTOL = 3e-2
 RTOL = {"float32": FP32_RTOL, "bfloat16": BF16_RTOL}
+# First-step gradients, per parameter: the largest |ours - HF| of its elements over the L2 norm of
+# its HF gradient. A gradient's float noise scales with its size; dividing element by element would
+# blow up the noise of elements near zero.
+GRAD_RTOL = {"float32": 1e-5, "bfloat16": BF16_RTOL}
 
 
 @dataclass
 class OurRun:
     plan: object  # the trainer's RunPlan
     record_dir: Path
-    hf_out: Path  # our trained model exported to HF
+    hf_out: Path  # our trained model exported to HF; LoRA: its final adapters exported to PEFT
     steps: list[dict]  # metrics.jsonl's records, by iteration
+    source: Path | None = None  # the HF checkpoint it started from
+    initial_adapters: Path | None = None  # LoRA: the adapters it started from, exported to PEFT
+
+
+@dataclass
+class HfRun:
+    model: object  # transformers' model (LoRA: the PEFT model) after the steps
+    steps: list[tuple[float, float, float]]  # (loss, grad norm, lr) per step
+    first_grads: dict[str, torch.Tensor]  # by `hf_key`
 
 
 @dataclass
@@ -62,6 +82,9 @@ class Report:
     weight_atol: float
     problems: list[str] = field(default_factory=list)
     dtype: str = "float32"  # the compute dtype of both sides
+    grads: dict[str, float] = field(default_factory=dict)  # module -> largest relative first-step gradient difference
+    grad_rtol: float = GRAD_RTOL["float32"]
+    compared_grads: int = 0  # trained parameters whose first-step gradients were compared
 
     @property
     def ok(self) -> bool:
@@ -73,9 +96,11 @@ class Report:
         for r in self.rows:
             lines.append(f"{r.step:>4} {r.lr:>9.3g} {r.ours[0]:>12.7f} {r.hf[0]:>12.7f} {r.rel[0]:>8.1e} "
                          f"{r.ours[1]:>12.7f} {r.hf[1]:>12.7f} {r.rel[1]:>8.1e}")
-        lines.append(f"{'module':<36} {'max |dw|':>9}  (trained: bound {self.weight_atol:.1e}; frozen: 0)")
+        lines.append(f"{'module':<36} {'max |dw|':>9} {'grad rel':>9}  (trained: bound {self.weight_atol:.1e}, first-step "
+                     f"gradients {self.grad_rtol:g}; frozen: 0)")
         for name, (diff, trained) in self.modules.items():
-            lines.append(f"{name:<36} {diff:>9.1e}  {'trained' if trained else 'frozen'}")
+            grad = f"{self.grads[name]:>9.1e}" if name in self.grads else f"{'':>9}"
+            lines.append(f"{name:<36} {diff:>9.1e} {grad}  {'trained' if trained else 'frozen'}")
         lines += [f"FAIL: {p}" for p in self.problems] or [f"OK: within rtol {self.rtol:g} ({self.dtype})"]
         return "\n".join(lines)
 
@@ -85,8 +110,10 @@ def trainer_config(megatron_dir: Path, data_path: str, save_dir: Path, steps: in
     unknown = set(options) - set(TrainConfig.__dataclass_fields__)
     if unknown:
         raise UserError(f"unknown trainer options for the parity check: {', '.join(sorted(unknown))}")
-    if options.get("lora_rank") or options.get("vision_lr") is not None:
-        raise UserError("the parity check does not cover --lora-rank or --vision-lr yet")
+    if options.get("vision_lr") is not None:
+        raise UserError("the parity check does not cover --vision-lr yet")
+    if options.get("lora_rank") and options.get("lora_dropout"):
+        raise UserError("--lora-dropout: the two sides' dropout masks cannot match; check LoRA parity without it")
     return TrainConfig(**{"num_workers": 0, "train_iters": steps, **options, "megatron_load_dir": str(megatron_dir),
                           "data_path": data_path, "save": True, "save_dir": str(save_dir), "log_interval": 1,
                           "exit_interval": steps})
@@ -114,8 +141,16 @@ def run_ours(hf_dir: str | Path, data_path: str, work_dir: Path, steps: int, gpu
         raise UserError(f"our trainer failed (exit {done.returncode}){': ' + done.stderr[-2000:] if quiet else ''}")
     metrics = [json.loads(line) for line in (work_dir / "ours" / "metrics.jsonl").read_text().splitlines()]
     steps_logged = {r["iteration"]: r for r in metrics if r["split"] == "train"}
-    hf_out = to_hf.convert(work_dir / "ours", work_dir / "ours_hf", force=True)
-    return OurRun(plan, work_dir / "batches", hf_out, [steps_logged[i] for i in sorted(steps_logged)])
+    steps_logged = [steps_logged[i] for i in sorted(steps_logged)]
+    if not config.lora_rank:
+        hf_out = to_hf.convert(work_dir / "ours", work_dir / "ours_hf", force=True)
+        return OurRun(plan, work_dir / "batches", hf_out, steps_logged, Path(hf_dir))
+    from megatron_ext.checkpoint import layout
+    from megatron_ext.convert.lora_export import write_peft_adapter
+
+    initial = write_peft_adapter(work_dir / "ours" / layout.snapshot_name(0), work_dir / "adapter_initial", force=True)
+    final = write_peft_adapter(work_dir / "ours", work_dir / "adapter", force=True)
+    return OurRun(plan, work_dir / "batches", final, steps_logged, Path(hf_dir), initial)
 
 
 def global_batch(ours: OurRun, iteration: int) -> list[dict]:
@@ -126,8 +161,8 @@ def global_batch(ours: OurRun, iteration: int) -> list[dict]:
     return [b for r in range(replicas) for b in torch.load(batch_file(ours.record_dir, iteration, r))]
 
 
-def run_hf(hf_dir: str | Path, ours: OurRun, progress=print):
-    """(transformers' model after the same steps, one (loss, grad norm, lr) per step)."""
+def run_hf(hf_dir: str | Path, ours: OurRun, progress=print) -> HfRun:
+    """transformers' model trained the same steps on the same batches (LoRA: PEFT's, from our initial adapters)."""
     from megatron_ext.train.hf_loop import HfLoop, Hyper
     from megatron_ext.train.model_setup import warmup_steps
 
@@ -135,40 +170,132 @@ def run_hf(hf_dir: str | Path, ours: OurRun, progress=print):
     hyper = Hyper(stage=cfg.stage, unfreeze_vit=cfg.unfreeze_vit, lr=cfg.lr, min_lr=cfg.min_lr,
                   warmup=warmup_steps(ours.plan), steps=ours.plan.train_iters, style=cfg.lr_decay_style,
                   weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                  clip_grad=cfg.clip_grad)
+                  clip_grad=cfg.clip_grad, optimizer=cfg.optimizer, momentum=cfg.sgd_momentum)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where our ranks ran (train.plan's on_gpu)
-    loop = HfLoop(str(hf_dir), hyper, ours.plan.arch.img_seq_len, device, ours.plan.dtype)
+    loop = HfLoop(str(hf_dir), hyper, ours.plan.arch.img_seq_len, device, ours.plan.dtype, adapters=hf_adapters(ours))
     results = []
     for record in ours.steps:
         lr = loop.scheduler.get_last_lr()[0]
         loss, norm = loop.step(global_batch(ours, record["iteration"]))
         progress(f"HF loop step {record['iteration']}: loss {loss:.6f} grad norm {norm:.6f}")
         results.append((loss, norm, lr))
-    return loop.model, results
+    return HfRun(loop.model, results, {hf_key(name): grad for name, grad in loop.first_grads.items()})
+
+
+def hf_adapters(ours: OurRun) -> Adapters | None:
+    """LoRA: our initial adapters for the transformers loop, the A of each fused layer (a mapping row
+    of several HF weights) tied across the HF modules it feeds (hf_loop.Adapters)."""
+    from megatron_ext.convert.lora_export import ADAPTER_CONFIG_FILE, hf_module_names
+    from megatron_ext.convert.mapping import llava_mapping
+    from megatron_ext.train.hf_loop import Adapters
+
+    if ours.initial_adapters is None:
+        return None
+    targets = set(json.loads((ours.initial_adapters / ADAPTER_CONFIG_FILE).read_text())["target_modules"])
+    modules = hf_module_names(ours.plan.hf_config)
+    tied = [tuple(modules[name] for name in row.hf) for row in llava_mapping(ours.plan.arch).values()
+            if len(row.hf) > 1 and modules.get(row.hf[0]) in targets]
+    return Adapters(ours.initial_adapters, tuple(tied))
+
+
+def hf_key(name: str) -> str:
+    """An HF parameter's canonical name (`convert.mapping`'s), also for a PEFT model's parameters and
+    adapter files: PEFT's prefix, adapter name and wrapped `base_layer` dropped."""
+    from megatron_ext.convert.lora_export import PEFT_PREFIX
+    from megatron_ext.convert.mapping import normalize_hf_name
+
+    return normalize_hf_name(name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").replace(".default.", "."))
+
+
+def first_step_grads(ours: OurRun) -> dict[str, torch.Tensor]:
+    """Our iteration 1's gradients (`parity_run.save_grads`) by HF name (`hf_key`), through the
+    converters' mapping table: a fused weight's gradient splits as the weight does; an adapter's goes
+    to each HF module it feeds, as the PEFT export maps its weights."""
+    from megatron_ext.convert.dist_read import by_layer, read_tensors, stored_tensors
+    from megatron_ext.convert.lora_export import hf_module_names, peft_modules
+    from megatron_ext.convert.mapping import llava_mapping
+    from megatron_ext.lora.layers import ADAPTER_SUFFIXES
+    from megatron_ext.train.parity_run import GRADS_DIR
+
+    a_suffix, b_suffix = ADAPTER_SUFFIXES
+    grads_dir = ours.record_dir / GRADS_DIR
+    table, modules = llava_mapping(ours.plan.arch), hf_module_names(ours.plan.hf_config)
+    stored = stored_tensors(grads_dir, tuple({name.split(".")[0] for name in table}))
+    # read_tensors takes a layer at a time; an adapter's A and B are paired once all are read.
+    tensors = {name: t for group in by_layer(stored) for name, t in read_tensors(grads_dir, group).items()}
+    out = {}
+    for name, grad in tensors.items():
+        if name.endswith(a_suffix):
+            weight = name.removesuffix(a_suffix)
+            for module, a, b in peft_modules(table[weight + ".weight"], modules, grad, tensors[weight + b_suffix]):
+                out[hf_key(f"{module}.lora_A.weight")], out[hf_key(f"{module}.lora_B.weight")] = a, b
+        elif not name.endswith(b_suffix):
+            out.update(zip(table[name].hf, table[name].rule.megatron_to_hf(grad)))
+    return out
+
+
+def compare_grads(ours: dict[str, torch.Tensor], hf: dict[str, torch.Tensor], rtol: float) -> tuple[dict, float, list[str]]:
+    """(per module, the largest relative difference of a trained parameter's first-step gradient (GRAD_RTOL's
+    measure); the largest absolute difference of any element; problems). Every parameter transformers
+    trains must have our gradient."""
+    modules, largest, problems = {}, 0.0, []
+    for name, ref in hf.items():
+        if name not in ours:
+            problems.append(f"{name}: no first-step gradient from our run")
+            continue
+        diff = (ours[name].float() - ref.float()).abs().max().item()
+        norm = ref.float().norm().item()
+        rel = diff / norm if norm else (0.0 if diff == 0 else math.inf)
+        key = module_of(name)
+        modules[key] = max(modules.get(key, 0.0), rel)
+        largest = max(largest, diff)
+        if not rel <= rtol:
+            problems.append(f"{name}: first-step gradient differs by {rel:.1e} of its norm (> {rtol:g})")
+    return modules, largest, problems
 
 
 def module_of(name: str) -> str:
-    """The part of an HF LLaVA a parameter belongs to, as the report groups them."""
+    """The part of an HF LLaVA a parameter belongs to, as the report groups them (a layer's LoRA
+    adapters apart from its frozen weights)."""
     layer = re.search(r"language_model\.(?:model\.)?layers\.(\d+)\.", name)
     if layer:
-        return f"language_model.layers.{layer.group(1)}"
+        return f"language_model.layers.{layer.group(1)}" + (" (LoRA)" if ".lora_" in name else "")
     for part in ("vision_tower", "multi_modal_projector", "image_newline", "embed_tokens", "lm_head"):
         if part in name:
             return part
-    return name.removeprefix("model.")
+    return name.replace("language_model.model.", "language_model.")
 
 
-def compare_weights(ours_hf: Path, reference, dtype: str) -> tuple[dict, list[str]]:
+def our_weights(ours: OurRun) -> dict[str, torch.Tensor]:
+    """Our trained model's parameters by `hf_key`. LoRA: the original checkpoint's (our run loads its
+    base from the checkpoint it was converted from, and saves only what it trains) with our final
+    PEFT export's adapters (and projector) over them."""
+    from megatron_ext import families
+
+    if ours.initial_adapters is None:
+        model = families.load_llava(ours.hf_out, "--work-dir", dtype=torch.float32)
+        return {hf_key(name): p.detach() for name, p in model.named_parameters()}
+    from safetensors.torch import load_file
+
+    from megatron_ext.convert.lora_export import ADAPTER_WEIGHTS_FILE
+
+    base = families.load_llava(ours.source, "--hf-dir", dtype=torch.float32)
+    weights = {hf_key(name): p.detach() for name, p in base.named_parameters()}
+    weights.update({hf_key(key): t for key, t in load_file(ours.hf_out / ADAPTER_WEIGHTS_FILE).items()})
+    return weights
+
+
+def compare_weights(ours: dict[str, torch.Tensor], reference, dtype: str) -> tuple[dict, list[str]]:
     """Per module, the largest |ours - reference|, and whether any of its parameters trained. Frozen
     parameters must equal the reference's (the original checkpoint's) at the compute dtype bit for bit:
     in bf16 our model holds bf16 weights where transformers' autocast keeps fp32 ones."""
-    from megatron_ext import families
-
-    ours = dict(families.load_llava(ours_hf, "--work-dir", dtype=torch.float32).named_parameters())
     modules, problems = {}, []
     for name, param in reference.named_parameters():
-        ref, trained = param.detach().cpu(), param.requires_grad
-        diff = (ours[name].detach() - ref).abs().max().item()
+        name, ref, trained = hf_key(name), param.detach().cpu(), param.requires_grad
+        if name not in ours:
+            problems.append(f"{name}: not in our model")
+            continue
+        diff = (ours[name] - ref).abs().max().item()
         key = module_of(name)
         prev_diff, prev_trained = modules.get(key, (0.0, False))
         modules[key] = (max(prev_diff, diff), prev_trained or trained)
@@ -179,31 +306,47 @@ def compare_weights(ours_hf: Path, reference, dtype: str) -> tuple[dict, list[st
     return modules, problems
 
 
-def weight_bound(lr: float, steps: int, dtype: str = "float32", largest_weight: float = 0.0) -> float:
-    """How far apart the two runs' trained weights may drift. Adam's step, lr * m / (sqrt(v) + eps), is
-    about lr whatever the gradient's size, so it amplifies float noise where a gradient is near zero: in
-    fp32 a few such weights move by a fraction of lr differently on the two sides (a tiny Llama: up to
-    2e-5 at lr 1e-3 after 3 steps); a tenth of lr per step allows that, while a schedule off by one step
-    or another loss normalisation moves every weight by about lr, far more. In bf16 the noise can turn
-    such a step around (2 lr apart), and our exported weights are bf16, half a unit in the 8th bit of
-    the largest weight off transformers' fp32 ones: a loose bound, the losses are the sharper check."""
+def weight_bound(lr: float, steps: int, dtype: str = "float32", largest_weight: float = 0.0, optimizer: str = "adam",
+                 grad_noise: float = 0.0) -> float:
+    """How far apart the two runs' trained weights may drift.
+
+    Adam's step, lr * m / (sqrt(v) + eps), is about lr whatever the gradient's size, so it amplifies
+    float noise where a gradient is near zero: in fp32 a few such weights move by a fraction of lr
+    differently on the two sides (a tiny Llama: up to 2e-5 at lr 1e-3 after 3 steps); a tenth of lr
+    per step allows that, while a schedule off by one step or another loss normalisation moves every
+    weight by about lr, far more. In bf16 the noise can turn such a step around (2 lr apart), and our
+    exported weights are bf16, half a unit in the 8th bit of the largest weight off transformers' fp32
+    ones: a loose bound, the losses are the sharper check.
+
+    SGD's step is lr times the momentum buffer, a sum of at most `steps` gradients (momentum <= 1),
+    so the sides' steps differ by lr times their gradients' difference, not by anything near lr.
+    `grad_noise`, the largest element difference of the first step's gradients, is that float noise;
+    later steps' gradients differ by as much again plus what the weights' difference changes (of the
+    same size): 2 x noise per gradient, at most `steps` gradients per step, `steps` steps. Each update
+    also rounds the weight (up to one unit in the last place of the largest weight, per step; in bf16
+    the export's rounding as for Adam). With the noise of the order of 1e-7, at lr 1e-3 that is
+    thousands of times tighter than Adam's bound: a wrong learning rate, momentum or decay shows."""
+    if optimizer == "sgd":
+        rounding = largest_weight * (2.0**-8 if dtype != "float32" else steps * 2.0**-23)
+        return lr * steps * steps * 2 * grad_noise + rounding
     if dtype == "float32":
         return 0.1 * lr * steps
     return 2 * lr * steps + largest_weight * 2.0**-8
 
 
-def compare(ours: OurRun, hf_results: list, hf_model, rtol: float | None = None,
-            weight_atol: float | None = None) -> Report:
+def compare(ours: OurRun, hf: HfRun, rtol: float | None = None, weight_atol: float | None = None) -> Report:
     """`rtol`: for losses and gradient norms, default by the compute dtype (RTOL)."""
     rows = [Row(r["iteration"], r["lr"], (r["loss"], r["grad_norm"]), (loss, norm))
-            for r, (loss, norm, _) in zip(ours.steps, hf_results)]
+            for r, (loss, norm, _) in zip(ours.steps, hf.steps)]
     cfg, dtype = ours.plan.config, ours.plan.dtype
     rtol = RTOL[dtype] if rtol is None else rtol
+    grads, grad_noise, problems = compare_grads(first_step_grads(ours), hf.first_grads, GRAD_RTOL[dtype])
     if weight_atol is None:
-        largest = max(p.detach().abs().max().item() for p in hf_model.parameters() if p.requires_grad)
-        weight_atol = weight_bound(cfg.lr, len(rows), dtype, largest)
-    modules, problems = compare_weights(ours.hf_out, hf_model, dtype)
-    for r, (_, _, hf_lr) in zip(rows, hf_results):
+        largest = max(p.detach().abs().max().item() for p in hf.model.parameters() if p.requires_grad)
+        weight_atol = weight_bound(cfg.lr, len(rows), dtype, largest, cfg.optimizer, grad_noise)
+    modules, weight_problems = compare_weights(our_weights(ours), hf.model, dtype)
+    problems += weight_problems
+    for r, (_, _, hf_lr) in zip(rows, hf.steps):
         if not math.isclose(r.lr, hf_lr, rel_tol=1e-9, abs_tol=1e-15):
             problems.append(f"step {r.step}: learning rate {r.lr:.6g} (ours) vs {hf_lr:.6g} (transformers' schedule)")
         for what, rel in zip(("loss", "grad norm"), r.rel):
@@ -213,12 +356,11 @@ def compare(ours: OurRun, hf_results: list, hf_model, rtol: float | None = None,
                  in modules.items() if trained and not diff <= weight_atol]
     if any(not math.isfinite(v) for r in rows for v in (*r.ours, *r.hf)):
         problems.append("a loss or gradient norm is not finite")
-    return Report(rows, modules, rtol, weight_atol, problems, dtype)
+    return Report(rows, modules, rtol, weight_atol, problems, dtype, grads, GRAD_RTOL[dtype], len(hf.first_grads))
 
 
 def check_parity(hf_dir: str | Path, data_path: str, work_dir: Path, steps: int, gpus: int, options: dict,
                  rtol: float | None = None, quiet: bool = False, megatron_dir: Path | None = None) -> Report:
     """The whole check: our run, the transformers loop on its batches, the comparison."""
     ours = run_ours(hf_dir, data_path, work_dir, steps, gpus, options, quiet=quiet, megatron_dir=megatron_dir)
-    model, results = run_hf(hf_dir, ours, progress=(lambda line: None) if quiet else print)
-    return compare(ours, results, model, rtol=rtol)
+    return compare(ours, run_hf(hf_dir, ours, progress=(lambda line: None) if quiet else print), rtol=rtol)

@@ -79,7 +79,7 @@ def assert_held_state_is_planned(save_dir: Path, plan=None) -> None:
 def _check_held_state(record: dict, save_dir: Path, plan) -> None:
     from megatron_ext.checkpoint import layout
     from megatron_ext.train.memory_plan import memory_plan
-    from megatron_ext.train.memory_state import MASTER_BYTES, MOMENT_BYTES
+    from megatron_ext.train.memory_state import MASTER_BYTES, MOMENT_BYTES, moments
     from megatron_ext.train.options import TrainConfig
     from megatron_ext.train.plan import make_plan
 
@@ -89,7 +89,8 @@ def _check_held_state(record: dict, save_dir: Path, plan) -> None:
         plan = make_plan(config, len(rows), on_gpu=False, te=False)
     assert len(rows) == plan.world_size
     planned = {(kind.stage, tp): kind.state for kind in memory_plan(plan, 80 * 2**30).ranks for tp in kind.tp_ranks}
-    per_element = MOMENT_BYTES + (MASTER_BYTES if plan.dtype != "float32" else 0)
+    per_element = (moments(plan.config.optimizer, plan.config.sgd_momentum) * MOMENT_BYTES
+                   + (MASTER_BYTES if plan.dtype != "float32" else 0))
     for (stage, tp), state in planned.items():
         mine = [r for r in rows if (r["pp_rank"], r["tp_rank"]) == (stage, tp)]
         assert {(r["param_bytes"], r["grad_bytes"]) for r in mine} == {(state.param_bytes, state.grad_bytes)}, (stage, tp)
