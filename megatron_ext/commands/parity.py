@@ -59,7 +59,7 @@ def _settings(values: tuple[str, ...]) -> dict:
 @click.option("--optimizer", type=click.Choice(["adam", "sgd"]), default=_default("optimizer"), show_default=True,
               help="Both sides: AdamW, or SGD (torch.optim.SGD), whose final weights are pinned far tighter.")
 @click.option("--sgd-momentum", type=float, default=_default("sgd_momentum"), show_default=True)
-@click.option("--lora-rank", type=int, default=0, show_default=True,
+@click.option("--lora-rank", type=int, default=_default("lora_rank"), show_default=True,
               help="LoRA (stage 2): our adapters against a PEFT model that starts from them.")
 @click.option("--lora-alpha", type=float, default=_default("lora_alpha"), show_default=True)
 @click.option("--lora-targets", default=_default("lora_targets"), show_default=True)

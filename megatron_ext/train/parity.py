@@ -51,7 +51,7 @@ class OurRun:
     record_dir: Path
     hf_out: Path  # our trained model exported to HF; LoRA: its final adapters exported to PEFT
     steps: list[dict]  # metrics.jsonl's records, by iteration
-    source: Path | None = None  # the HF checkpoint it started from
+    source: Path  # the HF checkpoint it started from
     initial_adapters: Path | None = None  # LoRA: the adapters it started from, exported to PEFT
 
 
@@ -161,8 +161,9 @@ def global_batch(ours: OurRun, iteration: int) -> list[dict]:
     return [b for r in range(replicas) for b in torch.load(batch_file(ours.record_dir, iteration, r))]
 
 
-def run_hf(hf_dir: str | Path, ours: OurRun, progress=print) -> HfRun:
-    """transformers' model trained the same steps on the same batches (LoRA: PEFT's, from our initial adapters)."""
+def run_hf(ours: OurRun, progress=print) -> HfRun:
+    """transformers' model (the checkpoint `ours` started from) trained the same steps on the same
+    batches (LoRA: PEFT's, from our initial adapters)."""
     from megatron_ext.train.hf_loop import HfLoop, Hyper
     from megatron_ext.train.model_setup import warmup_steps
 
@@ -172,7 +173,7 @@ def run_hf(hf_dir: str | Path, ours: OurRun, progress=print) -> HfRun:
                   weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                   clip_grad=cfg.clip_grad, optimizer=cfg.optimizer, momentum=cfg.sgd_momentum)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where our ranks ran (train.plan's on_gpu)
-    loop = HfLoop(str(hf_dir), hyper, ours.plan.arch.img_seq_len, device, ours.plan.dtype, adapters=hf_adapters(ours))
+    loop = HfLoop(str(ours.source), hyper, ours.plan.arch.img_seq_len, device, ours.plan.dtype, adapters=hf_adapters(ours))
     results = []
     for record in ours.steps:
         lr = loop.scheduler.get_last_lr()[0]
@@ -363,4 +364,4 @@ def check_parity(hf_dir: str | Path, data_path: str, work_dir: Path, steps: int,
                  rtol: float | None = None, quiet: bool = False, megatron_dir: Path | None = None) -> Report:
     """The whole check: our run, the transformers loop on its batches, the comparison."""
     ours = run_ours(hf_dir, data_path, work_dir, steps, gpus, options, quiet=quiet, megatron_dir=megatron_dir)
-    return compare(ours, run_hf(hf_dir, ours, progress=(lambda line: None) if quiet else print), rtol=rtol)
+    return compare(ours, run_hf(ours, progress=(lambda line: None) if quiet else print), rtol=rtol)

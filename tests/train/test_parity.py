@@ -53,10 +53,10 @@ CLIP_PER_RANK = Path(__file__).with_name("clip_per_rank")  # its sitecustomize: 
 
 @pytest.fixture(scope="module")
 def our_runs(request, tmp_path_factory, megatron_clip, train_data):
-    """Our trainer's run of RUNS, made when a test first asks for it: (the run, its HF checkpoint)."""
+    """Our trainer's run of RUNS (or LORA), made when a test first asks for it."""
     made = {}
 
-    def run(name: str) -> tuple[parity.OurRun, Path]:
+    def run(name: str) -> parity.OurRun:
         if name not in made:
             fixture, processes, options = {**RUNS, **LORA}[name]
             hf_dir = request.getfixturevalue(fixture)
@@ -64,7 +64,7 @@ def our_runs(request, tmp_path_factory, megatron_clip, train_data):
                 request.getfixturevalue("megatron_onevision") if fixture == "llava_onevision_siglip" else None)
             data = request.getfixturevalue("tiled_mix")[0] if fixture == "llava_onevision_siglip" else train_data
             made[name] = parity.run_ours(hf_dir, str(data), tmp_path_factory.mktemp(name), STEPS, processes,
-                                         {**BASE, **options}, quiet=True, megatron_dir=converted), hf_dir
+                                         {**BASE, **options}, quiet=True, megatron_dir=converted)
         return made[name]
 
     return run
@@ -72,11 +72,11 @@ def our_runs(request, tmp_path_factory, megatron_clip, train_data):
 
 @pytest.fixture(scope="module")
 def ours(our_runs):
-    return our_runs("tp1")[0]
+    return our_runs("tp1")
 
 
-def _report(ours, hf_dir) -> parity.Report:
-    return parity.compare(ours, parity.run_hf(hf_dir, ours, progress=lambda line: None))
+def _report(ours) -> parity.Report:
+    return parity.compare(ours, parity.run_hf(ours, progress=lambda line: None))
 
 
 def _assert_steps_and_grads_match(report: parity.Report, hf_trained: int) -> None:
@@ -90,20 +90,20 @@ def _assert_steps_and_grads_match(report: parity.Report, hf_trained: int) -> Non
     assert set(report.grads) == {module for module, (_, trained) in report.modules.items() if trained}
 
 
-def _trained_count(ours, hf_dir) -> int:
+def _trained_count(ours) -> int:
     """The parameters transformers' model trains in this run (its frozen parts as the stage freezes them)."""
     from megatron_ext import families
 
     cfg = ours.plan.config
-    model = families.load_llava(hf_dir, "--hf-dir")
+    model = families.load_llava(ours.source, "--hf-dir")
     return sum(not hf_loop.frozen(name, cfg.stage, cfg.unfreeze_vit) for name, _ in model.named_parameters())
 
 
 @pytest.mark.parametrize("name", RUNS)
 def test_trains_like_transformers(our_runs, name):
-    ours, hf_dir = our_runs(name)
-    report = _report(ours, hf_dir)
-    _assert_steps_and_grads_match(report, _trained_count(ours, hf_dir))
+    ours = our_runs(name)
+    report = _report(ours)
+    _assert_steps_and_grads_match(report, _trained_count(ours))
     # The vision tower is frozen in both stages, the language model in stage 1: bit-identical; what
     # trained moved, by float noise only.
     assert report.modules["vision_tower"] == (0.0, False)
@@ -127,8 +127,8 @@ def test_lora_trains_like_peft(our_runs):
     that starts from our initial adapters (exported to PEFT, each fused layer's A tied across its
     modules): losses, gradient norms, every adapter's first-step gradient and final weights; the base
     bit-identical on both sides."""
-    ours, hf_dir = our_runs("lora-tp2")
-    hf = parity.run_hf(hf_dir, ours, progress=lambda line: None)
+    ours = our_runs("lora-tp2")
+    hf = parity.run_hf(ours, progress=lambda line: None)
     report = parity.compare(ours, hf)
     # 2 layers x (A of qkv, q/k/v's B, A of fc1, gate/up's B, proj's A and B, fc2's A and B) + the projector's 4
     _assert_steps_and_grads_match(report, 2 * (1 + 3 + 1 + 2 + 2 + 2) + 4)
@@ -150,12 +150,12 @@ def test_lora_dropout_is_refused(tmp_path):
         parity.trainer_config(tmp_path, "data", tmp_path / "ours", STEPS, {"lora_rank": 4, "lora_dropout": 0.1})
 
 
-def test_bf16_compares_transformers_under_autocast_with_bf16_tolerances(ours, llava_clip):
+def test_bf16_compares_transformers_under_autocast_with_bf16_tolerances(ours):
     """The GPU's default dtype, on the CPU: transformers' loop runs its forward under bf16 autocast
     (fp32 weights), as the Trainer's bf16=True, and the check applies the bf16 tolerances. Our run
     here is fp32, so the sides differ by bf16 rounding alone: within them, but not equal."""
     bf16 = dataclasses.replace(ours, plan=dataclasses.replace(ours.plan, dtype="bfloat16"))
-    report = parity.compare(bf16, parity.run_hf(llava_clip, bf16, progress=lambda line: None))
+    report = parity.compare(bf16, parity.run_hf(bf16, progress=lambda line: None))
     assert report.ok and (report.dtype, report.rtol) == ("bfloat16", parity.BF16_RTOL), report.table()
     assert all(r.ours[0] != r.hf[0] for r in report.rows)
     assert max(r.rel[0] for r in report.rows) > parity.FP32_RTOL
@@ -163,7 +163,7 @@ def test_bf16_compares_transformers_under_autocast_with_bf16_tolerances(ours, ll
 
 
 def test_the_parallel_layout_ran_packed_micro_batches_of_one_on_two_replicas(our_runs):
-    micro_batches = parity.global_batch(our_runs("tp2-dp2-dist-optim-packed")[0], 1)
+    micro_batches = parity.global_batch(our_runs("tp2-dp2-dist-optim-packed"), 1)
     assert len(micro_batches) == 4  # 2 replicas x 2 accumulated micro batches
     assert all(b["input_ids"].shape[0] == 1 and b["segment_ids"].max() > 1 for b in micro_batches)
 
@@ -173,24 +173,24 @@ def test_each_rank_held_the_state_its_memory_plan_counts(our_runs, name):
     """Issue 36: the plan's parameters, gradient buffers and optimizer state equal the bytes each rank
     of the run held: at TP1, TP2 x DP2 with the distributed optimizer's padded buffers, stage 1 at
     TP2, PP2 with SGD's one momentum buffer, LoRA at TP2."""
-    ours, _ = our_runs(name)
+    ours = our_runs(name)
     assert_held_state_is_planned(ours.hf_out.parent / "ours", ours.plan)
 
 
-def _problems(ours, hf_dir) -> str:
-    report = _report(ours, hf_dir)
+def _problems(ours) -> str:
+    report = _report(ours)
     assert not report.ok
     return "\n".join(report.problems)
 
 
-def test_catches_per_micro_batch_mean(ours, llava_clip, monkeypatch):
+def test_catches_per_micro_batch_mean(ours, monkeypatch):
     """Each micro batch's mean, averaged over micro batches, weighs tokens of short micro batches more."""
     monkeypatch.setattr(hf_loop, "global_normalizer",
                         lambda batches: [sum(s.trained_tokens for s in b) * len(batches) for b in batches])
-    assert "step 1: loss differs" in _problems(ours, llava_clip)
+    assert "step 1: loss differs" in _problems(ours)
 
 
-def test_catches_image_tokens_in_the_loss(ours, llava_clip, monkeypatch):
+def test_catches_image_tokens_in_the_loss(ours, monkeypatch):
     """Predicting image tokens (labels at image positions) changes the loss and its token count."""
     plain = hf_loop.hf_samples
 
@@ -201,10 +201,10 @@ def test_catches_image_tokens_in_the_loss(ours, llava_clip, monkeypatch):
         return samples
 
     monkeypatch.setattr(hf_loop, "hf_samples", with_image_labels)
-    assert "step 1: loss differs" in _problems(ours, llava_clip)
+    assert "step 1: loss differs" in _problems(ours)
 
 
-def test_catches_schedule_off_by_one(ours, llava_clip, monkeypatch):
+def test_catches_schedule_off_by_one(ours, monkeypatch):
     plain = hf_loop.hf_scheduler
 
     def one_step_ahead(*args):
@@ -214,14 +214,14 @@ def test_catches_schedule_off_by_one(ours, llava_clip, monkeypatch):
         return scheduler
 
     monkeypatch.setattr(hf_loop, "hf_scheduler", one_step_ahead)
-    problems = _problems(ours, llava_clip)
+    problems = _problems(ours)
     assert "step 1: learning rate" in problems and "step 2: loss differs" in problems
 
 
-def test_catches_weight_decay_on_norms(ours, llava_clip, monkeypatch):
+def test_catches_weight_decay_on_norms(ours, monkeypatch):
     """Norms decayed at step 1 (by lr x weight decay = 1e-4) change step 2's gradients."""
     monkeypatch.setattr(hf_loop, "decayed_names", lambda model: {n for n, _ in model.named_parameters()})
-    problems = _problems(ours, llava_clip)
+    problems = _problems(ours)
     assert "step 1:" not in problems and "step 2: grad norm differs" in problems
 
 
@@ -232,7 +232,7 @@ def test_catches_clipping_per_rank(tmp_path, llava_clip, megatron_clip, train_da
     ours = parity.run_ours(llava_clip, str(train_data), tmp_path, 1, 2,
                            {**BASE, "tp": 2, "micro_batch_size": 2, "global_batch_size": 2}, quiet=True,
                            megatron_dir=megatron_clip)
-    problems = _problems(ours, llava_clip)
+    problems = _problems(ours)
     assert "step 1: grad norm differs" in problems and "step 1: loss differs" not in problems
 
 
@@ -251,12 +251,12 @@ def test_catches_lora_scaling_off(our_runs, monkeypatch):
         return model
 
     monkeypatch.setattr(hf_loop, "with_adapters", doubled)
-    problems = _problems(*our_runs("lora-tp2"))
+    problems = _problems(our_runs("lora-tp2"))
     assert "step 1: loss differs" not in problems
     assert re.search(r"layers\.\d+\.self_attn\.q_proj\.lora_B\.weight: first-step gradient differs", problems)
 
 
-def test_catches_one_parameter_gradient_off(ours, llava_clip, monkeypatch):
+def test_catches_one_parameter_gradient_off(ours, monkeypatch):
     """The projector's first bias with a gradient 1e-3 too large: the loss and the global gradient norm
     stay within 1e-5 at step 1, the per-parameter gradients name it."""
     plain = hf_loop.HfLoop.__init__
@@ -266,7 +266,7 @@ def test_catches_one_parameter_gradient_off(ours, llava_clip, monkeypatch):
         self.model.get_parameter("model.multi_modal_projector.linear_1.bias").register_hook(lambda g: g * (1 + 1e-3))
 
     monkeypatch.setattr(hf_loop.HfLoop, "__init__", perturbed)
-    problems = _problems(ours, llava_clip)
+    problems = _problems(ours)
     assert "step 1: loss differs" not in problems and "step 1: grad norm differs" not in problems
     assert "multi_modal_projector.linear_1.bias: first-step gradient differs" in problems
 
@@ -277,8 +277,8 @@ def test_catches_sgd_without_momentum(our_runs, monkeypatch):
     1's gradient less: within Adam's bound, far outside SGD's."""
     plain = hf_loop.hf_optimizer
     monkeypatch.setattr(hf_loop, "hf_optimizer", lambda groups, hyper: plain(groups, dataclasses.replace(hyper, momentum=0.0)))
-    ours, hf_dir = our_runs("gemma3-siglip-pp2-sgd")
-    report = _report(ours, hf_dir)
+    ours = our_runs("gemma3-siglip-pp2-sgd")
+    report = _report(ours)
     problems = "\n".join(report.problems)
     assert "step" not in problems and "gradient" not in problems
     assert "language_model.layers.0: weights differ" in problems
