@@ -93,26 +93,21 @@ def _target(target: str) -> list[str]:
     return target.split() if target.startswith("-m ") else [target]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(nproc: int, target: str, *args, timeout: float = 300, env: dict | None = None,
               check: bool = True) -> subprocess.CompletedProcess:
     """`target args...` (a .py path or `-m module`) on `nproc` ranks, as torchrun starts them (env://
-    variables, a free port on localhost), without torchrun's own process, which spends seconds of a
+    variables, a free port on this machine), without torchrun's own process, which spends seconds of a
     test's CPU importing torch at every launch. As under torchrun, the first rank to fail stops the
     others and the job fails; a hang fails the test after `timeout` s. The ranks' output is merged.
     The exit status is the first failing rank's (torchrun's is 1)."""
     import tempfile
     import time
 
+    from megatron_ext.launch.network import take_free_port
+
     cmd = [sys.executable, *_target(target), *map(str, args)]
-    base, port = env or child_env(), str(_free_port())
+    # Claimed as run.py claims its port: the other pytest worker's job cannot pick it at the same moment.
+    base, port = env or child_env(), str(take_free_port())
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, contextlib.ExitStack() as ranks:
         procs = [ranks.enter_context(started(cmd, cwd=REPO_ROOT, stdout=out, stderr=err, env={
             **base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),

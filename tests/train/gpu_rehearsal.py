@@ -251,9 +251,9 @@ _ATEN_NO_SCALARS = {_aten.cat.default, _aten.stack.default, _aten.index_select.d
 class _BackwardKernels(TorchDispatchMode):
     """The aten ops that autograd's C++ backward functions run (MmBackward0, IndexBackward0, ...), which
     no function mode sees: the ledger's rules at the dispatcher. Gradients, whatever they meet with no
-    place and what backward formulas create are device tensors, as on a GPU; a host tensor beside them fails; a read of a device
-    tensor's values is a ledger read at "autograd (NodeName)". Ops that DeviceLedger handed down (the
-    Python API's, Python backward functions' included) pass untouched."""
+    place and what backward formulas create are device tensors, as on a GPU; a host tensor beside them
+    fails; a read of a device tensor's values is a ledger read at "autograd (NodeName)". Ops that
+    DeviceLedger handed down (the Python API's, Python backward functions' included) pass untouched."""
 
     def __init__(self, ledger: DeviceLedger):
         super().__init__()
@@ -540,13 +540,13 @@ class _WatchedEngine:
     def run_backward(self, *args, **kwargs):
         # `loss.backward()` is itself a Python API call in progress: the backward kernels are not its.
         outer_call, _in_python_call[0] = _in_python_call[0], 0
-        with contextlib.ExitStack() as stack:
-            stack.callback(_in_python_call.__setitem__, 0, outer_call)
-            if not self._depth:
-                stack.enter_context(self._kernels)
-            self._depth += 1
-            stack.callback(lambda: setattr(self, "_depth", self._depth - 1))
-            return self._engine.run_backward(*args, **kwargs)
+        self._depth += 1
+        try:
+            with self._kernels if self._depth == 1 else contextlib.nullcontext():
+                return self._engine.run_backward(*args, **kwargs)
+        finally:
+            self._depth -= 1
+            _in_python_call[0] = outer_call
 
 
 def start() -> DeviceLedger:
