@@ -19,6 +19,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 
+# Test children get the environment as it is now, before any test can change it (helpers.child_env).
+import tests.helpers  # noqa: E402, F401
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -42,6 +45,20 @@ def _in_process_only(item):
     distributed = sys.modules.get("torch.distributed")
     assert not (distributed and distributed.is_initialized()), \
         f"{item.nodeid} initialised torch.distributed: mark it multiprocess"
+
+
+# The longest files, started first: two workers (`-n 2 --dist loadfile`) then end together instead of
+# one running a long file alone at the end.
+LONGEST_FIRST = ("tests/train/test_parity.py", "tests/demo/test_demo.py", "tests/train/test_resume.py",
+                 "tests/convert/test_published_shapes.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        path = item.nodeid.split("::")[0]
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,5 +1,7 @@
-"""Running real scripts and torchrun jobs from tests: always with a timeout, always in a process
-group of their own that is killed afterwards, so no trainer outlives its test."""
+"""Running real scripts and multi-rank jobs from tests: always with a timeout, always in a session of
+their own that is killed afterwards, so no trainer outlives its test. A `python SCRIPT` (or `-m`)
+job is forked from a server that has imported torch, megatron-core, transformers and energon once
+(tests/prestarted.py says when it is not); `fresh=True` starts a new interpreter."""
 
 from __future__ import annotations
 
@@ -14,12 +16,17 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 _DISTRIBUTED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# The environment as the session started (tests/conftest.py's settings included), before any test ran:
+# code under test sets variables in this process (megatron-core its attention backend's NVTE_*, our
+# logging HF_HUB_DISABLE_PROGRESS_BARS), which a child would otherwise inherit from whichever test ran first.
+_SESSION_ENV = dict(os.environ)
 
 
 def child_env(gpu: bool = False, **extra: str) -> dict[str, str]:
-    """This environment minus torch.distributed's variables (a child starts its own world). CPU tests'
-    children see no GPU, so they run the same on a machine that has one; `gpu=True` keeps them visible."""
-    env = {k: v for k, v in os.environ.items() if k not in _DISTRIBUTED_VARS}
+    """The session's environment minus torch.distributed's variables (a child starts its own world).
+    CPU tests' children see no GPU, so they run the same on a machine that has one; `gpu=True` keeps
+    them visible."""
+    env = {k: v for k, v in _SESSION_ENV.items() if k not in _DISTRIBUTED_VARS}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -57,16 +64,61 @@ def started(cmd: list[str], **popen):
         kill_tree(proc)
 
 
-def run(cmd: list[str], *, timeout: float, env: dict | None = None, check: bool = True,
-        cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`cmd` with output captured; a hang fails the test after `timeout` s, its process group killed."""
-    with started(cmd, env=env or child_env(), cwd=cwd or REPO_ROOT, stdout=subprocess.PIPE,
-                 stderr=subprocess.PIPE, text=True) as proc:
-        out, err = proc.communicate(timeout=timeout)
-    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+def _launch(cmd: list[str], env: dict, cwd, stdout, stderr, fresh: bool):
+    """`cmd`'s process in a session of its own: forked from the prestarted server where that runs it
+    as a fresh process would (tests/prestarted.py), else started. `fresh`: always started."""
+    from tests import prestarted
+
+    if not fresh:
+        server = prestarted.server(child_env(), REPO_ROOT)
+        if server.serves(cmd, env):
+            return server.start(cmd, env=env, cwd=cwd, stdout=stdout, stderr=stderr)
+    return subprocess.Popen(cmd, start_new_session=True, env=env, cwd=cwd, stdout=stdout, stderr=stderr)
+
+
+def _run_job(cmd: list[str], envs: list[dict], *, timeout: float, cwd: Path, fresh: bool) -> subprocess.CompletedProcess:
+    """`cmd` once per environment of `envs`, together, their output merged. As under torchrun, the
+    first process to fail stops the others and its status is the job's; a hang fails the test after
+    `timeout` s; nothing the job started outlives it."""
+    import tempfile
+    import time
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, contextlib.ExitStack() as stack:
+        procs = []
+        for env in envs:
+            proc = _launch(cmd, env, cwd, out, err, fresh)
+            stack.callback(kill_tree, proc)
+            procs.append(proc)
+        deadline, status = time.monotonic() + timeout, None
+        while status is None:
+            codes = [proc.poll() for proc in procs]
+            status = next((code for code in codes if code), 0 if all(c == 0 for c in codes) else None)
+            if status is None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            time.sleep(0.05)
+        for proc in procs:  # a failure: give the others a moment to exit on their own, then stop them
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5 if status else None)
+        stack.close()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, status, out.read(), err.read())
+
+
+def _checked(result: subprocess.CompletedProcess, check: bool, where: str = "") -> subprocess.CompletedProcess:
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-6000:]}")
+        raise AssertionError(f"{' '.join(result.args)}{where} exited {result.returncode}\n--- stdout\n"
+                             f"{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}")
     return result
+
+
+def run(cmd: list[str], *, timeout: float, env: dict | None = None, check: bool = True,
+        cwd: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`cmd` with output captured; a hang fails the test after `timeout` s, its process group killed.
+    `fresh`: a new interpreter even where the prestarted server could run it (for tests of what a
+    command prints as it starts)."""
+    result = _run_job(list(map(str, cmd)), [env or child_env()], timeout=timeout, cwd=cwd or REPO_ROOT, fresh=fresh)
+    return _checked(result, check)
 
 
 def run_python(path: str | Path, *args, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
@@ -86,7 +138,7 @@ def run_torchrun(nproc: int, target: str, *args, timeout: float = 300, env: dict
     jobs run under `run_ranks`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            *_target(target), *map(str, args)]
-    return run(cmd, timeout=timeout, env=env, check=check)
+    return run(cmd, timeout=timeout, env=env, check=check, fresh=True)
 
 
 def _target(target: str) -> list[str]:
@@ -96,41 +148,18 @@ def _target(target: str) -> list[str]:
 def run_ranks(nproc: int, target: str, *args, timeout: float = 300, env: dict | None = None,
               check: bool = True) -> subprocess.CompletedProcess:
     """`target args...` (a .py path or `-m module`) on `nproc` ranks, as torchrun starts them (env://
-    variables, a free port on this machine), without torchrun's own process, which spends seconds of a
-    test's CPU importing torch at every launch. As under torchrun, the first rank to fail stops the
-    others and the job fails; a hang fails the test after `timeout` s. The ranks' output is merged.
-    The exit status is the first failing rank's (torchrun's is 1)."""
-    import tempfile
-    import time
-
+    variables, a free port on this machine), without torchrun's own process. As under torchrun, the
+    first rank to fail stops the others and the job fails. The ranks' output is merged; the exit
+    status is the first failing rank's (torchrun's is 1)."""
     from megatron_ext.launch.network import take_free_port
 
     cmd = [sys.executable, *_target(target), *map(str, args)]
     # Claimed as run.py claims its port: the other pytest worker's job cannot pick it at the same moment.
     base, port = env or child_env(), str(take_free_port())
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, contextlib.ExitStack() as ranks:
-        procs = [ranks.enter_context(started(cmd, cwd=REPO_ROOT, stdout=out, stderr=err, env={
-            **base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}))
-            for rank in range(nproc)]
-        deadline, status = time.monotonic() + timeout, None
-        while status is None:
-            codes = [proc.poll() for proc in procs]
-            status = next((code for code in codes if code), 0 if all(c == 0 for c in codes) else None)
-            if status is None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(cmd, timeout)
-            time.sleep(0.05)
-        for proc in procs:  # a failure: give the others a moment to exit on their own, then stop them
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5 if status else None)
-        ranks.close()
-        out.seek(0)
-        err.seek(0)
-        result = subprocess.CompletedProcess(cmd, status, out.read(), err.read())
-    if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} on {nproc} ranks exited {result.returncode}\n--- stdout\n"
-                             f"{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}")
-    return result
+    envs = [{**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for rank in range(nproc)]
+    result = _run_job(cmd, envs, timeout=timeout, cwd=REPO_ROOT, fresh=False)
+    return _checked(result, check, f" on {nproc} ranks")
 
 
 def hf_tensors(hf_dir: Path) -> dict:

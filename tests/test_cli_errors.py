@@ -47,7 +47,7 @@ def _args(script: str, tmp_path: Path) -> tuple[list[str], str]:
 @pytest.mark.parametrize("script", list(CASES))
 def test_bad_input_is_one_line(script, tmp_path):
     args, message = _args(script, tmp_path)
-    proc = run_script(script, *args, check=False, timeout=100)
+    proc = run_script(script, *args, check=False, timeout=100, fresh=True)
     assert proc.returncode != 0
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr

@@ -113,7 +113,8 @@ def test_strict_stops_at_the_first_bad_sample_and_writes_nothing(messy_input, tm
 def test_json_that_is_not_a_list_is_one_clear_error(tmp_path):
     path = tmp_path / "data.json"
     path.write_text(json.dumps({"id": "1", "image": "a.jpg", "conversations": []}))
-    proc = run_script("data/build_energon_dataset.py", path, "--output-dir", tmp_path / "out", check=False, timeout=120)
+    proc = run_script("data/build_energon_dataset.py", path, "--output-dir", tmp_path / "out", check=False, timeout=120,
+                      fresh=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: INPUT {path} holds a JSON dict, not a list of LLaVA samples " \
                                   '([{"id", "image", "conversations": [...]}, ...])'

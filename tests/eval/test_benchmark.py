@@ -129,7 +129,7 @@ def test_bad_input_is_one_line(llava_clip, tmp_path):
     for name, (args, start) in cases.items():
         out = tmp_path / name.replace(" ", "_")
         proc = run_script("eval/benchmark.py", "--hf-dir", llava_clip, *args, "--output-dir", out, check=False,
-                          timeout=90)
+                          timeout=90, fresh=True)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), (name, proc.stderr)
         assert not out.exists()

@@ -157,6 +157,6 @@ def test_conversations_about_a_video_and_an_image(megatron_onevision_small, onev
 @pytest.mark.timeout(120)
 def test_image_and_video_together_are_refused_in_one_line(megatron_clip, images, video_file):
     proc = run_script("eval/chat.py", "--megatron-dir", megatron_clip, "--image", images[0], "--video", video_file,
-                      check=False, timeout=100)
+                      check=False, timeout=100, fresh=True)
     assert proc.returncode == 2
     assert proc.stderr == "error: give --image or --video, not both: a conversation is about one image or one video\n"

@@ -80,7 +80,7 @@ def test_fast_n_on_an_hf_checkpoint_and_bad_input(llava_clip, train_data, tmp_pa
     }
     for name, (args, start) in cases.items():
         proc = run_script("eval/evaluate.py", "--hf-dir", llava_clip, "--data-path", train_data, *args, check=False,
-                          timeout=60)
+                          timeout=60, fresh=True)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), (name, proc.stderr)
     assert not (tmp_path / "e1").exists() and not (tmp_path / "e2").exists()

@@ -115,7 +115,7 @@ def test_bad_input_gives_one_clear_line(llava_clip, megatron_clip, images, tmp_p
                                      f"error: --hf-dir {megatron_clip} is a Megatron checkpoint"),
     }
     for name, (args, start) in cases.items():
-        proc = run_script("eval/generate.py", *args, check=False, timeout=60)
+        proc = run_script("eval/generate.py", *args, check=False, timeout=60, fresh=True)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(start), (name, proc.stderr)
 

@@ -86,7 +86,7 @@ def test_the_command_writes_the_page_and_refuses_a_directory_without_records(tmp
     _killed_then_resumed_run(tmp_path / "run")
     done = run_python("scripts/train/report.py", tmp_path / "run", "--output", tmp_path / "out" / "page.html")
     assert (tmp_path / "out" / "page.html").is_file() and str(tmp_path / "out" / "page.html") in done.stdout
-    refused = run_python("scripts/train/report.py", tmp_path, check=False)
+    refused = run_python("scripts/train/report.py", tmp_path, check=False, fresh=True)
     assert refused.returncode != 0
     assert refused.stderr.strip().splitlines() == [
         f"error: {tmp_path} has no metrics.jsonl: give the --save-dir of a training run (it is written from the "

@@ -34,7 +34,7 @@ def test_bad_input_is_one_line_before_training(tmp_path, megatron_clip, train_da
     options = {k: plain if v == "PLAIN" else v for k, v in options.items()}
     checkpoint = options.pop("megatron_load_dir", megatron_clip)
     proc = run_script("train/pretrain_llava.py", *trainer_args(checkpoint, train_data, tmp_path / "save", **options),
-                      check=False, timeout=120, env=child_env(**env))
+                      check=False, timeout=120, env=child_env(**env), fresh=True)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("error: ") and message in proc.stderr

@@ -61,7 +61,7 @@ def test_run_py_killed_alone_takes_its_ranks_along(tmp_path, megatron_clip, trai
         family = psutil.Process(first.pid).children(recursive=True)  # torchrun and its two ranks
         assert sum("megatron_ext.train.pretrain_llava" in p.cmdline() for p in family) >= 3
 
-        second = run(endless, timeout=120, check=False)
+        second = run(endless, timeout=120, check=False, fresh=True)
         assert second.returncode == 2 and len(second.stderr.splitlines()) == 1, second.stderr
         assert second.stderr.startswith(f"error: --save-dir {save} is in use by a run on ")
 
