@@ -15,7 +15,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-_DISTRIBUTED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DISTRIBUTED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # The environment as the session started (tests/conftest.py's settings included), before any test ran:
 # code under test sets variables in this process (megatron-core its attention backend's NVTE_*, our
 # logging HF_HUB_DISABLE_PROGRESS_BARS), which a child would otherwise inherit from whichever test ran first.
@@ -26,7 +26,7 @@ def child_env(gpu: bool = False, **extra: str) -> dict[str, str]:
     """The session's environment minus torch.distributed's variables (a child starts its own world).
     CPU tests' children see no GPU, so they run the same on a machine that has one; `gpu=True` keeps
     them visible."""
-    env = {k: v for k, v in _SESSION_ENV.items() if k not in _DISTRIBUTED_VARS}
+    env = {k: v for k, v in _SESSION_ENV.items() if k not in DISTRIBUTED_VARS}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -70,7 +70,7 @@ def _launch(cmd: list[str], env: dict, cwd, stdout, stderr, fresh: bool):
     from tests import prestarted
 
     if not fresh:
-        server = prestarted.server(child_env(), REPO_ROOT)
+        server = prestarted.server()
         if server.serves(cmd, env):
             return server.start(cmd, env=env, cwd=cwd, stdout=stdout, stderr=stderr)
     return subprocess.Popen(cmd, start_new_session=True, env=env, cwd=cwd, stdout=stdout, stderr=stderr)

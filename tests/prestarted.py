@@ -38,10 +38,11 @@ import subprocess
 import sys
 import time
 
+from tests.helpers import DISTRIBUTED_VARS, REPO_ROOT, child_env
+
 # Read by the test jobs at run time (tests/train/gpu_rehearsal.py, failing_save.py, the workers):
 # a job that sets them can still be forked.
-TEST_HOOKS = frozenset({"REHEARSAL_REPORT", "REHEARSAL_MATH_LIMIT", "FAIL_SAVE", "PYTEST_CURRENT_TEST"})
-_DISTRIBUTED = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+TEST_HOOKS = frozenset({"REHEARSAL_REPORT", "REHEARSAL_MATH_LIMIT", "FAIL_SAVE"})
 PRELOAD = ("torch", "megatron.core.models.multimodal.llava_model", "megatron.core.optimizer",
            "megatron.core.distributed", "megatron.core.dist_checkpointing", "megatron.energon",
            "transformers", "transformers.image_processing_utils", "transformers.tokenization_utils_fast",
@@ -236,7 +237,7 @@ class Server:
             return False
         if not (cmd[1].endswith(".py") or (cmd[1] == "-m" and len(cmd) > 2)):
             return False
-        ignored = _DISTRIBUTED | TEST_HOOKS
+        ignored = TEST_HOOKS.union(DISTRIBUTED_VARS)
         return ({k: v for k, v in env.items() if k not in ignored}
                 == {k: v for k, v in self.env.items() if k not in ignored})
 
@@ -281,12 +282,12 @@ class Server:
 _server: Server | None = None
 
 
-def server(env: dict[str, str], cwd) -> Server:
-    """This pytest worker's server, started in `env` and `cwd` at its first job."""
+def server() -> Server:
+    """This pytest worker's server, started at its first job in the environment test children get."""
     global _server
     if _server is None:
         import atexit
 
-        _server = Server(env, str(cwd))
+        _server = Server(child_env(), str(REPO_ROOT))
         atexit.register(_server.close)
     return _server

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from tests.helpers import REPO_ROOT, child_env, kill_tree, run
+from tests.helpers import child_env, kill_tree, run
 
 SCRIPT = textwrap.dedent("""
     import atexit, json, os, sys, threading, time
@@ -60,7 +60,7 @@ def test_a_forked_job_runs_as_a_fresh_interpreter_would(script, tmp_path, how):
 def test_the_server_forks_only_what_a_fresh_interpreter_would_run_alike(script):
     from tests import prestarted
 
-    server = prestarted.server(child_env(), REPO_ROOT)
+    server = prestarted.server()
     python = sys.executable
     assert server.serves([python, str(script), "0"], child_env(RANK="1", REHEARSAL_REPORT="r.json"))
     assert server.serves([python, "-m", "megatron_ext.train.pretrain_llava"], child_env())
@@ -75,7 +75,7 @@ def test_a_killed_job_reports_its_signal(tmp_path):
 
     path = tmp_path / "sleeper.py"
     path.write_text("import time\ntime.sleep(60)\n")
-    server = prestarted.server(child_env(), REPO_ROOT)
+    server = prestarted.server()
     with open(tmp_path / "out", "w") as out:
         job = server.start([sys.executable, str(path)], env=child_env(), cwd=tmp_path, stdout=out, stderr=out)
         assert job.poll() is None
