@@ -7,8 +7,9 @@ encoder), `train/` (the trainer), `launch/` (torchrun / Singularity / SLURM comm
 `eval/` (generation, chat, evaluation).
 """
 
-from megatron_ext import quick_exit
+from megatron_ext.compat import fallback_notice, quick_exit
 
 __version__ = "0.1.0"
 
 quick_exit.install()
+fallback_notice.install()

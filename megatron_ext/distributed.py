@@ -13,9 +13,9 @@ import os
 
 import torch
 
-from megatron_ext import cpu_support
+from megatron_ext.compat import cpu_support
+from megatron_ext.compat.lean_import import import_lean
 from megatron_ext.errors import UserError
-from megatron_ext.lean_import import import_lean
 
 
 def local_store():

@@ -8,11 +8,9 @@ import os
 import sys
 import warnings
 
+from megatron_ext.compat import fallback_notice
 from megatron_ext.progress import quiet_library_bars
 
-# For PYTHONWARNINGS of processes that import megatron-core before they can call `setup_logging` (the
-# converters' fork server): its import warns that Transformer Engine / Apex are missing, a dozen lines.
-IMPORT_WARNINGS = "ignore:Transformer Engine and Apex are not installed,ignore:Apex is not installed"
 # megatron-core's advice for runs on CUDA, which it gives on a CPU too.
 _CUDA_ADVICE = "CUDA_DEVICE_MAX_CONNECTIONS"
 
@@ -31,23 +29,12 @@ def _on_gpu() -> bool:
     return sys.modules["torch"].cuda.is_available() if "torch" in sys.modules else False
 
 
-def _filtered(show, rank: int):
-    """megatron-core warns at every import (a dozen times, on every rank) that Transformer Engine or
-    Apex is missing and it falls back to torch: one line on rank 0 says so instead, on a GPU machine
-    (where installing them matters: TE layers, FP8); on a CPU, where they cannot be, only with --debug.
-    Its advice on CUDA settings is dropped where there is no CUDA."""
-    said = []
+def _filtered(show):
+    """megatron-core's advice on CUDA settings, dropped where there is no CUDA (its fallback warnings are
+    compat/fallback_notice's)."""
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
-        text = str(message)
-        if _CUDA_ADVICE in text and not _on_gpu():
-            return
-        if "not installed" in text and ("Apex" in text or "Transformer Engine" in text):
-            if not said and rank == 0:
-                logging.getLogger("megatron_ext").log(
-                    logging.INFO if _on_gpu() else logging.DEBUG,
-                    "Transformer Engine / Apex not installed here: megatron-core uses its torch implementations")
-            said.append(text)
+        if _CUDA_ADVICE in str(message) and not _on_gpu():
             return
         show(message, category, filename, lineno, file, line)
 
@@ -67,7 +54,8 @@ def setup_logging(verbose: bool = False, rank: int | None = None) -> None:
         handler.addFilter(_DropNoise())
     for name in ("transformers", "megatron"):
         logging.getLogger(name).addFilter(_DropNoise())
-    warnings.showwarning = _filtered(warnings.showwarning, rank)
+    warnings.showwarning = _filtered(warnings.showwarning)
+    fallback_notice.tell(rank)
     # Raised by megatron-core's own defaults and energon's hard-coded pin_memory on CPU.
     warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
     warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true.*")

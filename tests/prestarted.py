@@ -78,7 +78,7 @@ def serve(fd: int) -> None:
     import importlib
     import threading
 
-    from megatron_ext.lean_import import import_lean
+    from megatron_ext.compat.lean_import import import_lean
 
     sock = socket.socket(fileno=fd)
     import_lean()

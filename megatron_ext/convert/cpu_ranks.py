@@ -24,7 +24,7 @@ from typing import Any, Callable
 from megatron_ext import rank_failures
 from megatron_ext.environ import environ_set
 from megatron_ext.errors import UserError, report
-from megatron_ext.logs import IMPORT_WARNINGS, setup_logging
+from megatron_ext.logs import setup_logging
 
 
 @contextlib.contextmanager
@@ -42,7 +42,7 @@ def start_fork_server(entry_module: str) -> None:
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload(["megatron_ext.convert.worker_preload", entry_module])
-    with cpu_only_env(PYTHONWARNINGS=IMPORT_WARNINGS):
+    with cpu_only_env():
         forkserver.ensure_running()
 
 

@@ -21,8 +21,8 @@ def as_rank(rank: int, tp: int, pp: int, dp: int = 1) -> Iterator[None]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megatron_ext import cpu_support
-    from megatron_ext.lean_import import import_lean
+    from megatron_ext.compat import cpu_support
+    from megatron_ext.compat.lean_import import import_lean
 
     if dist.is_initialized():
         raise RuntimeError("as_rank needs a process without a torch.distributed world")

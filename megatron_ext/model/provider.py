@@ -141,7 +141,7 @@ def build_model(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions = M
     dtypes, no memory; `model/meta_ranks.py`), with `opts.init_weights` False."""
     from megatron.core import parallel_state
 
-    from megatron_ext import without_te
+    from megatron_ext.compat import without_te
 
     without_te.apply()
     tp = parallel_state.get_tensor_model_parallel_world_size()

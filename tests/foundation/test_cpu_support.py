@@ -1,4 +1,4 @@
-"""megatron_ext.cpu_support turns megatron-core's CUDA requests into CPU ones (every CPU training,
+"""megatron_ext.compat.cpu_support turns megatron-core's CUDA requests into CPU ones (every CPU training,
 conversion and generation test runs megatron-core through it)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 def test_cuda_requests_become_cpu_tensors():
     import torch
 
-    from megatron_ext import cpu_support
+    from megatron_ext.compat import cpu_support
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present: cpu_support must stay inactive")
@@ -22,7 +22,7 @@ def test_cuda_requests_become_cpu_tensors():
 
 
 def test_installed_megatron_core_has_every_name_the_patches_use():
-    from megatron_ext import cpu_support, without_te
+    from megatron_ext.compat import cpu_support, without_te
 
     assert cpu_support._missing_megatron_names() == []
     assert cpu_support._missing_megatron_names(without_te._MEGATRON_NAMES) == []
@@ -40,7 +40,8 @@ import torch
 from megatron.core.models.vision import clip_vit_model
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron_ext import cpu_support, without_te
+from megatron_ext.compat import without_te
+from megatron_ext.compat import cpu_support
 defaults = clip_vit_model.CLIPViTModel.__init__.__defaults__
 assert torch.nn.LayerNorm in defaults and WrappedTorchNorm not in defaults
 loading = DistributedOptimizer.sharded_state_dict
@@ -72,7 +73,7 @@ def test_a_missing_private_name_refuses_before_anything_is_patched(monkeypatch, 
     import megatron.core
     import torch
 
-    from megatron_ext import cpu_support
+    from megatron_ext.compat import cpu_support
     from megatron_ext.errors import UserError
 
     if torch.cuda.is_available():
@@ -112,7 +113,7 @@ def test_a_missing_private_name_refuses_before_anything_is_patched(monkeypatch, 
 def test_a_missing_constructor_parameter_is_named(monkeypatch):
     from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 
-    from megatron_ext import cpu_support, without_te
+    from megatron_ext.compat import cpu_support, without_te
 
     def without_ln_post_impl(self, transformer_config, transformer_layer_spec, ln_pre_impl=None):
         pass

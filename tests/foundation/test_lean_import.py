@@ -14,7 +14,7 @@ pytestmark = pytest.mark.multiprocess  # each test runs a fresh interpreter, to 
 _LEAN = """
 import sys, torch
 compile_before = torch.compile
-from megatron_ext.lean_import import import_lean
+from megatron_ext.compat.lean_import import import_lean
 import_lean(["megatron.core.dist_checkpointing", "megatron.core.models.multimodal.llava_model"])
 from megatron.core import jit
 from megatron.core.fusions.fused_bias_gelu import bias_gelu

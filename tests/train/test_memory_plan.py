@@ -37,7 +37,7 @@ def real_state(plan) -> tuple[int, int, int]:
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron_ext import cpu_support
+    from megatron_ext.compat import cpu_support
     from megatron_ext.train.memory_state import held_state_bytes
     from megatron_ext.train.model_setup import build_training_model
 
@@ -138,7 +138,7 @@ def activations_planned_and_saved():
     the activations of the layers not recomputed (block), and backward reruns one group at a time,
     which then holds its layers' activations: the LM bytes are the forward's plus the most that one
     group saves when backward recomputes it, measured in a real backward."""
-    from megatron_ext import cpu_support
+    from megatron_ext.compat import cpu_support
     from megatron_ext.model.meta_ranks import as_rank
     from megatron_ext.train.memory_plan import memory_plan, published_shape_plan
     from megatron_ext.train.model_setup import trained_model

@@ -275,5 +275,5 @@ def apply(rehearsal: bool = False) -> bool:
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _APPLIED = True
-    log.info("CUDA not available: megatron-core runs on CPU through megatron_ext.cpu_support")
+    log.info("CUDA not available: megatron-core runs on CPU through megatron_ext.compat.cpu_support")
     return True

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.cpu_support import check_megatron_core
+from megatron_ext.compat.cpu_support import check_megatron_core
 
 _APPLIED = False
 # The private megatron-core names the patches read or replace (as cpu_support._MEGATRON_NAMES).
