@@ -98,11 +98,11 @@ def make_plan(preset: Preset, options: dict, iters: int):
     import torch
 
     from megatron_ext import families
+    from megatron_ext.config.execution_choices import resolve_execution
+    from megatron_ext.config.options import TrainConfig
+    from megatron_ext.config.run_plan import RunPlan
     from megatron_ext.data.prepared import SplitCount
     from megatron_ext.model.backends import te_available
-    from megatron_ext.train.execution import resolve_execution
-    from megatron_ext.train.options import TrainConfig
-    from megatron_ext.train.plan import RunPlan
 
     hf_config = llava_config(preset)
     config = TrainConfig(stage=2, seq_length=preset.seq_length, train_iters=iters, **options).resolved()

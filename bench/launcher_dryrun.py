@@ -106,8 +106,8 @@ def _time_interleaved(cases: dict[str, list[str]], env: dict, repeats: int) -> d
 
 def _in_process(paths: dict[str, Path], repeats: int) -> list[str]:
     """Medians of the two input-dependent steps, measured inside this process (imports already done)."""
+    from megatron_ext.config.tokenizer_files import TokenizerFiles
     from megatron_ext.data.prepared import split_counts
-    from megatron_ext.train.tokens import TokenizerFiles
 
     steps = {"count samples: split_counts(1000-shard dataset)": lambda: split_counts(paths["data"]),
              "read token ids: Qwen2-size tokenizer.json": lambda: TokenizerFiles(paths["large"]).image_token_id(),

@@ -4,7 +4,12 @@ below, imports inside functions included, and no two parts import each other in 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
+
+import pytest
+
+from tests.helpers import run
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_ext"
 # Lowest first. A part is a sub-package or a module at the package's top level.
@@ -19,6 +24,7 @@ LAYERS = [
     ("lora", {"lora"}),
     ("convert", {"convert"}),
     ("eval", {"eval"}),
+    ("config", {"config"}),
     ("train", {"train"}),
     ("launch", {"launch"}),
     ("pages", {"pages"}),
@@ -94,3 +100,11 @@ def test_the_graph_sees_every_kind_of_import():
     text = ("from megatron_ext import train\n"
             "def f():\n    import megatron_ext.eval.metrics\n    from ..launch import runner\n    from . import mapping\n")
     assert _imports(PACKAGE / "convert" / "probe.py", text) == {"train", "eval", "launch", "convert"}
+
+
+@pytest.mark.multiprocess
+def test_the_run_configuration_imports_no_torch():
+    """run.py --dry-run and the plan's checks stay fast: config/ is read before torch is imported."""
+    modules = [f"megatron_ext.config.{path.stem}" for path in (PACKAGE / "config").glob("*.py")]
+    code = f"import sys, {', '.join(modules)}; print('torch' in sys.modules)"
+    assert run([sys.executable, "-c", code], timeout=120, fresh=True).stdout.strip() == "False"

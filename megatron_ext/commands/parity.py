@@ -18,8 +18,8 @@ from pathlib import Path
 
 import click
 
+from megatron_ext.config.options import TrainConfig
 from megatron_ext.errors import UserError, run_command
-from megatron_ext.train.options import TrainConfig
 
 
 def _default(name: str):

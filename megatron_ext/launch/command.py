@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ext.config.options import TrainConfig
 from megatron_ext.container import (
     RUNTIMES,
     check_sif,
@@ -19,7 +20,6 @@ from megatron_ext.container import (
 )
 from megatron_ext.errors import UserError
 from megatron_ext.launch.topology import Topology
-from megatron_ext.train.options import TrainConfig
 
 # Started as a module: found in the checkout (first on PYTHONPATH in a container) or the installed package.
 TRAINER_MODULE = "megatron_ext.train.pretrain_llava"

@@ -15,9 +15,9 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from megatron_ext.config.options import TrainConfig, fields, is_switch, option_name
 from megatron_ext.errors import UserError, run_command
 from megatron_ext.train.cli import click_kwargs, trainer_options
-from megatron_ext.train.options import TrainConfig, fields, is_switch, option_name
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from megatron_ext.config.run_plan import RunPlan
 from megatron_ext.errors import UserError
 from megatron_ext.launch.devices import gpu_memory
-from megatron_ext.train.plan import RunPlan
 
 
 def budget(values: dict, env: Mapping[str, str]) -> int:

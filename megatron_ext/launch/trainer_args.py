@@ -1,6 +1,6 @@
 """The trainer's command line, rendered from the plan the trainer itself would make.
 
-`train.plan.make_plan` completes the options (stage defaults, token ids from the tokenizer, one
+`config.run_plan.make_plan` completes the options (stage defaults, token ids from the tokenizer, one
 epoch of iterations) and checks them; here they are only made absolute and written out, so that
 what the launcher refuses and what the trainer refuses are one thing, and a bad path or an
 impossible batch layout is one line before launch, not a traceback from every rank.
@@ -12,8 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext.train.options import TrainConfig, fields, to_argv
-from megatron_ext.train.plan import RunPlan, make_plan
+from megatron_ext.config.options import TrainConfig, fields, to_argv
+from megatron_ext.config.run_plan import RunPlan, make_plan
 
 PATH_FIELDS = ("megatron_load_dir", "tokenizer_load_dir", "save_dir", "data_path", "eval_benchmark_include_path")
 

@@ -4,7 +4,7 @@ megatron-core checks what it is given with asserts deep inside its constructors,
 message (`assert self.img_h % self.patch_dim == 0` in CLIPViTModel), and with ValueErrors in its own
 terms (TransformerConfig's `num_query_groups`): a run would end in a long traceback and a bare
 `AssertionError`. What users set is checked before anything starts (`LlavaArch.parallel_problems`,
-`train/execution.py`); whatever still reaches megatron-core is put into words here: the check that
+`config/execution_choices.py`); whatever still reaches megatron-core is put into words here: the check that
 failed, where, and the value of every name in it, with the config.json field or flag that sets it.
 """
 

@@ -1,5 +1,5 @@
 """How the model's layers run on their devices: the choices that shape its TransformerConfigs but
-not its weights. The trainer resolves them from its options (`train.execution`) and hands this one
+not its weights. The trainer resolves them from its options (`config.execution_choices`) and hands this one
 object to `provider.ModelOptions`; inference builds keep the defaults. Imports no torch.
 """
 

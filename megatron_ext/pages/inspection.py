@@ -45,9 +45,9 @@ def build_encoder(setup: EncoderSetup, pairs: bool = False) -> InspectorEncoder:
     """The trainer's encoder for the model and options of `setup`; `pairs`: for preference pairs."""
     from megatron_ext import families
     from megatron_ext.checkpoint import layout
+    from megatron_ext.config.options import TrainConfig
+    from megatron_ext.config.run_plan import default_seq_length
     from megatron_ext.train.data import task_encoder
-    from megatron_ext.train.options import TrainConfig
-    from megatron_ext.train.plan import default_seq_length
 
     saved = {}
     if setup.megatron_load_dir:

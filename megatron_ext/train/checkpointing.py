@@ -19,11 +19,11 @@ import torch
 
 from megatron_ext.checkpoint import layout
 from megatron_ext.checkpoint.model_io import save_model_weights
+from megatron_ext.config.run_plan import RunPlan
 from megatron_ext.errors import UserError
 from megatron_ext.lora.checkpoint import base_record, load_snapshot_weights, trainable_names
 from megatron_ext.lora.layers import has_lora
 from megatron_ext.train.model_setup import TrainingModel
-from megatron_ext.train.plan import RunPlan
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import typing
 
 import click
 
-from megatron_ext.train.options import TrainConfig, fields, is_switch, option_name
+from megatron_ext.config.options import TrainConfig, fields, is_switch, option_name
 
 
 def click_kwargs(field, hint) -> dict:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from megatron_ext.config.options import TrainConfig
+from megatron_ext.config.run_plan import RunPlan
 from megatron_ext.data.loader import restore_loader_state, save_loader_state, train_loader, val_loader
 from megatron_ext.data.pairs import PairTaskEncoder
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
 from megatron_ext.model.arch import LlavaArch
 from megatron_ext.model.sequence_alignment import SequenceAlignment
-from megatron_ext.train.options import TrainConfig
-from megatron_ext.train.plan import RunPlan
 
 
 def samples_digest(keys: list[str]) -> str:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megatron_ext.config.run_plan import RunPlan
 from megatron_ext.errors import UserError
 from megatron_ext.train.activation_model import Measured, Recompute, lm_layers_bytes, measure, with_sequence_parallel
 from megatron_ext.train.memory_state import StateBytes, ddp_bucket_size, moments, state_bytes
-from megatron_ext.train.plan import RunPlan
 
 GIB = 2**30
 # Not counted above and not the run's to use: the CUDA context, NCCL's buffers, the allocator's
@@ -273,8 +273,8 @@ def published_shape_plan(hf_config: dict, config, world_size: int, te: bool = Tr
     from pathlib import Path
 
     from megatron_ext import families
+    from megatron_ext.config.execution_choices import resolve_execution
     from megatron_ext.data.prepared import SplitCount
-    from megatron_ext.train.execution import resolve_execution
 
     config = config.resolved()
     arch = families.read_llava(hf_config)

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_ext.config.run_plan import RunPlan
 from megatron_ext.lora.layers import add_lora
 from megatron_ext.lora.settings import lora_settings
 from megatron_ext.model.provider import DTYPES, ModelOptions, build_model
-from megatron_ext.train.plan import RunPlan
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_ext.config.options import TrainConfig
 from megatron_ext.errors import UserError
-from megatron_ext.train.options import TrainConfig
 
 if TYPE_CHECKING:
     from megatron_ext.train.hf_loop import Adapters
@@ -122,8 +122,8 @@ def trainer_config(megatron_dir: Path, data_path: str, save_dir: Path, steps: in
 def run_ours(hf_dir: str | Path, data_path: str, work_dir: Path, steps: int, gpus: int, options: dict,
              quiet: bool = False, megatron_dir: Path | None = None) -> OurRun:
     """`megatron_dir`: `hf_dir` converted already (TP1 x PP1), so several runs need not each convert it."""
+    from megatron_ext.config.run_plan import make_plan
     from megatron_ext.convert import to_hf, to_megatron
-    from megatron_ext.train.plan import make_plan
 
     work_dir = Path(work_dir)
     if megatron_dir is None:
@@ -172,7 +172,7 @@ def run_hf(ours: OurRun, progress=print) -> HfRun:
                   warmup=warmup_steps(ours.plan), steps=ours.plan.train_iters, style=cfg.lr_decay_style,
                   weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                   clip_grad=cfg.clip_grad, optimizer=cfg.optimizer, momentum=cfg.sgd_momentum)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # where our ranks ran (train.plan's on_gpu)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where our ranks ran (config.run_plan's on_gpu)
     loop = HfLoop(str(ours.source), hyper, ours.plan.arch.img_seq_len, device, ours.plan.dtype, adapters=hf_adapters(ours))
     results = []
     for record in ours.steps:

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from megatron_ext import lifetime
+from megatron_ext.config.options import TrainConfig
 from megatron_ext.lora.layers import has_lora
-from megatron_ext.train.options import TrainConfig
 from megatron_ext.train.trainer import Trainer, run
 
 lifetime.die_with_parent()

@@ -5,7 +5,7 @@
 
 (`scripts/train/pretrain_llava.py` is the same command.) The launcher starts it as a module, so it
 runs from an installed package as from a checkout. Every option is a field of
-megatron_ext/train/options.py (see --help).
+megatron_ext/config/options.py (see --help).
 """
 
 import click

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from megatron_ext import lifetime
+from megatron_ext.config.options import TrainConfig
+from megatron_ext.config.run_plan import RunPlan, make_plan
 from megatron_ext.distributed import device
 from megatron_ext.errors import UserError, report
 from megatron_ext.eval.evaluation import AnswerEvaluation
@@ -31,8 +33,6 @@ from megatron_ext.train.data import samples_digest
 from megatron_ext.train.flops import iteration_flops
 from megatron_ext.train.metrics import MetricsLogger
 from megatron_ext.train.model_setup import TrainingModel, build_training_model
-from megatron_ext.train.options import TrainConfig
-from megatron_ext.train.plan import RunPlan, make_plan
 from megatron_ext.train.run_lock import RunLock
 from megatron_ext.train.step import StepResult, train_step
 

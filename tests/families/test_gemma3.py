@@ -67,8 +67,8 @@ def test_other_rope_types_are_refused():
 
 
 def test_context_parallelism_is_refused_before_launch(llava_gemma3_siglip, tmp_path):
-    from megatron_ext.train.options import TrainConfig
-    from megatron_ext.train.plan import make_plan
+    from megatron_ext.config.options import TrainConfig
+    from megatron_ext.config.run_plan import make_plan
     from tests.launch.conftest import write_prepared_dataset
 
     data = write_prepared_dataset(tmp_path, {"a.tar": 4}, {"train": ["a.tar"]})

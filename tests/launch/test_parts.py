@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from megatron_ext.config.tokenizer_files import IMAGE_TOKEN, TokenizerFiles
 from megatron_ext.errors import UserError
 from megatron_ext.launch.flags import FLAGS, split_argv
 from megatron_ext.launch.slurm import hostnames, slurm_job
-from megatron_ext.train.tokens import IMAGE_TOKEN, TokenizerFiles
 from tests.helpers import REPO_ROOT
 from tests.launch.conftest import write_tokenizer
 

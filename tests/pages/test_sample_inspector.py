@@ -13,6 +13,7 @@ from PIL import Image
 
 from megatron_ext.checkpoint import layout
 from megatron_ext.commands.data import inspect
+from megatron_ext.config.options import TrainConfig
 from megatron_ext.errors import run_command
 from megatron_ext.eval.samples import DecodedSamples
 from megatron_ext.families import read_llava
@@ -21,7 +22,6 @@ from megatron_ext.pages.inspect_sources import Selection, open_source
 from megatron_ext.pages.inspection import EncoderSetup, build_encoder, run_inspection
 from megatron_ext.pages.sample_inspector import write_inspection
 from megatron_ext.train.data import task_encoder
-from megatron_ext.train.options import TrainConfig
 from tests.tiled_data import SEQ
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]  # the prepared mix runs `energon prepare`; a browser

@@ -48,9 +48,9 @@ def main():
     hf_config, cases, out_dir = json.loads(Path(sys.argv[1]).read_text()), json.loads(sys.argv[2]), Path(sys.argv[3])
     import torch
 
+    from megatron_ext.config.options import TrainConfig
     from megatron_ext.distributed import init_parallel, shutdown
     from megatron_ext.train.memory_plan import published_shape_plan
-    from megatron_ext.train.options import TrainConfig
 
     world = int(os.environ["WORLD_SIZE"])
     init_parallel(tp=world)

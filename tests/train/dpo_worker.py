@@ -74,14 +74,14 @@ def main():
     import torch
     from megatron.core import parallel_state
 
+    from megatron_ext.config.options import TrainConfig
+    from megatron_ext.config.run_plan import make_plan
     from megatron_ext.data.pairs import PairTaskEncoder
     from megatron_ext.distributed import device, init_parallel, shutdown
     from megatron_ext.model.inputs import ModelInputs
     from megatron_ext.train import checkpointing
     from megatron_ext.train.dpo.objective import DpoObjective
     from megatron_ext.train.model_setup import build_training_model
-    from megatron_ext.train.options import TrainConfig
-    from megatron_ext.train.plan import make_plan
 
     config = TrainConfig(megatron_load_dir=checkpoint, data_path=data, stage="dpo", lr=1e-3, global_batch_size=GLOBAL_BATCH,
                          train_iters=1, num_workers=0, lr_warmup_fraction=0.0, lr_decay_style="constant", clip_grad=0.0,

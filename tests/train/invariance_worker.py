@@ -42,14 +42,14 @@ def main():
     checkpoint, data, out, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     from megatron.core import parallel_state
 
+    from megatron_ext.config.options import TrainConfig
+    from megatron_ext.config.run_plan import make_plan
     from megatron_ext.data.task_encoder import LlavaTaskEncoder
     from megatron_ext.distributed import device, init_parallel, shutdown
     from megatron_ext.model.forward_step import make_forward_step
     from megatron_ext.model.inputs import ModelInputs
     from megatron_ext.train import checkpointing
     from megatron_ext.train.model_setup import build_training_model
-    from megatron_ext.train.options import TrainConfig
-    from megatron_ext.train.plan import make_plan
     from megatron_ext.train.step import train_step
 
     config = TrainConfig(megatron_load_dir=checkpoint, data_path=data, stage=2, lr=1e-3,

@@ -43,9 +43,9 @@ def test_bad_input_is_one_line_before_training(tmp_path, megatron_clip, train_da
 
 @pytest.mark.multiprocess
 def test_pairs_train_with_stage_dpo_and_only_with_it(megatron_clip, train_data, preference_data):
+    from megatron_ext.config.options import TrainConfig
+    from megatron_ext.config.run_plan import make_plan
     from megatron_ext.errors import UserError
-    from megatron_ext.train.options import TrainConfig
-    from megatron_ext.train.plan import make_plan
 
     def plan(data, stage, **options):
         return make_plan(TrainConfig(megatron_load_dir=str(megatron_clip), data_path=str(data), stage=stage, **options),
@@ -65,8 +65,8 @@ def test_pairs_train_with_stage_dpo_and_only_with_it(megatron_clip, train_data, 
 
 @pytest.mark.multiprocess
 def test_plan_derives_stage_defaults_and_iterations(megatron_clip, train_data):
-    from megatron_ext.train.options import TrainConfig
-    from megatron_ext.train.plan import make_plan
+    from megatron_ext.config.options import TrainConfig
+    from megatron_ext.config.run_plan import make_plan
 
     stage1 = make_plan(TrainConfig(megatron_load_dir=str(megatron_clip), data_path=str(train_data), stage=1,
                                    micro_batch_size=4, epochs=2), world_size=4, on_gpu=False)

@@ -9,9 +9,9 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from megatron_ext.config.execution_choices import resolve_execution
+from megatron_ext.config.options import TrainConfig
 from megatron_ext.errors import UserError
-from megatron_ext.train.execution import resolve_execution
-from megatron_ext.train.options import TrainConfig
 
 
 def _resolve(world: int = 1, te: bool = False, on_gpu: bool = False, **options):
@@ -94,8 +94,8 @@ def test_refused_in_one_line_naming_the_flag(name):
 
 
 def test_switches_round_trip_through_the_command_line():
+    from megatron_ext.config.options import to_argv
     from megatron_ext.train.cli import trainer_options
-    from megatron_ext.train.options import to_argv
 
     seen = {}
 

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from megatron_ext.checkpoint import layout
+from megatron_ext.config.options import TrainConfig
 from megatron_ext.errors import UserError
 from megatron_ext.lora.checkpoint import fingerprint, verified_base
 from megatron_ext.lora.settings import lora_settings
-from megatron_ext.train.options import TrainConfig
 
 
 def test_settings_from_flags():

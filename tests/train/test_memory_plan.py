@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.config.options import TrainConfig
 from megatron_ext.model.tiling import IMAGE, VIDEO, Media
-from megatron_ext.train.options import TrainConfig
 from tests.shapes import SHAPES, narrowed
 from tests.train.saved_parts import cut_below_the_layers, saved_in_forward
 

@@ -13,36 +13,14 @@ A pair's log-probability is the sum over its answer's tokens. Losses (`--dpo-los
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.errors import UserError
+from megatron_ext.config.dpo_settings import DpoSettings
 
-LOSSES = ("sigmoid", "ipo", "robust")
 # Logged per step (means over the global batch's pairs), by TRL's names.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
-
-
-@dataclass(frozen=True)
-class DpoSettings:
-    beta: float = 0.1
-    loss: str = "sigmoid"
-    label_smoothing: float = 0.0
-    rpo_alpha: float | None = None
-
-    @classmethod
-    def of(cls, config) -> "DpoSettings":
-        settings = cls(config.dpo_beta, config.dpo_loss, config.dpo_label_smoothing, config.rpo_alpha)
-        if settings.beta <= 0:
-            raise UserError(f"--dpo-beta {settings.beta} must be positive")
-        if settings.loss == "robust" and not 0 <= settings.label_smoothing < 0.5:
-            raise UserError(f"--dpo-label-smoothing {settings.label_smoothing} must be in [0, 0.5) (a flip rate)")
-        if settings.loss != "robust" and settings.label_smoothing:
-            raise UserError("--dpo-label-smoothing applies to --dpo-loss robust (the flip rate of Robust DPO)")
-        return settings
 
 
 def pair_losses(settings: DpoSettings, logps: torch.Tensor, ref: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -9,14 +9,15 @@ from functools import partial
 
 import torch
 
+from megatron_ext.config.dpo_settings import DpoSettings
+from megatron_ext.config.run_plan import RunPlan
 from megatron_ext.distributed import device
 from megatron_ext.model.forward_step import make_forward_step, reduce_sums, run_schedule
 from megatron_ext.model.inputs import ModelInputs
-from megatron_ext.train.dpo.loss import METRICS, DpoSettings, metric_sums, pair_losses
+from megatron_ext.train.dpo.loss import METRICS, metric_sums, pair_losses
 from megatron_ext.train.dpo.reference import PrecomputedReference, Reference
 from megatron_ext.train.dpo.sequences import PairPositions
 from megatron_ext.train.model_setup import TrainingModel
-from megatron_ext.train.plan import RunPlan
 from megatron_ext.train.step import StepResult, train_step
 
 # The loss functions' report: loss sum, pairs, then METRICS' sums.

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.config.run_plan import RunPlan
 from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_write_text
 from megatron_ext.lora.checkpoint import load_snapshot_weights
@@ -30,7 +31,6 @@ from megatron_ext.model.forward_step import make_forward_step, run_schedule
 from megatron_ext.model.inputs import ModelInputs
 from megatron_ext.train.dpo.sequences import PairPositions
 from megatron_ext.train.model_setup import TrainingModel, model_options
-from megatron_ext.train.plan import RunPlan
 
 
 def _frozen_copy(plan: RunPlan):

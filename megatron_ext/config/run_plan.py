@@ -17,14 +17,15 @@ from pathlib import Path
 
 from megatron_ext import families
 from megatron_ext.checkpoint import layout
+from megatron_ext.config.dpo_settings import DpoSettings
+from megatron_ext.config.execution_choices import Execution, resolve_execution
+from megatron_ext.config.options import TrainConfig
+from megatron_ext.config.tokenizer_files import TokenizerFiles
 from megatron_ext.data.prepared import SplitCount, UncountedSamples, holds_pairs, split_counts
 from megatron_ext.errors import UserError
 from megatron_ext.lora.settings import lora_settings
 from megatron_ext.model.arch import LlavaArch
 from megatron_ext.model.backends import compute_dtype
-from megatron_ext.train.execution import Execution, resolve_execution
-from megatron_ext.train.options import TrainConfig
-from megatron_ext.train.tokens import TokenizerFiles
 
 DEFAULT_MAX_SEQ_LENGTH = 2048
 
@@ -245,8 +246,6 @@ def _check_data_kind(config: TrainConfig, train: SplitCount) -> None:
 
 
 def _check_dpo(config: TrainConfig, start: layout.Snapshot | None) -> None:
-    from megatron_ext.train.dpo.loss import DpoSettings
-
     DpoSettings.of(config)
     if start is None:
         raise UserError("--stage dpo needs --megatron-load-dir: the checkpoint to tune, which is also the reference policy")

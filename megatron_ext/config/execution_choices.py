@@ -12,11 +12,11 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import asdict, dataclass
 
+from megatron_ext.config.options import TrainConfig
 from megatron_ext.errors import UserError
 from megatron_ext.model.backends import TE_MISSING, resolve_backend
 from megatron_ext.model.execution import ModelExecution
 from megatron_ext.model.sequence_alignment import SequenceAlignment, round_up, sequence_alignment
-from megatron_ext.train.options import TrainConfig
 
 
 @dataclass(frozen=True)
