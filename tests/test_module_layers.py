@@ -26,6 +26,7 @@ LAYERS = [
     ("eval", {"eval"}),
     ("config", {"config"}),
     ("train", {"train"}),
+    ("memory", {"memory"}),
     ("launch", {"launch"}),
     ("pages", {"pages"}),
     ("entry points", {"commands", "demo"}),

@@ -62,3 +62,13 @@ def gpu_memory(env: Mapping[str, str]) -> int:
     if out.returncode != 0 or not lines or not lines[0].strip().isdigit():
         return DEFAULT_GPU_MEMORY
     return int(lines[0].strip()) * 2**20
+
+
+def budget(values: dict, env: Mapping[str, str]) -> int:
+    """--gpu-memory in bytes (given in GiB), else the visible GPU's, else 80 GiB."""
+    given = values.get("gpu_memory")
+    if given is None:
+        return gpu_memory(env)
+    if given <= 0:
+        raise UserError(f"--gpu-memory {given} must be > 0 (GiB per GPU)")
+    return int(given * 2**30)

@@ -12,11 +12,12 @@ from typing import Mapping
 from megatron_ext.errors import UserError
 from megatron_ext.launch import network, runner
 from megatron_ext.launch.command import LaunchCommand, build_command
+from megatron_ext.launch.devices import budget
 from megatron_ext.launch.flags import TRAINER_FLAGS, passthrough_options
-from megatron_ext.launch.memory_check import check_memory
 from megatron_ext.launch.slurm import slurm_job
 from megatron_ext.launch.topology import Topology, resolve_topology
 from megatron_ext.launch.trainer_args import TrainerSetup, trainer_setup
+from megatron_ext.memory.check import check_memory
 from megatron_ext.train import run_lock
 
 
@@ -110,7 +111,7 @@ def main(values: dict, passthrough_argv: list[str]) -> int:
     launch = prepare(values, passthrough_argv, os.environ)
     lines = launch.summary()
     if _plans_memory(launch, values):
-        lines += check_memory(launch.trainer.plan, values, os.environ)
+        lines += check_memory(launch.trainer.plan, budget(values, os.environ))
     for line in lines:
         print(f"run.py: {line}", file=sys.stderr)
     if values["dry_run"]:
@@ -126,8 +127,7 @@ def main(values: dict, passthrough_argv: list[str]) -> int:
 
 def print_layout_plans(values: dict, passthrough_argv: list[str], layouts: str | None) -> int:
     """`megatron-ext-train plan`: the run's memory plan at each layout, side by side."""
-    from megatron_ext.launch.memory_check import budget
-    from megatron_ext.train.memory_plan import layout_plans, parse_layouts, side_by_side
+    from megatron_ext.memory.plan import layout_plans, parse_layouts, side_by_side
 
     launch = prepare({**values, "dry_run": True}, passthrough_argv, os.environ)
     plan = launch.trainer.plan

@@ -138,7 +138,7 @@ def build_model(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions = M
                 vp_stage: int | None = None, meta: bool = False):
     """This rank's LLaVAModel under the current megatron parallel state; `families`:
     `megatron_ext.families.of(arch)`. `meta`: every tensor on PyTorch's meta device (shapes and
-    dtypes, no memory; `model/meta_ranks.py`), with `opts.init_weights` False."""
+    dtypes, no memory; `memory/meta_ranks.py`), with `opts.init_weights` False."""
     from megatron.core import parallel_state
 
     from megatron_ext.compat import without_te

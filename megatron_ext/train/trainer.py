@@ -200,7 +200,7 @@ class Trainer:
         (docs/gpu.md) predicts exactly. One object all-gather, before the steps that follow."""
         from megatron.core import parallel_state as ps
 
-        from megatron_ext.train.memory_state import held_state_bytes
+        from megatron_ext.train.held_state import held_state_bytes
 
         mine = [ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
                 ps.get_data_parallel_rank(), *held_state_bytes(self.trained)]

@@ -1,5 +1,5 @@
 """Worker for test_published_shapes: every published shape, at two layers and its real widths, built
-for every rank of every layout on the meta device (megatron_ext/model/meta_ranks.py), and checked
+for every rank of every layout on the meta device (megatron_ext/memory/meta_ranks.py), and checked
 with the converter's own checks against the shapes transformers gives the same config.
 
 Usage: shapes_meta_worker.py IN.json OUT.json
@@ -37,7 +37,7 @@ def check_layout(arch, hf: HfShapes, tp: int, pp: int) -> list[str]:
     from megatron_ext.convert import coverage
     from megatron_ext.convert.mapping import hf_only_names, llava_mapping
     from megatron_ext.convert.to_megatron import check_model
-    from megatron_ext.model.meta_ranks import rank_models
+    from megatron_ext.memory.meta_ranks import rank_models
 
     reports = [check_model(model, arch, hf) for _, model in rank_models(arch, families.of(arch), (tp, pp))]
     return coverage.hf_to_megatron_problems(llava_mapping(arch), reports, hf.names, hf_only_names(arch, hf.names))

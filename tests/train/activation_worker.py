@@ -50,7 +50,7 @@ def main():
 
     from megatron_ext.config.options import TrainConfig
     from megatron_ext.distributed import init_parallel, shutdown
-    from megatron_ext.train.memory_plan import published_shape_plan
+    from megatron_ext.memory.plan import published_shape_plan
 
     world = int(os.environ["WORLD_SIZE"])
     init_parallel(tp=world)

@@ -80,8 +80,8 @@ def _check_held_state(record: dict, save_dir: Path, plan) -> None:
     from megatron_ext.checkpoint import layout
     from megatron_ext.config.options import TrainConfig
     from megatron_ext.config.run_plan import make_plan
-    from megatron_ext.train.memory_plan import memory_plan
-    from megatron_ext.train.memory_state import MASTER_BYTES, MOMENT_BYTES, moments
+    from megatron_ext.memory.plan import memory_plan
+    from megatron_ext.memory.state_bytes import MASTER_BYTES, MOMENT_BYTES, moments
 
     rows = [dict(zip(record["columns"], row)) for row in record["ranks"]]
     if plan is None:

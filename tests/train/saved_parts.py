@@ -28,7 +28,7 @@ def counted_inside(modules, counter):
 def saved_by_part(model, parameters):
     """(vision, rest): the bytes saved for backward by the forwards in the block, the vision tower's
     and projector's (counted while those modules run) apart from the rest's (the language model's)."""
-    from megatron_ext.train.saved_tensors import SavedBytes
+    from megatron_ext.memory.saved_tensors import SavedBytes
 
     vision, rest = SavedBytes(parameters), SavedBytes(parameters)
     with rest.counting(), counted_inside((model.vision_model, model.vision_projection), lambda: vision):
@@ -49,7 +49,7 @@ def largest_recomputed_group(model, parameters, loss, layers_per_group: int) -> 
     """The most bytes one group of LM layers saves while full recomputation reruns it in the backward
     of `loss`: a group's layers rerun one after the other, and hold their activations together until
     the group's backward is done."""
-    from megatron_ext.train.saved_tensors import SavedBytes
+    from megatron_ext.memory.saved_tensors import SavedBytes
 
     runs = []
 

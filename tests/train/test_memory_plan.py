@@ -1,4 +1,4 @@
-"""The memory plan (megatron_ext/train/memory_plan.py) against a real run's model on the CPU.
+"""The memory plan (megatron_ext/memory/plan.py) against a real run's model on the CPU.
 
 Parameters, gradient buffers and optimizer state must be the bytes the trainer's own model,
 megatron-core's DDP buffers and its Adam hold, exactly; the activation terms within 10% of what
@@ -25,7 +25,7 @@ SMALL_LLAVA = narrowed(json.loads((SHAPES / "llava" / "llava-hf--llava-1.5-7b-hf
 
 
 def cpu_plan(**options):
-    from megatron_ext.train.memory_plan import published_shape_plan
+    from megatron_ext.memory.plan import published_shape_plan
 
     config = TrainConfig(train_iters=1, global_batch_size=1, seq_length=options.pop("seq_length", 256), **options)
     return published_shape_plan(SMALL_LLAVA, config, world_size=1, te=False, on_gpu=False)
@@ -38,7 +38,7 @@ def real_state(plan) -> tuple[int, int, int]:
     from megatron.core import parallel_state, tensor_parallel
 
     from megatron_ext.compat import cpu_support
-    from megatron_ext.train.memory_state import held_state_bytes
+    from megatron_ext.train.held_state import held_state_bytes
     from megatron_ext.train.model_setup import build_training_model
 
     cpu_support.apply()
@@ -66,7 +66,7 @@ CASES = {
 @pytest.mark.multiprocess  # a gloo process group of one, in this process
 @pytest.mark.timeout(240)
 def test_state_bytes_equal_a_real_runs_model_buffers_and_optimizer():
-    from megatron_ext.train.memory_plan import memory_plan
+    from megatron_ext.memory.plan import memory_plan
 
     for name, options in CASES.items():
         plan = cpu_plan(**options)
@@ -77,7 +77,7 @@ def test_state_bytes_equal_a_real_runs_model_buffers_and_optimizer():
 
 
 def test_a_plan_over_budget_is_refused_in_one_line_naming_its_largest_part_and_what_fits():
-    from megatron_ext.train.memory_plan import gib, largest_part, memory_plan, refusal
+    from megatron_ext.memory.plan import gib, largest_part, memory_plan, refusal
 
     plan = cpu_plan(stage=2, seq_length=2048, attention_backend="local", recompute_granularity="none")
     full = memory_plan(plan, 80 * GIB)
@@ -100,7 +100,7 @@ def test_a_plan_over_budget_is_refused_in_one_line_naming_its_largest_part_and_w
 def dataclasses_replace_recompute(knobs, granularity):
     import dataclasses
 
-    from megatron_ext.train.activation_model import Recompute
+    from megatron_ext.memory.activation_bytes import Recompute
 
     return dataclasses.replace(knobs, recompute=Recompute(granularity))
 
@@ -139,8 +139,8 @@ def activations_planned_and_saved():
     which then holds its layers' activations: the LM bytes are the forward's plus the most that one
     group saves when backward recomputes it, measured in a real backward."""
     from megatron_ext.compat import cpu_support
-    from megatron_ext.model.meta_ranks import as_rank
-    from megatron_ext.train.memory_plan import memory_plan, published_shape_plan
+    from megatron_ext.memory.meta_ranks import as_rank
+    from megatron_ext.memory.plan import memory_plan, published_shape_plan
     from megatron_ext.train.model_setup import trained_model
 
     cpu_support.apply()  # megatron's recomputation in backward asks for CUDA RNG states
@@ -181,7 +181,7 @@ def test_activations_are_within_10_percent_of_what_a_real_forward_saves(activati
 # (sequence length, what the row holds): an anyres image of 1 x 2 tiles of 384 pixels and its base
 # tile (3 tower inputs, 2214 features), and that image with a video of 4 frames (7 tower inputs).
 # Its 7 query heads per K/V head: the CPU's kernels take them repeated, 1.5% over the plan
-# (activation_model's docstring).
+# (memory/activation_bytes.py's docstring).
 TILED_LLAVA = narrowed(json.loads((SHAPES / "llava" / "llava-hf--llava-onevision-qwen2-0.5b-ov-hf.json").read_text()))
 TILED_LLAVA.update(image_token_index=4000, video_token_index=4001)
 TILED_LLAVA["text_config"].update(vocab_size=4096, bos_token_id=4002, eos_token_id=4003)
@@ -193,8 +193,8 @@ TILED_CASES = {"anyres image": (2560, [Media(IMAGE, 3, 384, 768)]),
 def tiled_planned_and_saved():
     """{case: (the plan's rank, vision bytes, LM bytes) kept by a real CPU forward of the trainer's
     tiled model}, packed rows bounded by --max-tiles-per-sequence, videos of --video-frames."""
-    from megatron_ext.model.meta_ranks import as_rank
-    from megatron_ext.train.memory_plan import memory_plan, published_shape_plan
+    from megatron_ext.memory.meta_ranks import as_rank
+    from megatron_ext.memory.plan import memory_plan, published_shape_plan
     from megatron_ext.train.model_setup import trained_model
     from tests.train.saved_parts import saved_in_tiled_forward
 
@@ -235,7 +235,7 @@ TP2_CASES = [(True, 1280, 2), (False, 1280, 2)]
 def test_each_tp2_ranks_activations_with_and_without_sequence_parallelism_are_within_10_percent(tmp_path):
     """Each rank of two, its real forward (activation_worker.py, gloo) against the plan's rank; sequence
     parallelism drops the plan by what it drops the forward by (the replicated part, halved)."""
-    from megatron_ext.train.memory_plan import memory_plan, published_shape_plan
+    from megatron_ext.memory.plan import memory_plan, published_shape_plan
     from tests.helpers import run_ranks
 
     cases = [[dict(train_iters=1, global_batch_size=1, seq_length=seq, stage=2, unfreeze_vit=True, packing_seq_length=seq,
@@ -262,7 +262,7 @@ def test_each_tp2_ranks_activations_with_and_without_sequence_parallelism_are_wi
 def test_dpo_counts_its_reference_copy_and_suggests_precomputing():
     """--stage dpo holds a frozen copy of the model beside the trained one (its parameters, nothing
     else); precomputed reference log-probabilities and LoRA (adapters off) hold none."""
-    from megatron_ext.train.memory_plan import memory_plan, plan_lines, refusal
+    from megatron_ext.memory.plan import memory_plan, plan_lines, refusal
 
     (sft,) = memory_plan(cpu_plan(stage=2), 80 * GIB).ranks
     (dpo,) = memory_plan(cpu_plan(stage="dpo"), 80 * GIB).ranks

@@ -1,6 +1,6 @@
 """Parameters, gradient buffers and optimizer state of one rank, read from its model's module tree.
 
-The model is the one the run builds for that rank (on the meta device: `model/meta_ranks.py`),
+The model is the one the run builds for that rank (on the meta device: `memory/meta_ranks.py`),
 frozen the way the trainer freezes it (`model_setup.freeze_for_stage`: stage, --freeze-lm,
 --unfreeze-vit, LoRA adapters), so which tensors train is decided by the same code as in the run.
 """
@@ -125,24 +125,3 @@ def state_bytes(model, dist_optim: bool, dp: int, bucket_size: int | None = None
         grad_bytes=sum(buffer_numel.values()) * GRAD_BYTES,
         optimizer_bytes=optimizer_elements * per_element,
     )
-
-
-def held_state_bytes(trained) -> tuple[int, int, int]:
-    """(parameter, gradient buffer, optimizer state) bytes this rank's trainer holds (`trained`: its
-    TrainingModel, after a step: Adam makes its moments then), read from the tensors' storages so that
-    views into megatron-core's buffers count once and padding counts. Adam's 0-dim step counters are
-    left out."""
-    import torch
-
-    def storages(tensors) -> dict[int, int]:
-        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-
-    params = storages(trained.model.parameters())
-    grads = storages(b.grad_data for b in trained.ddp.buffers)
-    optimizer: dict[int, int] = {}
-    for chained in getattr(trained.optimizer, "chained_optimizers", [trained.optimizer]):
-        for p, state in chained.optimizer.state.items():
-            optimizer.update(storages(t for t in state.values() if torch.is_tensor(t) and t.numel() == p.numel()))
-            if p.untyped_storage().data_ptr() not in params:  # an fp32 master copy of a 16-bit parameter
-                optimizer.update(storages([p]))
-    return sum(params.values()), sum(grads.values()), sum(optimizer.values())

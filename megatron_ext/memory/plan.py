@@ -1,7 +1,7 @@
 """Per-GPU memory of a run before it starts: every kind of rank (pipeline stage x tensor rank) of a
-layout, its model built on the meta device as the run builds it (`model/meta_ranks.py`), frozen as
-the trainer freezes it, with its state counted (`memory_state.py`) and its activations measured
-(`activation_model.py`).
+layout, its model built on the meta device as the run builds it (`memory/meta_ranks.py`), frozen as
+the trainer freezes it, with its state counted (`state_bytes.py`) and its activations measured
+(`activation_bytes.py`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from megatron_ext.config.run_plan import RunPlan
 from megatron_ext.errors import UserError
-from megatron_ext.train.activation_model import Measured, Recompute, lm_layers_bytes, measure, with_sequence_parallel
-from megatron_ext.train.memory_state import StateBytes, ddp_bucket_size, moments, state_bytes
+from megatron_ext.memory.activation_bytes import Measured, Recompute, lm_layers_bytes, measure, with_sequence_parallel
+from megatron_ext.memory.state_bytes import StateBytes, ddp_bucket_size, moments, state_bytes
 
 GIB = 2**30
 # Not counted above and not the run's to use: the CUDA context, NCCL's buffers, the allocator's
@@ -105,7 +105,7 @@ def vision_inputs_per_sequence(plan: RunPlan) -> int:
 
 def _measure_execution(plan: RunPlan, knobs: Knobs):
     """The execution the meta models are built with: TE's layers as the sdpa ones (see
-    activation_model), flash backends with core attention recomputed, no sequence parallelism
+    activation_bytes), flash backends with core attention recomputed, no sequence parallelism
     (its split is derived from a second measurement)."""
     from megatron_ext.model.execution import ModelExecution
 
@@ -131,7 +131,7 @@ def _measure(plan: RunPlan, knobs: Knobs, model) -> Measured:
 
 
 def _last_stage_at_tp_one(plan: RunPlan, knobs: Knobs) -> Measured:
-    from megatron_ext.model.meta_ranks import as_rank
+    from megatron_ext.memory.meta_ranks import as_rank
     from megatron_ext.model.provider import build_model
     from megatron_ext.train.model_setup import freeze_for_stage
 
@@ -159,7 +159,7 @@ def _rank_memory(plan: RunPlan, knobs: Knobs, model, m: Measured, stage: int, tp
 
 def memory_plan(plan: RunPlan, gpu_memory: int, knobs: Knobs | None = None) -> MemoryPlan:
     """The plan of `plan`'s run (or of it with other `knobs`) against `gpu_memory` bytes per GPU."""
-    from megatron_ext.model.meta_ranks import rank_models
+    from megatron_ext.memory.meta_ranks import rank_models
     from megatron_ext.train.model_setup import freeze_for_stage
 
     knobs = knobs or Knobs.of(plan)

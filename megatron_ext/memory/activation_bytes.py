@@ -44,7 +44,7 @@ import contextlib
 import math
 from dataclasses import dataclass
 
-from megatron_ext.train.saved_tensors import saved_bytes
+from megatron_ext.memory.saved_tensors import saved_bytes
 
 # Lengths the language-model layer is measured at: short (fast on meta even for the local
 # kernel's S x S mask), two of them to separate the linear and the quadratic terms.
