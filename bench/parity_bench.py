@@ -1,5 +1,5 @@
 """Does our trainer on this machine train the model transformers would? The parity check
-(`megatron_ext/train/parity.py`, what `megatron-ext-parity` runs) on a small random LLaVA-1.5
+(`megatron_ext/verify/parity.py`, what `megatron-ext-parity` runs) on a small random LLaVA-1.5
 (Llama-GQA + CLIP) and a synthetic dataset, both built here, in several settings on one device.
 
     python bench/parity_bench.py --out bench/results/parity-gpu.md       # on a GPU: bf16 and fp32
@@ -73,7 +73,7 @@ def summary(name: str, report) -> str:
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the report (markdown) here.")
 def main(steps, small, cases, work_dir, out):
     from megatron_ext.convert.to_megatron import convert
-    from megatron_ext.train.parity import check_parity
+    from megatron_ext.verify.parity import check_parity
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or 'x86_64'})"
     lines = [f"Device: {device}; torch {torch.__version__}; {steps} steps per case; options over {BASE}.", "",

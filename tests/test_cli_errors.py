@@ -67,3 +67,15 @@ def test_under_torchrun_only_rank_zero_says_it(script, tmp_path):
     assert rank0.read_text().startswith("error: ") and len(rank0.read_text().splitlines()) == 1, rank0.read_text()
     assert message in rank0.read_text()
     assert rank1.read_text() == ""
+
+
+def test_parity_with_lora_names_the_extra_that_brings_peft_when_peft_is_missing(tmp_path):
+    """peft is the parity extra's, not the base install's: without it, --lora-rank is refused in one
+    line before anything converts or trains."""
+    code = ("import sys; sys.modules['peft'] = None; from megatron_ext.commands.parity import main; "
+            f"sys.argv = ['megatron-ext-parity', '--hf-dir', {str(tmp_path)!r}, '--data-path', {str(tmp_path)!r}, "
+            f"'--lora-rank', '8', '--work-dir', {str(tmp_path / 'out')!r}]; main()")
+    proc = run([sys.executable, "-c", code], check=False, timeout=100, fresh=True)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "pip install 'megatron-ext[parity]'" in proc.stderr, proc.stderr
+    assert not any((tmp_path / "out").iterdir())

@@ -27,6 +27,7 @@ LAYERS = [
     ("config", {"config"}),
     ("train", {"train"}),
     ("memory", {"memory"}),
+    ("verify", {"verify"}),
     ("launch", {"launch"}),
     ("pages", {"pages"}),
     ("entry points", {"commands", "demo"}),

@@ -1,5 +1,5 @@
 """megatron-ext-parity (= scripts/train/check_parity.py): does our trainer train the model transformers
-would? (megatron_ext/train/parity.py)
+would? (megatron_ext/verify/parity.py)
 
     megatron-ext-parity --hf-dir HF --data-path DATA --steps 3 --stage 2 [-g 2 --tp 2]
         [--packing-seq-length 512] [--optimizer sgd] [--lora-rank 8] [--set lr=1e-4 --set weight_decay=0.1 ...]
@@ -75,7 +75,7 @@ def check_parity(hf_dir, megatron_dir, data_path, steps, gpus, tp, pp, stage, mi
     """Train STEPS steps with our trainer and with a plain PyTorch loop on transformers' model (with
     --lora-rank a PEFT model), on the same global batches, and compare them step by step, gradient
     by gradient and weight by weight."""
-    from megatron_ext.train.parity import check_parity as check
+    from megatron_ext.verify.parity import check_parity as check
 
     options = {"tp": tp, "pp": pp, "stage": stage, "micro_batch_size": micro_batch_size,
                "global_batch_size": global_batch_size, "seq_length": seq_length,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from megatron_ext.model.forward_step import reduce_loss, run_schedule
 
@@ -27,14 +28,17 @@ def token_objective(losses: list[dict]) -> tuple[float, int, dict]:
 
 
 def train_step(trained, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
-               reduce=token_objective) -> StepResult:
-    """`reduce`: the step's loss-function outputs -> (loss, what it is the mean over, metrics)."""
+               reduce=token_objective, before_update: Callable[[], None] = lambda: None) -> StepResult:
+    """`reduce`: the step's loss-function outputs -> (loss, what it is the mean over, metrics);
+    `before_update`: called when the gradients are final (reduced, scaled), before the optimizer clips
+    and applies them (not when the loss is not finite)."""
     trained.ddp.zero_grad_buffer()
     trained.optimizer.zero_grad()
     loss, count, metrics = reduce(run_schedule(trained.ddp, forward_step, micro_batches, seq_length, micro_batch_size,
                                                False))
     if not math.isfinite(loss):
         return StepResult(loss, count, None, updated=False, metrics=metrics)
+    before_update()
     _, grad_norm, _ = trained.optimizer.step()
     trained.scheduler.step(increment=1)
     return StepResult(loss, count, grad_norm, updated=True, metrics=metrics)

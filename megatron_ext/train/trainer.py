@@ -168,10 +168,10 @@ class Trainer:
             self.counters["skipped_iterations"] += 1
             result = None
         elif self.dpo is not None:
-            result = self.dpo.train_step(micro_batches)
+            result = self.dpo.train_step(micro_batches, self.before_optimizer_step)
         else:
             result = train_step(self.trained, self.forward_step, micro_batches, self.plan.seq_length,
-                                self.cfg.micro_batch_size)
+                                self.cfg.micro_batch_size, before_update=self.before_optimizer_step)
         batch, stop = self._shared(stats)
         return result, micro_batches, batch, stop
 
@@ -299,6 +299,14 @@ class Trainer:
     def _due(self, interval: int | None) -> bool:
         return bool(interval) and self.iteration % interval == 0
 
+    # --- hooks for subclasses (the parity check's recording trainer, verify/parity_run.py) --------
+    def before_optimizer_step(self) -> None:
+        """Called in each updating iteration when its gradients are final (reduced, scaled), before the
+        optimizer clips and applies them."""
+
+    def after_iteration(self, micro_batches: list[dict]) -> None:
+        """Called after each iteration, skipped ones included, with the micro batches it drew."""
+
     # --- the loop -----------------------------------------------------------------------------
     def train(self) -> None:
         cfg = self.cfg
@@ -311,6 +319,7 @@ class Trainer:
             self.iteration += 1
             start, lr = time.perf_counter(), self._lr()
             result, micro_batches, batch, stop = self._iteration()
+            self.after_iteration(micro_batches)
             record = self._record(result, batch, time.perf_counter() - start, lr)
             if result is not None and result.updated and not self.held_state_recorded:
                 self._record_held_state()
@@ -348,8 +357,8 @@ def _lock_save_dir(plan: RunPlan) -> RunLock | None:
 
 
 def run(config: TrainConfig, trainer_class: type[Trainer] = Trainer) -> int:
-    """Entry point under torchrun. Returns the process exit status. `trainer_class`: a Trainer that
-    also records what it trains on (the parity check's `train.parity_run`)."""
+    """Entry point under torchrun. Returns the process exit status. `trainer_class`: a Trainer whose
+    hooks also record what it trains on (the parity check's `verify.parity_run`)."""
     from megatron_ext.distributed import init_parallel, shutdown
 
     lifetime.watch_launcher()

@@ -75,7 +75,7 @@ def _first(metrics: dict) -> dict:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_dpo_step_equals_trl(layout, tmp_path, checkpoints, preference_data):
-    from megatron_ext.train.trl_dpo import per_pair_logps, trl_dpo_step
+    from tests.reference.trl_dpo import per_pair_logps, trl_dpo_step
 
     megatron, hf_dir, tiled = checkpoints
     nproc, options = LAYOUTS[layout]

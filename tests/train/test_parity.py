@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.train import hf_loop, parity
+from megatron_ext.verify import hf_loop, parity
 from tests.train.conftest import assert_held_state_is_planned
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]

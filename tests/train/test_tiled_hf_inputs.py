@@ -20,9 +20,9 @@ from megatron_ext.data.shard_format import ConversationSample
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
 from megatron_ext.families import llava_kind, read_llava
 from megatron_ext.hf.processors import load_processor
-from megatron_ext.train.hf_loop import hf_samples
-from megatron_ext.train.trl_dpo import per_pair_logps, trl_batch, trl_dpo_metrics
+from megatron_ext.verify.hf_loop import hf_samples
 from tests.data import hf_processors
+from tests.reference.trl_dpo import per_pair_logps, trl_batch, trl_dpo_metrics
 
 FRAMES = 4
 QUESTION = {"image": "<image>\nWhat is it?", "two_images": "<image>\n<image>\nWhat differs?",
@@ -156,7 +156,7 @@ def test_dpo_on_an_image_pair_and_a_video_pair(onevision):
 def test_hf_loop_trains_onevision_on_its_processors_inputs(llava_onevision_siglip, onevision):
     """The parity check's HF loop loads OneVision's own class and takes its media from `hf_samples`:
     its loss is transformers' on the processor's inputs, over the micro batch's trained tokens."""
-    from megatron_ext.train.hf_loop import HfLoop, Hyper
+    from megatron_ext.verify.hf_loop import HfLoop, Hyper
 
     kinds = ["image", "video"]
     messages = [conversation(QUESTION[kind], f"Answer {i}.") for i, kind in enumerate(kinds)]

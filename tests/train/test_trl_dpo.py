@@ -1,4 +1,4 @@
-"""megatron_ext.train.trl_dpo: TRL's DPO numbers on our pair micro batches, checked against the
+"""tests.reference.trl_dpo: TRL's DPO numbers on our pair micro batches, checked against the
 plain HF model's log-probs and DPO's definitions."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.train.trl_dpo import per_pair_logps, trl_batch, trl_dpo_metrics, trl_dpo_step
+from tests.reference.trl_dpo import per_pair_logps, trl_batch, trl_dpo_metrics, trl_dpo_step
 
 BETA = 0.1
 

@@ -6,6 +6,7 @@ with a pair as the unit), so every layout gives the same number.
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 import torch
 
@@ -70,10 +71,10 @@ class DpoObjective:
         metrics = {name: value / pairs if pairs else float("nan") for name, value in zip(METRICS, sums)}
         return (total / pairs if pairs else float("nan")), int(pairs), metrics
 
-    def train_step(self, micro_batches: list[dict]) -> StepResult:
+    def train_step(self, micro_batches: list[dict], before_update: Callable[[], None] = lambda: None) -> StepResult:
         self._prepare(micro_batches)
         return train_step(self.trained, self.forward_step, micro_batches, self.seq_length, self.micro_batch_size,
-                          reduce=self._reduce)
+                          reduce=self._reduce, before_update=before_update)
 
     def evaluate(self, micro_batches: list[dict]) -> tuple[float, int, dict]:
         """(loss, pairs, metrics) of one global batch, forward only."""

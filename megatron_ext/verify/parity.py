@@ -2,9 +2,9 @@
 scripts/train/check_parity.py.
 
 1. `run_ours`: the HF checkpoint converted, N steps of our real trainer under torchrun in the
-   layout asked for (`train.parity_run` records each global batch and the first step's gradients),
+   layout asked for (`verify.parity_run` records each global batch and the first step's gradients),
    the result exported to HF (LoRA: its initial and final adapters exported to PEFT).
-2. `run_hf`: N steps of `train.hf_loop` (transformers' model, trained as its Trainer trains; LoRA:
+2. `run_hf`: N steps of `verify.hf_loop` (transformers' model, trained as its Trainer trains; LoRA:
    a PEFT model starting from our initial adapters) on the same global batches, with the same
    optimizer (AdamW or SGD), schedule and frozen parts.
 3. `compare`: per step, loss and gradient norm of both sides; per trained parameter, the first
@@ -30,7 +30,7 @@ from megatron_ext.config.options import TrainConfig
 from megatron_ext.errors import UserError
 
 if TYPE_CHECKING:
-    from megatron_ext.train.hf_loop import Adapters
+    from megatron_ext.verify.hf_loop import Adapters
 
 # fp32: the two sides differ by float rounding only (summation order, fused kernels).
 FP32_RTOL = 1e-5
@@ -124,6 +124,10 @@ def run_ours(hf_dir: str | Path, data_path: str, work_dir: Path, steps: int, gpu
     """`megatron_dir`: `hf_dir` converted already (TP1 x PP1), so several runs need not each convert it."""
     from megatron_ext.config.run_plan import make_plan
     from megatron_ext.convert import to_hf, to_megatron
+    from megatron_ext.verify.hf_loop import require_peft
+
+    if options.get("lora_rank"):
+        require_peft()  # before anything runs
 
     work_dir = Path(work_dir)
     if megatron_dir is None:
@@ -135,7 +139,7 @@ def run_ours(hf_dir: str | Path, data_path: str, work_dir: Path, steps: int, gpu
     config_json = work_dir / "config.json"
     config_json.write_text(json.dumps(config.to_dict()))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-           "-m", "megatron_ext.train.parity_run", str(work_dir / "batches"), str(config_json)]
+           "-m", "megatron_ext.verify.parity_run", str(work_dir / "batches"), str(config_json)]
     done = subprocess.run(cmd, capture_output=quiet, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if done.returncode:
         raise UserError(f"our trainer failed (exit {done.returncode}){': ' + done.stderr[-2000:] if quiet else ''}")
@@ -155,7 +159,7 @@ def run_ours(hf_dir: str | Path, data_path: str, work_dir: Path, steps: int, gpu
 
 def global_batch(ours: OurRun, iteration: int) -> list[dict]:
     """Every micro batch of this iteration, data-parallel replica by replica."""
-    from megatron_ext.train.parity_run import batch_file
+    from megatron_ext.verify.parity_run import batch_file
 
     replicas = ours.plan.execution.data_parallel_size
     return [b for r in range(replicas) for b in torch.load(batch_file(ours.record_dir, iteration, r))]
@@ -164,8 +168,8 @@ def global_batch(ours: OurRun, iteration: int) -> list[dict]:
 def run_hf(ours: OurRun, progress=print) -> HfRun:
     """transformers' model (the checkpoint `ours` started from) trained the same steps on the same
     batches (LoRA: PEFT's, from our initial adapters)."""
-    from megatron_ext.train.hf_loop import HfLoop, Hyper
     from megatron_ext.train.model_setup import warmup_steps
+    from megatron_ext.verify.hf_loop import HfLoop, Hyper
 
     cfg = ours.plan.config
     hyper = Hyper(stage=cfg.stage, unfreeze_vit=cfg.unfreeze_vit, lr=cfg.lr, min_lr=cfg.min_lr,
@@ -188,7 +192,7 @@ def hf_adapters(ours: OurRun) -> Adapters | None:
     of several HF weights) tied across the HF modules it feeds (hf_loop.Adapters)."""
     from megatron_ext.convert.lora_export import ADAPTER_CONFIG_FILE, hf_module_names
     from megatron_ext.convert.mapping import llava_mapping
-    from megatron_ext.train.hf_loop import Adapters
+    from megatron_ext.verify.hf_loop import Adapters
 
     if ours.initial_adapters is None:
         return None
@@ -216,7 +220,7 @@ def first_step_grads(ours: OurRun) -> dict[str, torch.Tensor]:
     from megatron_ext.convert.lora_export import hf_module_names, peft_modules
     from megatron_ext.convert.mapping import llava_mapping
     from megatron_ext.lora.layers import ADAPTER_SUFFIXES
-    from megatron_ext.train.parity_run import GRADS_DIR
+    from megatron_ext.verify.parity_run import GRADS_DIR
 
     a_suffix, b_suffix = ADAPTER_SUFFIXES
     grads_dir = ours.record_dir / GRADS_DIR

@@ -15,7 +15,7 @@ import tempfile
 
 import torch
 
-from megatron_ext.train.hf_loop import IGNORE, HfSample, hf_samples, media_inputs
+from megatron_ext.verify.hf_loop import IGNORE, HfSample, hf_samples, media_inputs
 
 # TRL's `_metrics["train"]` keys besides the loss that `trl_dpo_metrics` returns; `num_tokens`, a
 # running total over the trainer's life, is left out.

@@ -246,6 +246,15 @@ class Adapters:
     tied: tuple[tuple[str, ...], ...] = ()
 
 
+def require_peft() -> None:
+    """--lora-rank's other side is a PEFT model; peft comes with the parity extra, not the base install."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise UserError("--lora-rank checks our adapters against a PEFT model and peft is not installed: "
+                        "pip install 'megatron-ext[parity]'") from None
+
+
 def with_adapters(model, adapters: Adapters):
     """transformers' `model` wrapped by peft with the adapters' rank, alpha and target modules (PEFT's
     scaling alpha / r, no rsLoRA, no dropout: the parity check refuses --lora-dropout, whose masks

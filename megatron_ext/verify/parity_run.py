@@ -1,7 +1,7 @@
 """The parity check's run of our trainer, under torchrun: the real Trainer, which also saves every
-global batch it trains on, so the transformers loop (`train.hf_loop`) replays exactly those samples.
+global batch it trains on, so the transformers loop (`verify.hf_loop`) replays exactly those samples.
 
-    torchrun --nproc-per-node N -m megatron_ext.train.parity_run RECORD_DIR CONFIG_JSON
+    torchrun --nproc-per-node N -m megatron_ext.verify.parity_run RECORD_DIR CONFIG_JSON
 
 CONFIG_JSON: a TrainConfig's fields. RECORD_DIR/step_{i}_dp_{r}.pt: the micro batches data-parallel
 replica r trained on at iteration i (written by the replica's first TP/PP/CP rank; its peers hold
@@ -15,7 +15,6 @@ initial ones.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import sys
 from pathlib import Path
@@ -89,25 +88,16 @@ class RecordingTrainer(Trainer):
             self.save()  # our initial adapters, for the PEFT model to start from
         super().train()
 
-    def _iteration(self):
+    def before_optimizer_step(self) -> None:
+        if self.iteration == 1:
+            save_grads(self.trained, self.record_dir / GRADS_DIR)
+
+    def after_iteration(self, micro_batches: list[dict]) -> None:
         from megatron.core import parallel_state
 
-        optimizer = self.trained.optimizer
-        if self.iteration == 1:
-            # The step's gradients are final (reduced, scaled) when the optimizer is called, and it clips them.
-            optimizer.step = functools.partial(self._grads_then_step, optimizer.step)
-        try:
-            result, micro_batches, batch, stop = super()._iteration()
-        finally:
-            vars(optimizer).pop("step", None)
         if self.counts_batch:
             path = batch_file(self.record_dir, self.iteration, parallel_state.get_data_parallel_rank())
             torch.save([{k: b[k] for k in RECORDED if k in b} for b in micro_batches], path)
-        return result, micro_batches, batch, stop
-
-    def _grads_then_step(self, step):
-        save_grads(self.trained, self.record_dir / GRADS_DIR)
-        return step()
 
 
 def main(argv: list[str]) -> int:
