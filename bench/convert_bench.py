@@ -9,7 +9,7 @@ GQA 16/4 heads, FFN 5632, bfloat16) with a tiny CLIP tower, assembled by build_l
 `--text-layers` scales it (84 MiB a layer) to see how the fixed cost weighs at other sizes.
 With `--shape` it is instead a Hub-style checkpoint of a published config.json at its full size
 (llava-1.5-7b: 7.06 B parameters, 13.2 GiB), random weights in 5 GB shards with their index, written
-by megatron_ext/convert/random_checkpoint.py; `--text-layers` then replaces the published count.
+by tests/support/random_checkpoint.py; `--text-layers` then replaces the published count.
 Big models need disk and time: the model, the Megatron checkpoint and the converted-back copy are on
 disk at once (3x the model; each conversion's outputs are deleted once measured), and llava-1.5-7b
 at TP4 x PP2 with `--repeat 1` took 14-16 minutes on the 2-core machine.
@@ -40,14 +40,15 @@ import psutil
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO_ROOT / "scripts" / "convert"
+sys.path.insert(0, str(REPO_ROOT))  # tests/support writes the full-size random checkpoint
 # Llama-style, ~0.8 B parameters: 1.5 GiB in bfloat16.
 BIG_TEXT = dict(hidden_size=2048, num_layers=18, num_heads=16, num_kv_heads=4, intermediate_size=5632)
 
 
 def _build_llava(out: Path, work: Path, text_spec, vision_spec) -> Path:
     """A random bf16 LLaVA of these tiny-model specs (a CLIP tower), once per work directory (kept if already there)."""
+    from megatron_ext.demo.tiny_models import make_text_model, make_vision_model
     from megatron_ext.hf.build_llava import build_llava
-    from megatron_ext.hf.tiny_models import make_text_model, make_vision_model
 
     if not out.is_dir():
         text = make_text_model(work / "text", text_spec)
@@ -59,7 +60,7 @@ def _build_llava(out: Path, work: Path, text_spec, vision_spec) -> Path:
 
 
 def build_big(work: Path, text_layers: int) -> Path:
-    from megatron_ext.hf.tiny_models import TinyTextSpec, TinyVisionSpec
+    from megatron_ext.demo.tiny_models import TinyTextSpec, TinyVisionSpec
 
     return _build_llava(work / f"llava-big-{text_layers}layers", work,
                         TinyTextSpec(**{**BIG_TEXT, "num_layers": text_layers}, initializer_range=0.02), TinyVisionSpec())
@@ -67,7 +68,7 @@ def build_big(work: Path, text_layers: int) -> Path:
 
 def build_tiny(work: Path, tp: int, pp: int) -> Path:
     """The tiny test model, with heads that TP splits and text layers that PP splits."""
-    from megatron_ext.hf.tiny_models import TinyTextSpec, TinyVisionSpec
+    from megatron_ext.demo.tiny_models import TinyTextSpec, TinyVisionSpec
 
     text = TinyTextSpec(num_heads=max(TinyTextSpec.num_heads, tp), num_kv_heads=max(TinyTextSpec.num_kv_heads, tp),
                         num_layers=max(TinyTextSpec.num_layers, pp))
@@ -80,8 +81,8 @@ def generate(work: Path, shape: Path, text_layers: int | None) -> tuple[Path, fl
     writing it took (None: kept from an earlier run in the work directory)."""
     import json
 
-    from megatron_ext.convert.random_checkpoint import write_random_checkpoint
     from megatron_ext.errors import UserError
+    from tests.support.random_checkpoint import write_random_checkpoint
 
     try:
         config = json.loads(shape.read_text())
@@ -293,7 +294,7 @@ def published_model(work: Path, shape: Path, text_layers: int | None) -> tuple[P
     files = len(list(model.glob("*.safetensors")))
     where = f"{files} safetensors shards of at most 5 GB and their index" if files > 1 else "one model.safetensors"
     return model, (f"a Hub-style checkpoint of `{shape.name}` ({layers}), {parameters(model) / 1e9:.2f} B parameters, "
-                   f"random bfloat16 weights in {where} (`megatron_ext/convert/random_checkpoint.py`{written})")
+                   f"random bfloat16 weights in {where} (`tests/support/random_checkpoint.py`{written})")
 
 
 if __name__ == "__main__":

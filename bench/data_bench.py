@@ -108,8 +108,8 @@ def make_inputs(work: Path, samples: int) -> tuple[Path, Path]:
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     from megatron_ext.data.build import build_energon_dataset
+    from megatron_ext.demo.tiny_models import train_tokenizer
     from megatron_ext.hf.build_llava import add_special_tokens
-    from megatron_ext.hf.tiny_models import train_tokenizer
 
     model_dir = work / "model"
     tokenizer = train_tokenizer(1000)

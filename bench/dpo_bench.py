@@ -31,8 +31,8 @@ RUNS = {  # name: (trained on pairs, trainer options)
 
 def _pairs(work: Path) -> Path:
     from megatron_ext.data.build import build_energon_dataset
-    from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
     from megatron_ext.data.tasks import PREFERENCE
+    from megatron_ext.demo.synthetic_data import SyntheticSpec, make_synthetic_dataset
 
     source = make_synthetic_dataset(work / "pairs-src", SyntheticSpec(num_samples=256, task=PREFERENCE))
     data = work / "pairs"

@@ -26,8 +26,8 @@ PROMPTS = {"short": "Describe this image.", "long": "Describe this image in deta
 
 def _build(work: Path) -> tuple[Path, Path]:
     from megatron_ext.convert.to_megatron import convert
+    from megatron_ext.demo.tiny_models import TinyTextSpec, make_all
     from megatron_ext.hf.build_llava import build_llava
-    from megatron_ext.hf.tiny_models import TinyTextSpec, make_all
 
     text = TinyTextSpec(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408,
                         max_position_embeddings=2048)

@@ -39,8 +39,8 @@ def _timed(cmd: list[str], env: dict) -> float:
 def main(samples: int, max_new_tokens: int, workdir: str | None):
     from megatron_ext.convert.compare import synthetic_image
     from megatron_ext.convert.to_megatron import convert
+    from megatron_ext.demo.tiny_models import make_all
     from megatron_ext.hf.build_llava import build_llava
-    from megatron_ext.hf.tiny_models import make_all
     from tests.eval.lmms_tasks import write_tasks
 
     work = Path(workdir or tempfile.mkdtemp(prefix="lmms_bench_"))

@@ -39,9 +39,9 @@ def build_inputs(work: Path, small: bool) -> tuple[Path, Path]:
     """A random LLaVA-1.5 (hidden 512, 4 layers, 8 / 4 heads; CLIP hidden 256, 4 layers; with --small:
     the tests' tiny sizes) and 64 synthetic samples prepared as an energon dataset."""
     from megatron_ext.data.build import build_energon_dataset
-    from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
+    from megatron_ext.demo.synthetic_data import SyntheticSpec, make_synthetic_dataset
+    from megatron_ext.demo.tiny_models import TinyTextSpec, TinyVisionSpec, make_text_model, make_vision_model
     from megatron_ext.hf.build_llava import build_llava
-    from megatron_ext.hf.tiny_models import TinyTextSpec, TinyVisionSpec, make_text_model, make_vision_model
 
     text = TinyTextSpec() if small else TinyTextSpec(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
                                                       intermediate_size=1408, initializer_range=0.02)

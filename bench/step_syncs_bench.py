@@ -32,8 +32,8 @@ LAYERS = (2, 4)
 def checkpoints(root: Path) -> dict[int, Path]:
     """A Megatron checkpoint of the same tiny LLaVA at each of LAYERS language-model layers."""
     from megatron_ext.convert.to_megatron import convert
+    from megatron_ext.demo.tiny_models import TinyTextSpec, make_text_model, make_vision_model
     from megatron_ext.hf.build_llava import build_llava
-    from megatron_ext.hf.tiny_models import TinyTextSpec, make_text_model, make_vision_model
 
     vision = make_vision_model(root / "vision", "clip")
     made = {}
@@ -46,7 +46,7 @@ def checkpoints(root: Path) -> dict[int, Path]:
 
 def dataset(root: Path) -> Path:
     from megatron_ext.data.build import build_energon_dataset
-    from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
+    from megatron_ext.demo.synthetic_data import SyntheticSpec, make_synthetic_dataset
 
     source = make_synthetic_dataset(root / "source", SyntheticSpec(num_samples=48, seed=3))
     build_energon_dataset(source, root / "energon", split_ratio="1,0,0", samples_per_shard=8, num_workers=0)

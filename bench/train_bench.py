@@ -28,9 +28,9 @@ def prepare(work: Path) -> tuple[Path, Path]:
     """The tiny LLaVA converted at TP1 and the prepared 256-sample synthetic dataset."""
     from megatron_ext.convert.to_megatron import convert
     from megatron_ext.data.build import build_energon_dataset
-    from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
+    from megatron_ext.demo.synthetic_data import SyntheticSpec, make_synthetic_dataset
+    from megatron_ext.demo.tiny_models import make_all
     from megatron_ext.hf.build_llava import build_llava
-    from megatron_ext.hf.tiny_models import make_all
 
     tiny = make_all(work / "tiny")
     hf = build_llava(work / "hf", str(tiny["text"]), str(tiny["vision-clip"]))

@@ -1,6 +1,6 @@
 """megatron_ext: train LLaVA-style vision-language models on megatron-core.
 
-Folders: `hf/` (Hugging Face checkpoints: tiny test models, LLaVA assembly), `model/` (the
+Folders: `hf/` (Hugging Face checkpoints: LLaVA assembly), `demo/` (the demo, its tiny models and synthetic data), `model/` (the
 megatron-core LLaVAModel built from an HF config), `convert/` (HF <-> Megatron converters),
 `checkpoint/` (checkpoint directory layout and metadata), `data/` (energon datasets and the task
 encoder), `train/` (the trainer), `launch/` (torchrun / Singularity / SLURM command building),

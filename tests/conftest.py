@@ -76,7 +76,7 @@ def pytest_runtest_call(item):
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory) -> dict[str, Path]:
     """DIR/text (GQA Llama + tokenizer with chat template), DIR/vision-clip, DIR/vision-siglip."""
-    from megatron_ext.hf.tiny_models import make_all
+    from megatron_ext.demo.tiny_models import make_all
 
     return make_all(tmp_path_factory.mktemp("tiny_hf"))
 
@@ -84,7 +84,7 @@ def tiny_hf(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_qwen2_tied(tmp_path_factory) -> Path:
     """A Qwen2-style text model (q/k/v bias) with tied embeddings."""
-    from megatron_ext.hf.tiny_models import TinyTextSpec, make_text_model
+    from megatron_ext.demo.tiny_models import TinyTextSpec, make_text_model
 
     return make_text_model(tmp_path_factory.mktemp("tiny_qwen2") / "text", TinyTextSpec(arch="qwen2", tie_word_embeddings=True))
 
@@ -92,7 +92,7 @@ def tiny_qwen2_tied(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> Path:
     """A Qwen3 text model: q/k RMSNorm per head, head_dim 32 (hidden 64 / 4 heads would be 16)."""
-    from megatron_ext.hf.tiny_models import TinyTextSpec, make_text_model
+    from megatron_ext.demo.tiny_models import TinyTextSpec, make_text_model
 
     return make_text_model(tmp_path_factory.mktemp("tiny_qwen3") / "text", TinyTextSpec(arch="qwen3"))
 
@@ -125,7 +125,7 @@ def llava_qwen3_siglip(tmp_path_factory, tiny_qwen3, tiny_hf) -> Path:
 def tiny_gemma3(tmp_path_factory) -> Path:
     """A Gemma 3 text model: (1 + w) norms (random w), post-norms, a 5-key window on layer 1 only,
     per-layer RoPE bases, an attention scale other than 1 / sqrt(head_dim)."""
-    from megatron_ext.hf.tiny_models import TinyTextSpec, make_text_model
+    from megatron_ext.demo.tiny_models import TinyTextSpec, make_text_model
 
     return make_text_model(tmp_path_factory.mktemp("tiny_gemma3") / "text", TinyTextSpec(arch="gemma3_text"))
 
@@ -139,7 +139,7 @@ def llava_gemma3_siglip(tmp_path_factory, tiny_gemma3, tiny_hf) -> Path:
 @pytest.fixture(scope="session")
 def llava_mistral_clip(tmp_path_factory, tiny_hf) -> Path:
     """LLaVA: Mistral (a 6-key sliding window on every layer, shorter than the test prompts) + CLIP."""
-    from megatron_ext.hf.tiny_models import TinyTextSpec, make_text_model
+    from megatron_ext.demo.tiny_models import TinyTextSpec, make_text_model
 
     text = make_text_model(tmp_path_factory.mktemp("tiny_mistral") / "text", TinyTextSpec(arch="mistral"))
     return _build(tmp_path_factory, "llava_mistral_clip", text, tiny_hf["vision-clip"])
@@ -148,7 +148,7 @@ def llava_mistral_clip(tmp_path_factory, tiny_hf) -> Path:
 @pytest.fixture(scope="session")
 def llava_phi3_clip(tmp_path_factory, tiny_hf) -> Path:
     """LLaVA: Phi-3 (fused qkv_proj and gate_up_proj, GQA, a 6-key sliding window on every layer) + CLIP."""
-    from megatron_ext.hf.tiny_models import TinyTextSpec, make_text_model
+    from megatron_ext.demo.tiny_models import TinyTextSpec, make_text_model
 
     text = make_text_model(tmp_path_factory.mktemp("tiny_phi3") / "text", TinyTextSpec(arch="phi3"))
     return _build(tmp_path_factory, "llava_phi3_clip", text, tiny_hf["vision-clip"])
@@ -232,7 +232,7 @@ def preference_data(tmp_path_factory) -> Path:
     """96 synthetic preference pairs (the true answer chosen, a hallucination or a wrong fact rejected) as
     prepared shards of 8: train 80, val 16."""
     from megatron_ext.data.build import build_energon_dataset
-    from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
+    from megatron_ext.demo.synthetic_data import SyntheticSpec, make_synthetic_dataset
 
     source = make_synthetic_dataset(tmp_path_factory.mktemp("preference_src"),
                                     SyntheticSpec(num_samples=96, seed=3, task="preference"))
@@ -245,7 +245,7 @@ def preference_data(tmp_path_factory) -> Path:
 def train_data(tmp_path_factory) -> Path:
     """96 synthetic samples (30% multi-turn) as prepared shards of 8: train 80, val 16."""
     from megatron_ext.data.build import build_energon_dataset
-    from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
+    from megatron_ext.demo.synthetic_data import SyntheticSpec, make_synthetic_dataset
 
     source = make_synthetic_dataset(tmp_path_factory.mktemp("train_src"), SyntheticSpec(num_samples=96, seed=3))
     out = tmp_path_factory.mktemp("train_data") / "energon"

@@ -12,8 +12,8 @@ import logging
 import click
 
 from megatron_ext.data.image_aspects import IMAGE_ASPECTS
-from megatron_ext.data.synthetic import SyntheticSpec
 from megatron_ext.data.tasks import SFT, TASKS
+from megatron_ext.demo.synthetic_data import SyntheticSpec
 from megatron_ext.errors import run_command
 from megatron_ext.progress import quiet_option
 
@@ -66,7 +66,7 @@ def build(input_path, output_dir, image_root, split_ratio, samples_per_shard, nu
 @click.option("--force", is_flag=True, help="Replace a non-empty --output-dir.")
 def synthetic(output_dir, num_samples, multi_turn_fraction, min_size, max_size, lang, image_format, seed, task, force):
     """Write a synthetic LLaVA conversation dataset (coloured shapes + questions) for demos and tests."""
-    from megatron_ext.data.synthetic import make_synthetic_dataset
+    from megatron_ext.demo.synthetic_data import make_synthetic_dataset
     from megatron_ext.fsutil import check_output_dir
 
     check_output_dir(output_dir, force, "--output-dir")

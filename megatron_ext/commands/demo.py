@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from megatron_ext.demo import DemoSettings
+from megatron_ext.demo.pipeline import DemoSettings
 from megatron_ext.errors import run_command
 from megatron_ext.families import TINY_TEXT_DEFAULT, text_families
 
@@ -29,7 +29,7 @@ from megatron_ext.families import TINY_TEXT_DEFAULT, text_families
 def demo(output_dir, stage1_iters, stage2_iters, dpo_iters):
     """Build, convert, prepare data, train (stage 1 + 2, TP2), convert back, answer a question about an
     image, evaluate on the val split and tune on preference pairs (DPO), each step the command a user types."""
-    from megatron_ext.demo import first_sample, held_out_rewards, run_demo
+    from megatron_ext.demo.pipeline import first_sample, held_out_rewards, run_demo
     from megatron_ext.logs import setup_logging
 
     setup_logging()
@@ -74,8 +74,8 @@ def demo(output_dir, stage1_iters, stage2_iters, dpo_iters):
 def tiny_models(save_dir, text_arch, tie_word_embeddings, seed, force):
     """Write tiny random Hugging Face models (a text model with a locally trained tokenizer, CLIP and
     SigLIP towers) for tests and the CPU demo. Nothing is downloaded."""
+    from megatron_ext.demo.tiny_models import TinyTextSpec, make_all
     from megatron_ext.fsutil import atomic_output_dir, check_output_dir
-    from megatron_ext.hf.tiny_models import TinyTextSpec, make_all
     from megatron_ext.logs import setup_logging
 
     setup_logging()

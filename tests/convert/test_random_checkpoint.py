@@ -26,8 +26,8 @@ def _tensors(path) -> dict[str, tuple[list[int], str]]:
 @pytest.mark.parametrize("fixture", ["llava_clip", "llava_qwen2_siglip", "llava_next_clip"])
 def test_names_and_shapes_are_what_save_pretrained_writes_in_shards_the_converter_reads(request, fixture, tmp_path):
     from megatron_ext.convert.hf_checkpoint import INDEX_FILE
-    from megatron_ext.convert.random_checkpoint import write_random_checkpoint
     from megatron_ext.convert.to_megatron import plan_conversion
+    from tests.support.random_checkpoint import write_random_checkpoint
 
     saved = request.getfixturevalue(fixture)
     config = json.loads((saved / "config.json").read_text())
@@ -70,7 +70,7 @@ def _tensors_in(file) -> list[str]:
 
 def test_values_are_seeded_normal_and_norms_near_one(llava_clip, tmp_path):
     from megatron_ext.convert.hf_checkpoint import HfWeights
-    from megatron_ext.convert.random_checkpoint import write_random_checkpoint
+    from tests.support.random_checkpoint import write_random_checkpoint
 
     config = json.loads((llava_clip / "config.json").read_text())
     first, again, other = (HfWeights(write_random_checkpoint(config, tmp_path / name, seed=seed, dtype="float32"))
@@ -85,7 +85,7 @@ def test_values_are_seeded_normal_and_norms_near_one(llava_clip, tmp_path):
 
 
 def test_layers_sets_the_text_layers(llava_clip, tmp_path):
-    from megatron_ext.convert.random_checkpoint import write_random_checkpoint
+    from tests.support.random_checkpoint import write_random_checkpoint
 
     config = json.loads((llava_clip / "config.json").read_text())
     out = write_random_checkpoint(config, tmp_path / "one", layers=1)
@@ -101,7 +101,7 @@ def test_layers_sets_the_text_layers(llava_clip, tmp_path):
     (dict(config=[1]), "the config is a JSON list, not an object"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(llava_clip, tmp_path, change, message):
-    from megatron_ext.convert.random_checkpoint import write_random_checkpoint
+    from tests.support.random_checkpoint import write_random_checkpoint
 
     config = change.pop("config", json.loads((llava_clip / "config.json").read_text()))
     with pytest.raises(UserError, match=re.escape(message)) as error:
@@ -110,7 +110,7 @@ def test_bad_input_is_one_line_and_writes_nothing(llava_clip, tmp_path, change, 
 
 
 def test_a_directory_holding_files_is_refused(llava_clip, tmp_path):
-    from megatron_ext.convert.random_checkpoint import write_random_checkpoint
+    from tests.support.random_checkpoint import write_random_checkpoint
 
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("keep me")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.data.build import build_energon_dataset
-from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
+from megatron_ext.demo.synthetic_data import SyntheticSpec, make_synthetic_dataset
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from megatron_ext.data.video import VideoPreprocessor
 
 @functools.cache
 def tokenizer():
-    from megatron_ext.hf.tiny_models import train_tokenizer
+    from megatron_ext.demo.tiny_models import train_tokenizer
 
     tok = train_tokenizer(1000)
     tok.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]}, replace_extra_special_tokens=False)

@@ -14,7 +14,7 @@ from megatron_ext.data.build import build_energon_dataset
 from megatron_ext.data.conversation import BadConversation
 from megatron_ext.data.shard_format import PreferenceSample, decoded_preference_sample, preference_of
 from megatron_ext.data.sources import preference_sample
-from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
+from megatron_ext.demo.synthetic_data import SyntheticSpec, make_synthetic_dataset
 from megatron_ext.errors import UserError, run_command
 from tests.data.conftest import jpeg
 

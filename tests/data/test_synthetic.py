@@ -7,7 +7,7 @@ import json
 import pytest
 from PIL import Image
 
-from megatron_ext.data.synthetic import COLORS, SyntheticSpec, make_synthetic_dataset
+from megatron_ext.demo.synthetic_data import COLORS, SyntheticSpec, make_synthetic_dataset
 from tests.helpers import run_script
 
 

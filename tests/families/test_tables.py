@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_ext import families
-from megatron_ext.hf.tiny_models import TinyTextSpec, TinyVisionSpec
+from megatron_ext.demo.tiny_models import TinyTextSpec, TinyVisionSpec
 
 
 def _used(once, layer, num_layers) -> list[str]:

@@ -89,9 +89,9 @@ def build(config: dict, out: Path) -> Path:
     from a text model and a tower written from the config's parts (the local tokenizer: its own vocabulary)."""
     import re
 
+    from megatron_ext.demo.tiny_models import make_text_model_like, make_vision_model_like
     from megatron_ext.families import llava_kind
     from megatron_ext.hf.build_llava import build_llava
-    from megatron_ext.hf.tiny_models import make_text_model_like, make_vision_model_like
 
     text = make_text_model_like(out / "text", config["text_config"])
     vision = make_vision_model_like(out / "vision", config["vision_config"])

@@ -152,8 +152,8 @@ def _site(entry: str) -> str:
 def megatron_clip_4_layers(tmp_path_factory, tiny_hf) -> str:
     """llava_clip's shape with 4 language-model layers instead of 2, as a Megatron checkpoint."""
     from megatron_ext.convert.to_megatron import convert
+    from megatron_ext.demo.tiny_models import TinyTextSpec, make_text_model
     from megatron_ext.hf.build_llava import build_llava
-    from megatron_ext.hf.tiny_models import TinyTextSpec, make_text_model
 
     root = tmp_path_factory.mktemp("clip_4_layers")
     text = make_text_model(root / "text", TinyTextSpec(num_layers=4))

@@ -84,7 +84,7 @@ class _Values:
 
 def _write_tokenizer_side(vision_config, out: Path) -> None:
     """The local tokenizer, and the tower family's image processor at the tower's image size."""
-    from megatron_ext.hf.tiny_models import TinyTextSpec, train_tokenizer
+    from megatron_ext.demo.tiny_models import TinyTextSpec, train_tokenizer
 
     size = vision_config.image_size
     train_tokenizer(TinyTextSpec.vocab_size).save_pretrained(out)
