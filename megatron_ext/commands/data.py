@@ -105,9 +105,9 @@ def inspect(data, output, megatron_load_dir, tokenizer_load_dir, split, image_ro
     metadataset YAML, or LLaVA JSON / JSONL before it is prepared) through the trainer's task encoder:
     images as the model gets them, tokens by role with the trained ones marked, lengths, packing."""
     from megatron_ext.logs import setup_logging
-    from megatron_ext.pages.inspect_sources import Selection
-    from megatron_ext.pages.inspection import EncoderSetup
-    from megatron_ext.pages.sample_inspector import write_inspection
+    from megatron_ext.pages.inspector_page import write_inspection
+    from megatron_ext.pages.sample_encoding import EncoderSetup
+    from megatron_ext.pages.sample_sources import Selection
 
     setup_logging()
     # How the encoder preprocesses is on the page; on the terminal it would only hide an error line.

@@ -38,8 +38,8 @@ def generate(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, i
     """Answer prompts about images: greedy by default (--temperature 0), up to the end-of-turn token or
     --max-new-tokens; one prompt is streamed to the terminal, --input-jsonl lines are {"image", "video", "prompt", "id"}."""
     from megatron_ext.distributed import shutdown
-    from megatron_ext.eval.batch import generate_answers
     from megatron_ext.eval.checkpoints import open_checkpoint
+    from megatron_ext.eval.request_file import generate_answers
     from megatron_ext.logs import setup_logging
 
     setup_logging()

@@ -61,7 +61,7 @@ class Export:
         return self.lora.base if self.lora else self.snapshot
 
 
-def plan_export(megatron_dir: str | Path, tokenizer_dir: str | Path | None = None, tp: int | None = None,
+def check_export(megatron_dir: str | Path, tokenizer_dir: str | Path | None = None, tp: int | None = None,
                 pp: int | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, lora_merge: bool = False) -> Export:
     """Refuse bad input before anything is written. `tp`/`pp`, when given, must match the snapshot."""
     from transformers.utils.hub import convert_file_size_to_int
@@ -208,7 +208,7 @@ def convert(megatron_dir: str | Path, hf_dir: str | Path, tokenizer_dir: str | P
             pp: int | None = None, force: bool = False, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
             lora_merge: bool = False) -> Path:
     """The whole export, in this process; returns the HF directory."""
-    export = plan_export(megatron_dir, tokenizer_dir, tp, pp, max_shard_size, lora_merge)
+    export = check_export(megatron_dir, tokenizer_dir, tp, pp, max_shard_size, lora_merge)
     out = check_output_dir(hf_dir, force, "--hf-dir")
     if out == export.snapshot.root or out in export.snapshot.root.parents:
         raise UserError(f"--hf-dir {out} would replace the input --megatron-dir {export.snapshot.root}; choose another directory")

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Plan:
+class ConversionRequest:
     """A checked conversion request (picklable: it is sent to every rank)."""
 
     hf_dir: Path
@@ -46,7 +46,7 @@ class Plan:
         return read_llava(self.hf_config)
 
 
-def plan_conversion(hf_dir: str | Path, tp: int, pp: int) -> Plan:
+def check_conversion(hf_dir: str | Path, tp: int, pp: int) -> ConversionRequest:
     """Everything about the input that can be refused, refused before any output exists."""
     hf_dir = Path(hf_dir).expanduser().resolve()
     if not hf_dir.is_dir():
@@ -57,7 +57,7 @@ def plan_conversion(hf_dir: str | Path, tp: int, pp: int) -> Plan:
     arch.check_parallel(tp, pp)
     weights = HfWeights(hf_dir)
     check_tokenizer_dir(hf_dir, "--hf-dir")
-    return Plan(hf_dir=hf_dir, tp=tp, pp=pp, dtype=weights.dtype(), hf_config=hf_config)
+    return ConversionRequest(hf_dir=hf_dir, tp=tp, pp=pp, dtype=weights.dtype(), hf_config=hf_config)
 
 
 def _misfit(row, weights: HfWeights, tp_rank: int, tp: int, shape) -> str | None:
@@ -130,20 +130,20 @@ def _gather(report: coverage.FillReport) -> list[coverage.FillReport]:
     return reports
 
 
-def _write_beside_snapshot(plan: Plan, arch: LlavaArch, weights: HfWeights, root: Path) -> None:
+def _write_beside_snapshot(request: ConversionRequest, arch: LlavaArch, weights: HfWeights, root: Path) -> None:
     """Rank 0, after the model is saved: the unused HF tensors, tokenizer, metadata, latest marker."""
     from safetensors.torch import save_file
 
     extra = hf_only_names(arch, weights.names)
     save_file({name: weights.read(name) for name in extra}, str(root / layout.HF_EXTRA_FILE), metadata={"format": "pt"})
-    copy_tokenizer_files(plan.hf_dir, root / layout.TOKENIZER_DIR)
-    layout.write_metadata(root / layout.RELEASE, kind="converted", iteration=0, hf_config=plan.hf_config,
-                          tp=plan.tp, pp=plan.pp, dtype=plan.dtype)
+    copy_tokenizer_files(request.hf_dir, root / layout.TOKENIZER_DIR)
+    layout.write_metadata(root / layout.RELEASE, kind="converted", iteration=0, hf_config=request.hf_config,
+                          tp=request.tp, pp=request.pp, dtype=request.dtype)
     layout.mark_latest(root, layout.RELEASE)
 
 
-def convert_in_world(plan: Plan, root: Path) -> list[str]:
-    """Collective over a world whose megatron parallel state is plan.tp x plan.pp (DP replicas may
+def convert_in_world(request: ConversionRequest, root: Path) -> list[str]:
+    """Collective over a world whose megatron parallel state is request.tp x request.pp (DP replicas may
     repeat the work; only main replicas are written). Writes the checkpoint into `root`; returns
     the coverage problems instead when there are any (the same list on every rank)."""
     import torch.distributed as dist
@@ -153,30 +153,30 @@ def convert_in_world(plan: Plan, root: Path) -> list[str]:
     from megatron_ext.convert.dist_write import ComputedSaveStrategy
     from megatron_ext.model.provider import ModelOptions, build_model
 
-    arch = plan.arch
-    weights = HfWeights(plan.hf_dir)
-    model = build_model(arch, families.of(arch), ModelOptions(init_weights=False, dtype=plan.dtype))
+    arch = request.arch
+    weights = HfWeights(request.hf_dir)
+    model = build_model(arch, families.of(arch), ModelOptions(init_weights=False, dtype=request.dtype))
     report = check_model(model, arch, weights)
     problems = coverage.hf_to_megatron_problems(llava_mapping(arch), _gather(report), weights.names,
                                                 hf_only_names(arch, weights.names))
     if problems:
         return problems
     if dist.get_rank() == 0:
-        log.info("every tensor is filled from %s; saving", plan.hf_dir)
+        log.info("every tensor is filled from %s; saving", request.hf_dir)
     save_model_weights(model, root / layout.RELEASE, sharded_strategy=ComputedSaveStrategy(MegatronChunks(arch, weights)))
     if dist.get_rank() == 0:
-        _write_beside_snapshot(plan, arch, weights, root)
-        log.info("saved the TP%d x PP%d checkpoint, its tokenizer and metadata", plan.tp, plan.pp)
+        _write_beside_snapshot(request, arch, weights, root)
+        log.info("saved the TP%d x PP%d checkpoint, its tokenizer and metadata", request.tp, request.pp)
     dist.barrier()
     return []
 
 
-def _rank_entry(plan: Plan, root: Path) -> list[str]:
+def _rank_entry(request: ConversionRequest, root: Path) -> list[str]:
     from megatron_ext.distributed import init_parallel, shutdown
 
-    init_parallel(plan.tp, plan.pp)
+    init_parallel(request.tp, request.pp)
     try:
-        return convert_in_world(plan, root)
+        return convert_in_world(request, root)
     finally:
         shutdown()
 
@@ -185,14 +185,14 @@ def convert(hf_dir: str | Path, megatron_dir: str | Path, tp: int, pp: int, forc
     """The whole conversion; returns the checkpoint root."""
     from megatron_ext.convert.cpu_ranks import run_on_cpu_ranks
 
-    plan = plan_conversion(hf_dir, tp, pp)
+    request = check_conversion(hf_dir, tp, pp)
     out = check_output_dir(megatron_dir, force, "--megatron-dir")
-    if out == plan.hf_dir or out in plan.hf_dir.parents:
-        raise UserError(f"--megatron-dir {out} would replace the input --hf-dir {plan.hf_dir}; choose another directory")
-    log.info("converting %s (%s) to Megatron TP%d x PP%d in %s", plan.hf_dir, plan.dtype, tp, pp, out)
+    if out == request.hf_dir or out in request.hf_dir.parents:
+        raise UserError(f"--megatron-dir {out} would replace the input --hf-dir {request.hf_dir}; choose another directory")
+    log.info("converting %s (%s) to Megatron TP%d x PP%d in %s", request.hf_dir, request.dtype, tp, pp, out)
     with atomic_output_dir(out) as tmp:
-        problems = run_on_cpu_ranks(_rank_entry, tp * pp, plan, tmp)
+        problems = run_on_cpu_ranks(_rank_entry, tp * pp, request, tmp)
         if problems:
-            raise UserError(f"--hf-dir {plan.hf_dir} does not match the model its config.json describes: "
+            raise UserError(f"--hf-dir {request.hf_dir} does not match the model its config.json describes: "
                             + "; ".join(problems))
     return out

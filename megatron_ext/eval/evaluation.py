@@ -5,7 +5,7 @@
   (`megatron_ext.model.forward_step`), so the number is the one the trainer logs as validation loss.
   HF checkpoints get generation metrics only (convert them to Megatron for loss and perplexity).
 - Generated answers to the last user turn of each sample, scored against the sample's last
-  assistant turn with `megatron_ext.eval.metrics`.
+  assistant turn with `megatron_ext.eval.answer_scores`.
 
 `AnswerEvaluation` is the same generation + scoring on the trainer's model inside its process
 group, for the trainer to run at --eval-interval.
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_ext.errors import UserError
-from megatron_ext.eval import metrics
+from megatron_ext.eval import answer_scores
 from megatron_ext.eval.checkpoints import ModelSource
 from megatron_ext.eval.generation import Generator
 from megatron_ext.eval.prompts import PromptEncoder
@@ -48,13 +48,13 @@ def answer_samples(generator: Generator, encoder: PromptEncoder, samples: list[E
             records.append({**record, "too_long": str(exc)})
             continue
         records.append({**record, "prediction": generation.text, "finish_reason": generation.finish_reason,
-                        "exact_match": metrics.exact_match([generation.text], [[sample.reference]]) == 1.0})
+                        "exact_match": answer_scores.exact_match([generation.text], [[sample.reference]]) == 1.0})
     return records
 
 
 def score_records(records: list[dict]) -> dict:
     answered = [r for r in records if "prediction" in r]
-    scores = metrics.score_all([r["prediction"] for r in answered], [[r["reference"]] for r in answered])
+    scores = answer_scores.score_all([r["prediction"] for r in answered], [[r["reference"]] for r in answered])
     return {**scores, "generated_samples": len(answered), "too_long_samples": len(records) - len(answered)}
 
 

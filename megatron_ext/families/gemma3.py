@@ -77,7 +77,7 @@ class Gemma3Family(LlamaLikeFamily):
         )
 
     def language_config(self, t: Gemma3Arch) -> dict:
-        from megatron_ext.model.activations import ACTIVATIONS
+        from megatron_ext.model.activation_functions import ACTIVATIONS
 
         return {**super().language_config(t), "layernorm_zero_centered_gamma": True,
                 "activation_func": ACTIVATIONS["gelu_tanh"], "softmax_scale": t.query_pre_attn_scalar ** -0.5}

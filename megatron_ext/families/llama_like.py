@@ -103,7 +103,7 @@ class LlamaLikeFamily:
     def language_config(self, t: TextArch) -> dict:
         """megatron-core TransformerConfig fields of the language model (the layer spec follows
         `normalization` and `qk_layernorm`)."""
-        from megatron_ext.model.activations import ACTIVATIONS
+        from megatron_ext.model.activation_functions import ACTIVATIONS
 
         # megatron-core's window: (keys before, keys after) a query; HF's counts the query itself.
         window = dict(window_size=(t.sliding_window - 1, 0),

@@ -96,7 +96,7 @@ class ViTFamily:
 
     def vision_config(self, v: VisionArch) -> dict:
         """megatron-core TransformerConfig fields of the ViT."""
-        from megatron_ext.model.activations import ACTIVATIONS
+        from megatron_ext.model.activation_functions import ACTIVATIONS
 
         return dict(
             num_layers=v.num_layers,

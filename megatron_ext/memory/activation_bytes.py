@@ -52,7 +52,7 @@ FIT_LENGTHS = (128, 256)
 
 
 @dataclass(frozen=True)
-class Measured:
+class ActivationPieces:
     """One rank's activation pieces for a micro batch of one sequence (b = 1)."""
 
     layer_linear: float  # a: bytes per token of one LM layer
@@ -155,7 +155,7 @@ def _vision(model, arch, flash: bool, tower_trained: bool) -> int:
 
 
 def measure(model, arch, seq_length: int, flash_lse: bool, vision_flash: bool, input_grad: bool,
-            tower_trained: bool) -> Measured:
+            tower_trained: bool) -> ActivationPieces:
     """The pieces of this rank's model (meta, frozen as in the run, under its parallel state).
     `flash_lse`: the run's attention is a flash kernel that keeps its log-sum-exp (sdpa or te without
     selective recomputation; `model` is then built with it, see above); `vision_flash`: the tower's
@@ -174,11 +174,11 @@ def measure(model, arch, seq_length: int, flash_lse: bool, vision_flash: bool, i
     quadratic = (m2 / s2 - m1 / s1) / (s2 - s1)
     linear = m1 / s1 - quadratic * s1
     layer_input = saved_bytes(_layer_forward(model, s1, input_grad, checkpointed=True), params) / s1
-    return Measured(layer_linear=linear, layer_quadratic=quadratic, layer_input=math.ceil(layer_input),
+    return ActivationPieces(layer_linear=linear, layer_quadratic=quadratic, layer_input=math.ceil(layer_input),
                     lm_other=_lm_other(model, seq_length), vision_tile=_vision(model, arch, vision_flash, tower_trained))
 
 
-def with_sequence_parallel(at_tp: Measured, at_one: Measured, tp: int) -> Measured:
+def with_sequence_parallel(at_tp: ActivationPieces, at_one: ActivationPieces, tp: int) -> ActivationPieces:
     """`at_tp` with the TP-replicated part of each layer and of the last stage's output split over TP
     (see the module's docstring); `at_one`: the last stage at TP 1."""
 
@@ -186,7 +186,7 @@ def with_sequence_parallel(at_tp: Measured, at_one: Measured, tp: int) -> Measur
         replicated = (tp * mt - m1) / (tp - 1)
         return mt - replicated + replicated / tp
 
-    return Measured(layer_linear=split(at_tp.layer_linear, at_one.layer_linear),
+    return ActivationPieces(layer_linear=split(at_tp.layer_linear, at_one.layer_linear),
                     layer_quadratic=split(at_tp.layer_quadratic, at_one.layer_quadratic),
                     layer_input=math.ceil(at_tp.layer_input / tp),
                     lm_other=math.ceil(split(at_tp.lm_other, at_one.lm_other)) if at_tp.lm_other else 0,
@@ -200,7 +200,7 @@ class Recompute:
     num_layers: int = 1
 
 
-def lm_layers_bytes(m: Measured, layers: int, tokens: int, recompute: Recompute) -> int:
+def lm_layers_bytes(m: ActivationPieces, layers: int, tokens: int, recompute: Recompute) -> int:
     """The stage's `layers` LM layers for one micro batch of `tokens` (micro batch x seq length).
     Full recomputation keeps each group's input, plus one group's activations while it recomputes."""
     per_layer = m.layer(tokens)

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 from megatron_ext.config.run_plan import RunPlan
 from megatron_ext.errors import UserError
-from megatron_ext.memory.activation_bytes import Measured, Recompute, lm_layers_bytes, measure, with_sequence_parallel
+from megatron_ext.memory.activation_bytes import (
+    ActivationPieces,
+    Recompute,
+    lm_layers_bytes,
+    measure,
+    with_sequence_parallel,
+)
 from megatron_ext.memory.state_bytes import StateBytes, ddp_bucket_size, moments, state_bytes
 
 GIB = 2**30
@@ -21,7 +27,7 @@ RESERVE_FRACTION = 0.08
 
 
 @dataclass(frozen=True)
-class Knobs:
+class FitChoices:
     """What the plan depends on beyond the model: the choices a user changes to make a run fit."""
 
     tp: int
@@ -33,14 +39,14 @@ class Knobs:
     reference_copy: bool = False
 
     @classmethod
-    def of(cls, plan: RunPlan) -> "Knobs":
+    def of(cls, plan: RunPlan) -> "FitChoices":
         ex, cfg = plan.execution.model, plan.config
         return cls(tp=cfg.tp, pp=cfg.pp, dist_optim=cfg.dist_optim,
                    recompute=Recompute(ex.recompute_granularity, ex.recompute_method, ex.recompute_num_layers),
                    sequence_parallel=ex.sequence_parallel,
                    reference_copy=cfg.stage == "dpo" and cfg.reference_logprobs == "live" and not cfg.lora_rank)
 
-    def with_layout(self, plan: RunPlan, tp: int, pp: int) -> "Knobs":
+    def with_layout(self, plan: RunPlan, tp: int, pp: int) -> "FitChoices":
         """At another layout, with sequence parallelism as the run decides it (on with TE from --tp 2)."""
         sp = plan.config.sequence_parallel
         if sp is None:
@@ -72,7 +78,7 @@ class RankMemory:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    knobs: Knobs
+    choices: FitChoices
     dp: int
     ranks: tuple[RankMemory, ...]
     gpu_memory: int
@@ -103,78 +109,78 @@ def vision_inputs_per_sequence(plan: RunPlan) -> int:
     return max(1, plan.seq_length // plan.arch.smallest_image_positions)
 
 
-def _measure_execution(plan: RunPlan, knobs: Knobs):
+def _measure_execution(plan: RunPlan, choices: FitChoices):
     """The execution the meta models are built with: TE's layers as the sdpa ones (see
     activation_bytes), flash backends with core attention recomputed, no sequence parallelism
     (its split is derived from a second measurement)."""
     from megatron_ext.model.execution import ModelExecution
 
     local = plan.execution.model.attention_backend == "local"
-    selective = not local or knobs.recompute.granularity == "selective"
+    selective = not local or choices.recompute.granularity == "selective"
     return ModelExecution(attention_backend="local" if local else "sdpa",
                           recompute_granularity="selective" if selective else None)
 
 
-def _options(plan: RunPlan, knobs: Knobs):
+def _options(plan: RunPlan, choices: FitChoices):
     from megatron_ext.model.provider import ModelOptions
 
     return ModelOptions(seq_length=plan.seq_length, dtype=plan.dtype, init_weights=False, parallel_output=True,
-                        execution=_measure_execution(plan, knobs))
+                        execution=_measure_execution(plan, choices))
 
 
-def _measure(plan: RunPlan, knobs: Knobs, model) -> Measured:
+def _measure(plan: RunPlan, choices: FitChoices, model) -> ActivationPieces:
     cfg = plan.config
     local = plan.execution.model.attention_backend == "local"
     lora_only = cfg.lora_rank > 0 and not cfg.lora_train_projector
-    return measure(model, plan.arch, plan.seq_length, flash_lse=not local and knobs.recompute.granularity != "selective",
+    return measure(model, plan.arch, plan.seq_length, flash_lse=not local and choices.recompute.granularity != "selective",
                    vision_flash=not local, input_grad=not lora_only, tower_trained=cfg.unfreeze_vit)
 
 
-def _last_stage_at_tp_one(plan: RunPlan, knobs: Knobs) -> Measured:
+def _last_stage_at_tp_one(plan: RunPlan, choices: FitChoices) -> ActivationPieces:
     from megatron_ext.memory.meta_ranks import as_rank
     from megatron_ext.model.provider import build_model
     from megatron_ext.train.model_setup import freeze_for_stage
 
-    with as_rank(knobs.pp - 1, 1, knobs.pp):
-        model = build_model(plan.arch, plan.families, _options(plan, knobs), meta=True)
+    with as_rank(choices.pp - 1, 1, choices.pp):
+        model = build_model(plan.arch, plan.families, _options(plan, choices), meta=True)
         freeze_for_stage(model, plan)
-        return _measure(plan, knobs, model)
+        return _measure(plan, choices, model)
 
 
-def _rank_memory(plan: RunPlan, knobs: Knobs, model, m: Measured, stage: int, tp_rank: int, dp: int) -> RankMemory:
+def _rank_memory(plan: RunPlan, choices: FitChoices, model, m: ActivationPieces, stage: int, tp_rank: int, dp: int) -> RankMemory:
     cfg = plan.config
     micro_batch = cfg.micro_batch_size
     tokens = micro_batch * plan.seq_length
     layers = len(model.language_model.decoder.layers)
-    lm = lm_layers_bytes(m, layers, tokens, knobs.recompute) + micro_batch * m.lm_other
+    lm = lm_layers_bytes(m, layers, tokens, choices.recompute) + micro_batch * m.lm_other
     tiles = micro_batch * vision_inputs_per_sequence(plan)
     vision = tiles * m.vision_tile
-    in_flight = min(knobs.pp - stage, plan.num_microbatches)
+    in_flight = min(choices.pp - stage, plan.num_microbatches)
     bucket_size = ddp_bucket_size(plan.execution.overlap_grad_reduce, plan.execution.ddp_bucket_size, dp, stage)
-    state = state_bytes(model, knobs.dist_optim, dp, bucket_size, moments(cfg.optimizer, cfg.sgd_momentum))
+    state = state_bytes(model, choices.dist_optim, dp, bucket_size, moments(cfg.optimizer, cfg.sgd_momentum))
     return RankMemory(stage=stage, tp_ranks=(tp_rank,), state=state, lm_activations=in_flight * lm,
                       vision_activations=in_flight * vision, in_flight=in_flight,
-                      reference_bytes=state.param_bytes if knobs.reference_copy else 0)
+                      reference_bytes=state.param_bytes if choices.reference_copy else 0)
 
 
-def memory_plan(plan: RunPlan, gpu_memory: int, knobs: Knobs | None = None) -> MemoryPlan:
-    """The plan of `plan`'s run (or of it with other `knobs`) against `gpu_memory` bytes per GPU."""
+def memory_plan(plan: RunPlan, gpu_memory: int, choices: FitChoices | None = None) -> MemoryPlan:
+    """The plan of `plan`'s run (or of it with other `choices`) against `gpu_memory` bytes per GPU."""
     from megatron_ext.memory.meta_ranks import rank_models
     from megatron_ext.train.model_setup import freeze_for_stage
 
-    knobs = knobs or Knobs.of(plan)
-    dp = knobs.data_parallel(plan)
-    at_one = _last_stage_at_tp_one(plan, knobs) if knobs.sequence_parallel and knobs.tp > 1 else None
+    choices = choices or FitChoices.of(plan)
+    dp = choices.data_parallel(plan)
+    at_one = _last_stage_at_tp_one(plan, choices) if choices.sequence_parallel and choices.tp > 1 else None
     ranks: list[RankMemory] = []
-    measured: dict[int, Measured] = {}
-    for rank, model in rank_models(plan.arch, plan.families, (knobs.tp, knobs.pp), _options(plan, knobs)):
-        stage, tp_rank = divmod(rank, knobs.tp)
+    measured: dict[int, ActivationPieces] = {}
+    for rank, model in rank_models(plan.arch, plan.families, (choices.tp, choices.pp), _options(plan, choices)):
+        stage, tp_rank = divmod(rank, choices.tp)
         freeze_for_stage(model, plan)
         if stage not in measured:
-            m = _measure(plan, knobs, model)
-            measured[stage] = with_sequence_parallel(m, at_one, knobs.tp) if at_one else m
-        ranks.append(_rank_memory(plan, knobs, model, measured[stage], stage, tp_rank, dp))
-    return MemoryPlan(knobs=knobs, dp=dp, ranks=_grouped(ranks), gpu_memory=gpu_memory,
+            m = _measure(plan, choices, model)
+            measured[stage] = with_sequence_parallel(m, at_one, choices.tp) if at_one else m
+        ranks.append(_rank_memory(plan, choices, model, measured[stage], stage, tp_rank, dp))
+    return MemoryPlan(choices=choices, dp=dp, ranks=_grouped(ranks), gpu_memory=gpu_memory,
                       tokens=plan.config.micro_batch_size * plan.seq_length,
                       vision_inputs=plan.config.micro_batch_size * vision_inputs_per_sequence(plan))
 
@@ -196,15 +202,15 @@ def gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / 2**20:.1f} MiB"
 
 
-def _ranks_name(r: RankMemory, knobs: Knobs) -> str:
+def _ranks_name(r: RankMemory, choices: FitChoices) -> str:
     first, last = r.tp_ranks[0], r.tp_ranks[-1]
     tp = f"tp rank {first}" if first == last else f"tp ranks {first}-{last}"
-    return f"stage {r.stage + 1}/{knobs.pp}, {tp}"
+    return f"stage {r.stage + 1}/{choices.pp}, {tp}"
 
 
 def plan_lines(mp: MemoryPlan, dtype: str) -> list[str]:
     """The plan as printed at launch: one line per kind of rank, then the budget."""
-    k = mp.knobs
+    k = mp.choices
     recompute = k.recompute.granularity or "none"
     lines = [f"memory plan per GPU: tp {k.tp} x pp {k.pp} x dp {mp.dp}{' (dist-optim)' if k.dist_optim else ''}, "
              f"{dtype}, micro batch of {mp.tokens} tokens and {mp.vision_inputs} vision input(s), "
@@ -232,21 +238,21 @@ def largest_part(r: RankMemory) -> tuple[str, int]:
     return name, parts[name]
 
 
-def _alternatives(plan: RunPlan, knobs: Knobs) -> list[tuple[str, Knobs]]:
+def _alternatives(plan: RunPlan, choices: FitChoices) -> list[tuple[str, FitChoices]]:
     """What a user may change, cheapest first: recomputation, the distributed optimizer, then the layout."""
     out = []
-    if knobs.reference_copy:
-        out.append(("--reference-logprobs precompute", dataclasses.replace(knobs, reference_copy=False)))
-    if knobs.recompute.granularity is None and plan.execution.model.attention_backend == "local":
-        out.append(("--recompute-granularity selective", dataclasses.replace(knobs, recompute=Recompute("selective"))))
-    if knobs.recompute.granularity != "full":
-        out.append(("--recompute-granularity full", dataclasses.replace(knobs, recompute=Recompute("full"))))
-    if not knobs.dist_optim and knobs.data_parallel(plan) > 1:
-        out.append(("--dist-optim", dataclasses.replace(knobs, dist_optim=True)))
+    if choices.reference_copy:
+        out.append(("--reference-logprobs precompute", dataclasses.replace(choices, reference_copy=False)))
+    if choices.recompute.granularity is None and plan.execution.model.attention_backend == "local":
+        out.append(("--recompute-granularity selective", dataclasses.replace(choices, recompute=Recompute("selective"))))
+    if choices.recompute.granularity != "full":
+        out.append(("--recompute-granularity full", dataclasses.replace(choices, recompute=Recompute("full"))))
+    if not choices.dist_optim and choices.data_parallel(plan) > 1:
+        out.append(("--dist-optim", dataclasses.replace(choices, dist_optim=True)))
     cp = plan.config.cp
-    for tp, pp in ((knobs.tp * 2, knobs.pp), (knobs.tp, knobs.pp * 2)):
+    for tp, pp in ((choices.tp * 2, choices.pp), (choices.tp, choices.pp * 2)):
         if plan.world_size % (tp * pp * cp) == 0 and not plan.arch.parallel_problems(tp, pp):
-            out.append((f"--tp {tp} --pp {pp}", knobs.with_layout(plan, tp, pp)))
+            out.append((f"--tp {tp} --pp {pp}", choices.with_layout(plan, tp, pp)))
     return out
 
 
@@ -255,12 +261,12 @@ def refusal(plan: RunPlan, mp: MemoryPlan) -> str:
     largest = mp.largest
     name, size = largest_part(largest)
     fitting = []
-    for flag, knobs in _alternatives(plan, mp.knobs):
-        other = memory_plan(plan, mp.gpu_memory, knobs)
+    for flag, choices in _alternatives(plan, mp.choices):
+        other = memory_plan(plan, mp.gpu_memory, choices)
         if other.fits:
             fitting.append(f"{flag} fits ({gib(other.largest.total)})")
     advice = ", or ".join(fitting) if fitting else "nothing tried fits (recomputation, --dist-optim, --tp/--pp x 2)"
-    return (f"memory plan: {_ranks_name(largest, mp.knobs)} needs {gib(largest.total)}, over the "
+    return (f"memory plan: {_ranks_name(largest, mp.choices)} needs {gib(largest.total)}, over the "
             f"{gib(mp.usable)} usable of --gpu-memory {gib(mp.gpu_memory)}; largest part: {name} {gib(size)} at "
             f"--seq-length {plan.seq_length}; {advice}; --no-memory-check launches anyway")
 
@@ -300,7 +306,7 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
 
 def layout_plans(plan: RunPlan, gpu_memory: int, layouts: list[tuple[int, int]]) -> list[MemoryPlan]:
     """The plan at each layout over the run's processes; a layout they cannot hold is one line."""
-    base = Knobs.of(plan)
+    base = FitChoices.of(plan)
     plans = []
     for tp, pp in layouts:
         if plan.world_size % (tp * pp * plan.config.cp):
@@ -316,8 +322,8 @@ def side_by_side(plans: list[MemoryPlan]) -> list[str]:
     """One column per layout, each the layout's largest rank."""
     def column(mp: MemoryPlan) -> dict[str, str]:
         r, s = mp.largest, mp.largest.state
-        return {"layout (tp x pp x dp)": f"{mp.knobs.tp} x {mp.knobs.pp} x {mp.dp}",
-                "largest rank": _ranks_name(r, mp.knobs).replace("tp ranks", "tp").replace("tp rank", "tp"),
+        return {"layout (tp x pp x dp)": f"{mp.choices.tp} x {mp.choices.pp} x {mp.dp}",
+                "largest rank": _ranks_name(r, mp.choices).replace("tp ranks", "tp").replace("tp rank", "tp"),
                 "parameters": gib(s.param_bytes), "trained parameters": f"{s.trained / 1e6:,.1f}M",
                 "gradients": gib(s.grad_bytes), "optimizer": gib(s.optimizer_bytes),
                 "activations LM": gib(r.lm_activations), "activations vision": gib(r.vision_activations),

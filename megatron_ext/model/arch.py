@@ -55,7 +55,7 @@ class VisionArch:
     image_size: int
     patch_size: int
     norm_eps: float
-    activation: str  # key of megatron_ext.model.activations.ACTIVATIONS
+    activation: str  # key of megatron_ext.model.activation_functions.ACTIVATIONS
     class_token: bool
     init_std: float
 

@@ -16,7 +16,7 @@ import torch
 
 from megatron_ext.distributed import device
 from megatron_ext.model import rope_kernels
-from megatron_ext.model.activations import ACTIVATIONS
+from megatron_ext.model.activation_functions import ACTIVATIONS
 from megatron_ext.model.arch import LlavaArch
 from megatron_ext.model.backends import STORED_DTYPES, resolve_backend, te_available
 from megatron_ext.model.build_errors import megatron_refusals

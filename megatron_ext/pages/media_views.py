@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from megatron_ext.model import tiling
-from megatron_ext.pages.inspected_sample import IMAGE, ShownMedia
+from megatron_ext.pages.encoded_sample import IMAGE, ShownMedia
 
 ORIGINAL_SIDE = 320  # originals are shown at most this large (the tiles at their own size)
 FRAME_SIDE = 112  # a video strip's frames

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from megatron_ext.checkpoint import layout
 from megatron_ext.errors import UserError
-from megatron_ext.train.metrics import METRICS_FILE
+from megatron_ext.train.metrics_log import METRICS_FILE
 
 
 @dataclass(frozen=True)

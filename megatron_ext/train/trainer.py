@@ -29,9 +29,9 @@ from megatron_ext.model.forward_step import eval_loss, make_forward_step
 from megatron_ext.model.inputs import ModelInputs
 from megatron_ext.model.packed_sequences import sample_lengths
 from megatron_ext.train import checkpointing
-from megatron_ext.train.data import samples_digest
+from megatron_ext.train.batches import samples_digest
 from megatron_ext.train.flops import iteration_flops
-from megatron_ext.train.metrics import MetricsLogger
+from megatron_ext.train.metrics_log import MetricsLogger
 from megatron_ext.train.model_setup import TrainingModel, build_training_model
 from megatron_ext.train.run_lock import RunLock
 from megatron_ext.train.step import StepResult, train_step
@@ -90,7 +90,7 @@ class Trainer:
     def __init__(self, plan: RunPlan):
         from megatron.core import parallel_state
 
-        from megatron_ext.train.data import TrainData, ValData
+        from megatron_ext.train.batches import TrainData, ValData
 
         self.plan = plan
         self.cfg = plan.config
@@ -141,7 +141,7 @@ class Trainer:
         the train split (and the val batches it evaluates); a resumed run reads what it stored."""
         from itertools import chain, islice
 
-        from megatron_ext.train.data import split_pass
+        from megatron_ext.train.batches import split_pass
 
         if self.plan.resume is not None:
             self.dpo.reference.load()

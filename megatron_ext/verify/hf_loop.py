@@ -209,7 +209,7 @@ def hf_scheduler(optimizer, style: str, warmup: int, steps: int, lr: float, min_
 
 
 @dataclass(frozen=True)
-class Hyper:
+class TrainingSettings:
     stage: int
     unfreeze_vit: bool
     lr: float
@@ -225,7 +225,7 @@ class Hyper:
     momentum: float = 0.0  # SGD's
 
 
-def hf_optimizer(groups: list[dict], hyper: Hyper) -> torch.optim.Optimizer:
+def hf_optimizer(groups: list[dict], hyper: TrainingSettings) -> torch.optim.Optimizer:
     """megatron-core's optimizer in torch's class: AdamW (decoupled weight decay), or SGD, whose weight
     decay is added to the gradient before the momentum, as in megatron-core's (torch's or a fused
     twin with the same rule)."""
@@ -289,7 +289,7 @@ def global_normalizer(batches: list[list[HfSample]]) -> list[int]:
 
 
 class HfLoop:
-    def __init__(self, hf_dir: str, hyper: Hyper, img_seq_len: int, device: str = "cpu", dtype: str = "float32",
+    def __init__(self, hf_dir: str, hyper: TrainingSettings, img_seq_len: int, device: str = "cpu", dtype: str = "float32",
                  adapters: Adapters | None = None):
         """`img_seq_len`: image tokens per image in HF's input (our `LlavaArch.img_seq_len`); `dtype`: the
         compute dtype (float32, or bfloat16 through autocast). The model is the checkpoint's own class

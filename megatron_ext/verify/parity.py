@@ -169,10 +169,10 @@ def run_hf(ours: OurRun, progress=print) -> HfRun:
     """transformers' model (the checkpoint `ours` started from) trained the same steps on the same
     batches (LoRA: PEFT's, from our initial adapters)."""
     from megatron_ext.train.model_setup import warmup_steps
-    from megatron_ext.verify.hf_loop import HfLoop, Hyper
+    from megatron_ext.verify.hf_loop import HfLoop, TrainingSettings
 
     cfg = ours.plan.config
-    hyper = Hyper(stage=cfg.stage, unfreeze_vit=cfg.unfreeze_vit, lr=cfg.lr, min_lr=cfg.min_lr,
+    hyper = TrainingSettings(stage=cfg.stage, unfreeze_vit=cfg.unfreeze_vit, lr=cfg.lr, min_lr=cfg.min_lr,
                   warmup=warmup_steps(ours.plan), steps=ours.plan.train_iters, style=cfg.lr_decay_style,
                   weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                   clip_grad=cfg.clip_grad, optimizer=cfg.optimizer, momentum=cfg.sgd_momentum)

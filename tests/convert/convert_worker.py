@@ -43,7 +43,7 @@ def convert_all(out, fixtures, layouts):
     """Each checkpoint of `fixtures` at each of its `layouts` ({name: [(tp, pp), ...]})."""
     import torch.distributed as dist
 
-    from megatron_ext.convert.to_megatron import convert_in_world, plan_conversion
+    from megatron_ext.convert.to_megatron import check_conversion, convert_in_world
 
     for tp, pp in LAYOUTS:
         set_layout(tp, pp)
@@ -54,7 +54,7 @@ def convert_all(out, fixtures, layouts):
             if dist.get_rank() == 0:
                 root.mkdir(parents=True)
             dist.barrier()
-            problems = convert_in_world(plan_conversion(hf_dir, tp, pp), root)
+            problems = convert_in_world(check_conversion(hf_dir, tp, pp), root)
             assert not problems, problems
 
 

@@ -32,7 +32,7 @@ def main():
     from megatron_ext.checkpoint.model_io import load_model_weights
     from megatron_ext.convert import to_hf
     from megatron_ext.convert.compare import megatron_logits, megatron_media, process_inputs, synthetic_image
-    from megatron_ext.convert.to_megatron import convert_in_world, plan_conversion
+    from megatron_ext.convert.to_megatron import check_conversion, convert_in_world
     from megatron_ext.distributed import shutdown
     from megatron_ext.hf.processors import load_processor
     from megatron_ext.model.provider import ModelOptions, build_model
@@ -54,7 +54,7 @@ def main():
             if dist.get_rank() == 0:
                 root.mkdir(parents=True)
             dist.barrier()
-            problems = convert_in_world(plan_conversion(m["hf_dir"], tp, pp), root)
+            problems = convert_in_world(check_conversion(m["hf_dir"], tp, pp), root)
             assert not problems, (name, tp, pp, problems)
             snapshot = find_snapshot(root)
             arch, batch = snapshot.arch, batches[name]

@@ -142,7 +142,7 @@ def test_export_refuses_bad_input_before_writing(llava_clip, tmp_path):
 def test_a_crash_while_the_workers_write_leaves_no_partial_output(llava_clip, tmp_path, monkeypatch):
     from megatron_ext.convert import cpu_ranks
 
-    def half_written_then_crash(fn, world_size, plan, root):
+    def half_written_then_crash(fn, world_size, request, root):
         (root / "release").mkdir()
         (root / "release" / "__0_0.distcp").write_bytes(b"partial")
         raise RuntimeError("worker died")

@@ -26,7 +26,7 @@ def _tensors(path) -> dict[str, tuple[list[int], str]]:
 @pytest.mark.parametrize("fixture", ["llava_clip", "llava_qwen2_siglip", "llava_next_clip"])
 def test_names_and_shapes_are_what_save_pretrained_writes_in_shards_the_converter_reads(request, fixture, tmp_path):
     from megatron_ext.convert.hf_checkpoint import INDEX_FILE
-    from megatron_ext.convert.to_megatron import plan_conversion
+    from megatron_ext.convert.to_megatron import check_conversion
     from tests.support.random_checkpoint import write_random_checkpoint
 
     saved = request.getfixturevalue(fixture)
@@ -44,8 +44,8 @@ def test_names_and_shapes_are_what_save_pretrained_writes_in_shards_the_converte
     assert all(f.stat().st_size <= limit + 4096 or len(_tensors_in(f)) == 1 for f in files)
     written = json.loads((out / "config.json").read_text())
     assert _without_dtypes(written) == _without_dtypes(config) and set(_dtypes(written)) == {"bfloat16"}
-    plan = plan_conversion(out, 1, 1)  # config, weights, dtype and tokenizer as the converter checks them
-    assert plan.dtype == "bfloat16"
+    request = check_conversion(out, 1, 1)  # config, weights, dtype and tokenizer as the converter checks them
+    assert request.dtype == "bfloat16"
 
 
 _DTYPE_KEYS = ("dtype", "torch_dtype")

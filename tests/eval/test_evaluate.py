@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from megatron_ext.eval import metrics
+from megatron_ext.eval import answer_scores
 from tests.helpers import run_script
 from tests.train.conftest import metrics as logged_metrics
 from tests.train.conftest import train, trainer_args
@@ -26,7 +26,7 @@ def _written(out) -> tuple[list[dict], dict]:
 
 def _check_scores_match_predictions(records: list[dict], result: dict) -> None:
     answered = [r for r in records if "prediction" in r]
-    expected = metrics.score_all([r["prediction"] for r in answered], [[r["reference"]] for r in answered])
+    expected = answer_scores.score_all([r["prediction"] for r in answered], [[r["reference"]] for r in answered])
     for name in SCORES:
         assert result[name] == pytest.approx(expected[name]), name
 

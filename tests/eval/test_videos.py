@@ -40,7 +40,7 @@ def test_a_model_without_videos_refuses_one(llava_clip):
 
 
 def test_a_bad_video_field_is_one_line(tmp_path):
-    from megatron_ext.eval.batch import read_requests
+    from megatron_ext.eval.request_file import read_requests
 
     requests = tmp_path / "requests.jsonl"
     requests.write_text(json.dumps({"video": 3, "prompt": "hi"}) + "\n")

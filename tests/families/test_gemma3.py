@@ -17,7 +17,7 @@ from tests.families.checks import assert_greedy_at_tp2_equals_transformers, asse
 
 def test_config_gives_the_gemma_pieces(llava_gemma3_siglip):
     from megatron_ext.convert.mapping import llava_mapping
-    from megatron_ext.model.activations import gelu_tanh
+    from megatron_ext.model.activation_functions import gelu_tanh
 
     arch = families.read_llava(json.loads((llava_gemma3_siglip / "config.json").read_text()))
     t = arch.text

@@ -11,7 +11,7 @@ import pytest
 from megatron_ext.checkpoint import layout
 from megatron_ext.pages.run_log import join_segments, read_run
 from megatron_ext.pages.run_report import write_report
-from megatron_ext.train.metrics import METRICS_FILE
+from megatron_ext.train.metrics_log import METRICS_FILE
 from tests.helpers import run_python
 
 

@@ -18,10 +18,10 @@ from megatron_ext.errors import run_command
 from megatron_ext.eval.samples import DecodedSamples
 from megatron_ext.families import read_llava
 from megatron_ext.model.sequence_alignment import SequenceAlignment
-from megatron_ext.pages.inspect_sources import Selection, open_source
-from megatron_ext.pages.inspection import EncoderSetup, build_encoder, run_inspection
-from megatron_ext.pages.sample_inspector import write_inspection
-from megatron_ext.train.data import task_encoder
+from megatron_ext.pages.inspector_page import write_inspection
+from megatron_ext.pages.sample_encoding import EncoderSetup, build_encoder, run_inspection
+from megatron_ext.pages.sample_sources import Selection, open_source
+from megatron_ext.train.batches import task_encoder
 from tests.tiled_data import SEQ
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]  # the prepared mix runs `energon prepare`; a browser

@@ -552,7 +552,7 @@ class _WatchedEngine:
 def start() -> DeviceLedger:
     """Rehearse in this process: megatron-core on the CPU naming cuda:0, the ledger watching."""
     from megatron_ext.compat import cpu_support
-    from megatron_ext.train.data import TrainData
+    from megatron_ext.train.batches import TrainData
 
     cpu_support.apply(rehearsal=True)
     _patch_distributed()

@@ -18,7 +18,7 @@ def _expected_digests(checkpoint, data, iterations: int) -> list[str]:
     """Fingerprints of the first global batches (2 micro batches of 2) straight from the data loader."""
     from megatron_ext.data.loader import train_loader
     from megatron_ext.data.task_encoder import LlavaTaskEncoder
-    from megatron_ext.train.data import samples_digest
+    from megatron_ext.train.batches import samples_digest
 
     snapshot = layout.find_snapshot(checkpoint)
     encoder = LlavaTaskEncoder.for_model(str(snapshot.tokenizer_dir), snapshot.arch, seq_length=128)

@@ -93,16 +93,16 @@ def test_a_plan_over_budget_is_refused_in_one_line_naming_its_largest_part_and_w
     assert line.startswith(f"memory plan: stage 1/1, tp rank 0 needs {gib(rank.total)}")
     assert f"largest part: language-model activations {gib(size)} at --seq-length 2048" in line
     assert "--recompute-granularity selective fits" in line and "--recompute-granularity full fits" in line
-    selective = memory_plan(plan, budget, dataclasses_replace_recompute(over.knobs, "selective"))
+    selective = memory_plan(plan, budget, dataclasses_replace_recompute(over.choices, "selective"))
     assert selective.fits and selective.largest.lm_activations < rank.lm_activations / 2
 
 
-def dataclasses_replace_recompute(knobs, granularity):
+def dataclasses_replace_recompute(choices, granularity):
     import dataclasses
 
     from megatron_ext.memory.activation_bytes import Recompute
 
-    return dataclasses.replace(knobs, recompute=Recompute(granularity))
+    return dataclasses.replace(choices, recompute=Recompute(granularity))
 
 
 # The small 7B with a vocabulary of 4096 (image and pad tokens moved into it): the published one's

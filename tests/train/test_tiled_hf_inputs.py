@@ -156,7 +156,7 @@ def test_dpo_on_an_image_pair_and_a_video_pair(onevision):
 def test_hf_loop_trains_onevision_on_its_processors_inputs(llava_onevision_siglip, onevision):
     """The parity check's HF loop loads OneVision's own class and takes its media from `hf_samples`:
     its loss is transformers' on the processor's inputs, over the micro batch's trained tokens."""
-    from megatron_ext.verify.hf_loop import HfLoop, Hyper
+    from megatron_ext.verify.hf_loop import HfLoop, TrainingSettings
 
     kinds = ["image", "video"]
     messages = [conversation(QUESTION[kind], f"Answer {i}.") for i, kind in enumerate(kinds)]
@@ -168,7 +168,7 @@ def test_hf_loop_trains_onevision_on_its_processors_inputs(llava_onevision_sigli
         expected = sum(onevision.model(**onevision.hf_inputs(m, media_of(kind)), labels=s.labels,
                                        num_items_in_batch=total).loss.item()
                        for s, m, kind in zip(samples, messages, kinds))
-    hyper = Hyper(stage=1, unfreeze_vit=False, lr=1e-3, min_lr=0.0, warmup=0, steps=1, style="constant",
+    hyper = TrainingSettings(stage=1, unfreeze_vit=False, lr=1e-3, min_lr=0.0, warmup=0, steps=1, style="constant",
                   weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0)
     loop = HfLoop(str(llava_onevision_siglip), hyper, img_seq_len=1)
     assert type(loop.model) is type(onevision.model)

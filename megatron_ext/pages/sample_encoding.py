@@ -1,7 +1,7 @@
 """The sample inspector's run: the trainer's task encoder for a checkpoint and the trainer's data
 options, every sample read put through it, and what the summary and the packing table count.
 
-The encoder is `train.data.task_encoder`, the trainer's own, with the options a trained
+The encoder is `train.batches.task_encoder`, the trainer's own, with the options a trained
 checkpoint was trained with (its stored trainer options) unless a flag says otherwise, and one
 GPU's sequence alignment (no sequence or context parallelism). The stage is not among them: it
 chooses which weights train, and the data chooses the encoder: preference pairs get the DPO
@@ -19,9 +19,9 @@ from pathlib import Path
 from megatron_ext.data.loader import PACKING_BUFFER
 from megatron_ext.errors import UserError
 from megatron_ext.model.sequence_alignment import SequenceAlignment
-from megatron_ext.pages.inspect_sources import SampleSource
-from megatron_ext.pages.inspected_sample import Inspected, SampleReader
+from megatron_ext.pages.encoded_sample import Inspected, SampleReader
 from megatron_ext.pages.media_views import PixelsBack
+from megatron_ext.pages.sample_sources import SampleSource
 from megatron_ext.progress import progress
 
 
@@ -47,7 +47,7 @@ def build_encoder(setup: EncoderSetup, pairs: bool = False) -> InspectorEncoder:
     from megatron_ext.checkpoint import layout
     from megatron_ext.config.options import TrainConfig
     from megatron_ext.config.run_plan import default_seq_length
-    from megatron_ext.train.data import task_encoder
+    from megatron_ext.train.batches import task_encoder
 
     saved = {}
     if setup.megatron_load_dir:

@@ -1,5 +1,5 @@
 """`megatron-ext-data inspect`: one self-contained HTML page of what the model sees of a dataset's
-samples through the trainer's own task encoder (inspection.py): each sample's images as the model
+samples through the trainer's own task encoder (sample_encoding.py): each sample's images as the model
 gets them (media_views.py), its conversation as tokens coloured by role with the trained ones
 marked, each image or video one block of its positions, its counts and what truncation cut; the
 packed rows; and a summary (lengths, images per sample, trained share, skipped and truncated
@@ -17,10 +17,10 @@ from pathlib import Path
 
 from megatron_ext.fsutil import atomic_write_text
 from megatron_ext.pages.charts import Histogram, histogram_svg
-from megatron_ext.pages.inspect_sources import Selection, open_source
-from megatron_ext.pages.inspected_sample import Inspected, Piece, Sequence
-from megatron_ext.pages.inspection import EncoderSetup, Inspection, build_encoder, run_inspection
+from megatron_ext.pages.encoded_sample import Inspected, Piece, Sequence
 from megatron_ext.pages.media_views import model_html, original_html
+from megatron_ext.pages.sample_encoding import EncoderSetup, Inspection, build_encoder, run_inspection
+from megatron_ext.pages.sample_sources import Selection, open_source
 from megatron_ext.pages.tables import table
 
 PAGE_FILE = "sample_inspector.html"

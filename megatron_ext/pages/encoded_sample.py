@@ -25,7 +25,7 @@ from megatron_ext.data.pairs import PairTaskEncoder
 from megatron_ext.data.shard_format import conversation_of, preference_of, videos_of
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
 from megatron_ext.model import tiling
-from megatron_ext.pages.inspect_sources import skip_reason
+from megatron_ext.pages.sample_sources import skip_reason
 
 IMAGE, VIDEO = "image", "video"
 ADDED = "added"  # a token the tokenizer adds itself (a BOS in front, an EOS), in no message
