@@ -14,7 +14,7 @@ import sys
 import click
 
 from megatron_ext.errors import run_command
-from megatron_ext.launch.flags import invoke, launcher_options
+from megatron_ext.launch.flags import LaunchOptions, invoke, launcher_options
 from megatron_ext.train.flops import H100_BF16_PEAK_TFLOPS
 
 CONTEXT = {"max_content_width": 110, "help_option_names": ["-h", "--help"]}
@@ -27,7 +27,7 @@ def launch(passthrough, **values):
     """Launch the trainer (megatron_ext/train/pretrain_llava.py) under torchrun. Trainer options without a flag here go after `--`."""
     from megatron_ext.launch.launcher import main as run_launcher
 
-    return run_launcher(values, passthrough)
+    return run_launcher(LaunchOptions.of(values), passthrough)
 
 
 @click.command(name="megatron-ext-train plan", context_settings=CONTEXT)
@@ -38,7 +38,7 @@ def plan(passthrough, layouts, **values):
     """The per-GPU memory plan of the run these flags describe, at each of --layouts; nothing starts."""
     from megatron_ext.launch.launcher import print_layout_plans
 
-    return print_layout_plans(values, passthrough, layouts)
+    return print_layout_plans(LaunchOptions.of(values), passthrough, layouts)
 
 
 @click.command(name="megatron-ext-train report", context_settings=CONTEXT)

@@ -64,9 +64,8 @@ def gpu_memory(env: Mapping[str, str]) -> int:
     return int(lines[0].strip()) * 2**20
 
 
-def budget(values: dict, env: Mapping[str, str]) -> int:
-    """--gpu-memory in bytes (given in GiB), else the visible GPU's, else 80 GiB."""
-    given = values.get("gpu_memory")
+def budget(given: float | None, env: Mapping[str, str]) -> int:
+    """--gpu-memory (`given`, GiB) in bytes, else the visible GPU's, else 80 GiB."""
     if given is None:
         return gpu_memory(env)
     if given <= 0:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import click
 from click.core import ParameterSource
@@ -108,6 +109,35 @@ FLAGS: tuple[Flag, ...] = (
 )
 
 TRAINER_FLAGS = {flag.to: flag for flag in FLAGS if flag.to}
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """run.py's parsed flags: one field per row the launcher consumes itself (a test keeps them in step
+    with FLAGS), and the values of the rows it passes on (`trainer`, by TrainConfig field)."""
+
+    gpus: int
+    gpu_ids: str
+    sif_path: str | None
+    node: int | None
+    rank: int | None
+    master_addr: str | None
+    master_port: int | None
+    interface: str | None
+    rdzv_port: int | None
+    slurm_job_id: str | None
+    slurm_output_name: str | None
+    dry_run: bool
+    gpu_memory: float | None
+    no_memory_check: bool
+    trainer: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, values: dict) -> LaunchOptions:
+        """From click's values (trainer rows under their field names; repeated values become lists)."""
+        trainer = {name: list(v) if isinstance(v, tuple) else v for name, v in values.items() if name in TRAINER_FLAGS}
+        own = {name: v for name, v in values.items() if name not in TRAINER_FLAGS}
+        return cls(**own, trainer=MappingProxyType(trainer))
 SKIP_RANGE_FLAG = "--skip-train-iteration-range"
 
 

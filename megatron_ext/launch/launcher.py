@@ -13,7 +13,7 @@ from megatron_ext.errors import UserError
 from megatron_ext.launch import network, runner
 from megatron_ext.launch.command import LaunchCommand, build_command
 from megatron_ext.launch.devices import budget
-from megatron_ext.launch.flags import TRAINER_FLAGS, passthrough_options
+from megatron_ext.launch.flags import LaunchOptions, passthrough_options
 from megatron_ext.launch.slurm import slurm_job
 from megatron_ext.launch.topology import Topology, resolve_topology
 from megatron_ext.launch.trainer_args import TrainerSetup, trainer_setup
@@ -41,8 +41,8 @@ class Launch:
         return lines
 
 
-def _check_devices(topology: Topology, values: dict) -> None:
-    if not topology.on_gpu and values["distributed_backend"] == "nccl":
+def _check_devices(topology: Topology, options: LaunchOptions) -> None:
+    if not topology.on_gpu and options.trainer["distributed_backend"] == "nccl":
         raise UserError("--backend nccl needs CUDA GPUs and none were found; use --backend gloo (the CPU default)")
 
 
@@ -63,58 +63,57 @@ def _transformer_engine(topology: Topology, sif_path: str | None) -> bool:
     return topology.on_gpu and importlib.util.find_spec("transformer_engine") is not None
 
 
-def prepare(values: dict, passthrough_argv: list[str], env: Mapping[str, str]) -> Launch:
-    """Everything decided and checked; nothing started. `values`: run.py's parsed flags."""
+def prepare(options: LaunchOptions, passthrough_argv: list[str], env: Mapping[str, str]) -> Launch:
+    """Everything decided and checked; nothing started."""
     passthrough = passthrough_options(passthrough_argv)
     slurm = slurm_job(env)
-    topology = resolve_topology(values, env, slurm, values["name"])
-    _check_devices(topology, values)
-    if values["interface"]:
-        network.check_interface(values["interface"])
-    flag_values = {field: list(values[field]) if isinstance(values[field], tuple) else values[field] for field in TRAINER_FLAGS}
-    setup = trainer_setup(flag_values, passthrough, topology.world_size,
-                          _transformer_engine(topology, values["sif_path"]), topology.on_gpu)
+    topology = resolve_topology(options, env, slurm, options.trainer["name"])
+    _check_devices(topology, options)
+    if options.interface:
+        network.check_interface(options.interface)
+    setup = trainer_setup(dict(options.trainer), passthrough, topology.world_size,
+                          _transformer_engine(topology, options.sif_path), topology.on_gpu)
     _check_save_dir_free(setup.plan.config, topology)
-    return Launch(topology=topology, trainer=setup, command=_command(topology, setup, values))
+    return Launch(topology=topology, trainer=setup, command=_command(topology, setup, options))
 
 
-def _command(topology: Topology, setup: TrainerSetup, values: dict) -> LaunchCommand:
-    return build_command(topology, setup.plan.config, setup.argv, setup.plan.paths(), values["sif_path"],
-                         values["interface"], values["slurm_output_name"], dry_run=values["dry_run"])
+def _command(topology: Topology, setup: TrainerSetup, options: LaunchOptions) -> LaunchCommand:
+    return build_command(topology, setup.plan.config, setup.argv, setup.plan.paths(), options.sif_path,
+                         options.interface, options.slurm_output_name, dry_run=options.dry_run)
 
 
 # A default port taken again and again at bind time is not a race any more: something is wrong.
 PORT_RETRIES = 3
 
 
-def _port_taken(launch: Launch, values: dict, retries_left: int) -> Launch:
+def _port_taken(launch: Launch, options: LaunchOptions, retries_left: int) -> Launch:
     """The launch again on a free port, when run.py chose the port that torchrun found taken; else one line."""
     t = launch.topology
     port, flag = (t.rdzv_port, "--rdzv-port") if t.rdzv_port is not None else (t.master_port, "-p/--master-port")
-    chosen_here = t.rdzv_port is None and values["master_port"] is None and t.nnodes == 1
+    chosen_here = t.rdzv_port is None and options.master_port is None and t.nnodes == 1
     if not chosen_here or not retries_left:
         raise UserError(f"{flag} {port} was taken by another process while the run started; choose another, "
                         f"e.g. {flag} {network.free_port()}")
     topology = dataclasses.replace(t, master_port=network.take_free_port())
     print(f"run.py: port {port} was taken by another process while the run started; starting again on free port "
           f"{topology.master_port}", file=sys.stderr, flush=True)
-    return Launch(topology=topology, trainer=launch.trainer, command=_command(topology, launch.trainer, values))
+    return Launch(topology=topology, trainer=launch.trainer, command=_command(topology, launch.trainer, options))
 
 
-def _plans_memory(launch: Launch, values: dict) -> bool:
+def _plans_memory(launch: Launch, options: LaunchOptions) -> bool:
     """Dry runs and GPU launches get a memory plan (a launch of CPU processes has no GPU to fit),
     unless --no-memory-check: the launcher then imports no torch, as before the plan existed."""
-    return not values["no_memory_check"] and (values["dry_run"] or launch.topology.on_gpu)
+    return not options.no_memory_check and (options.dry_run or launch.topology.on_gpu)
 
 
-def main(values: dict, passthrough_argv: list[str]) -> int:
-    launch = prepare(values, passthrough_argv, os.environ)
+def main(options: LaunchOptions, passthrough_argv: list[str]) -> int:
+    launch = prepare(options, passthrough_argv, os.environ)
     lines = launch.summary()
-    if _plans_memory(launch, values):
-        lines += check_memory(launch.trainer.plan, budget(values, os.environ))
+    if _plans_memory(launch, options):
+        lines += check_memory(launch.trainer.plan, budget(options.gpu_memory, os.environ))
     for line in lines:
         print(f"run.py: {line}", file=sys.stderr)
-    if values["dry_run"]:
+    if options.dry_run:
         print(launch.command.shell(), flush=True)
         return 0
     for retries_left in reversed(range(PORT_RETRIES + 1)):
@@ -122,16 +121,16 @@ def main(values: dict, passthrough_argv: list[str]) -> int:
         outcome = runner.run(launch.command.argv, launch.command.env, launch.command.log_file)
         if not outcome.port_taken:
             return outcome.status
-        launch = _port_taken(launch, values, retries_left)
+        launch = _port_taken(launch, options, retries_left)
 
 
-def print_layout_plans(values: dict, passthrough_argv: list[str], layouts: str | None) -> int:
+def print_layout_plans(options: LaunchOptions, passthrough_argv: list[str], layouts: str | None) -> int:
     """`megatron-ext-train plan`: the run's memory plan at each layout, side by side."""
     from megatron_ext.memory.plan import layout_plans, parse_layouts, side_by_side
 
-    launch = prepare({**values, "dry_run": True}, passthrough_argv, os.environ)
+    launch = prepare(dataclasses.replace(options, dry_run=True), passthrough_argv, os.environ)
     plan = launch.trainer.plan
     chosen = parse_layouts(layouts) if layouts else [(plan.config.tp, plan.config.pp)]
-    for line in side_by_side(layout_plans(plan, budget(values, os.environ), chosen)):
+    for line in side_by_side(layout_plans(plan, budget(options.gpu_memory, os.environ), chosen)):
         print(line)
     return 0

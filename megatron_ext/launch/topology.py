@@ -13,6 +13,7 @@ from typing import Mapping
 
 from megatron_ext.errors import UserError
 from megatron_ext.launch import devices, network
+from megatron_ext.launch.flags import LaunchOptions
 from megatron_ext.launch.slurm import SlurmJob
 
 LOCALHOST = "127.0.0.1"
@@ -75,39 +76,39 @@ def _master_port(port: int | None, nnodes: int, notes: list[str]) -> int:
     return port
 
 
-def resolve_topology(values: dict, env: Mapping[str, str], slurm: SlurmJob | None, run_name: str | None) -> Topology:
-    """`values`: run.py's launcher flags (gpus, gpu_ids, node, rank, master_addr, master_port, rdzv_port, slurm_job_id)."""
+def resolve_topology(options: LaunchOptions, env: Mapping[str, str], slurm: SlurmJob | None,
+                     run_name: str | None) -> Topology:
     notes: list[str] = []
     physical = devices.physical_gpu_count()
     visible = devices.visible_gpu_count(physical, env)
-    nproc, cuda_visible = _processes(values["gpus"], values["gpu_ids"], physical, visible, slurm)
+    nproc, cuda_visible = _processes(options.gpus, options.gpu_ids, physical, visible, slurm)
 
-    nnodes = values["node"] if values["node"] is not None else (slurm.nnodes if slurm and slurm.nnodes else 1)
+    nnodes = options.node if options.node is not None else (slurm.nnodes if slurm and slurm.nnodes else 1)
     if nnodes < 1:
         raise UserError(f"--node {nnodes}: the number of nodes must be >= 1")
-    rank = values["rank"] if values["rank"] is not None else (slurm.node_id if slurm else None)
+    rank = options.rank if options.rank is not None else (slurm.node_id if slurm else None)
     if rank is None and nnodes == 1:
         rank = 0
     if rank is not None and not 0 <= rank < nnodes:
         raise UserError(f"-r/--rank {rank} must be in 0..{nnodes - 1} (--node {nnodes})")
-    master = values["master_addr"] or (slurm.master_host if slurm and nnodes > 1 else None)
+    master = options.master_addr or (slurm.master_host if slurm and nnodes > 1 else None)
     if master is None:
         if nnodes > 1:
             raise UserError(f"-m/--master-addr is required with --node {nnodes} (the address of the rank-0 node)")
         master = LOCALHOST
 
-    rdzv_port, master_port = values["rdzv_port"], None
+    rdzv_port, master_port = options.rdzv_port, None
     if rdzv_port is not None:
         if nnodes == 1 or network.is_this_host(master):  # the rendezvous server starts here
             network.check_port(rdzv_port, "--rdzv-port")
     elif rank is None:
         raise UserError(f"-r/--rank is required with --node {nnodes} (or use --rdzv-port for c10d rendezvous)")
     elif rank == 0:
-        master_port = _master_port(values["master_port"], nnodes, notes)
+        master_port = _master_port(options.master_port, nnodes, notes)
     else:
-        master_port = network.DEFAULT_MASTER_PORT if values["master_port"] is None else values["master_port"]
+        master_port = network.DEFAULT_MASTER_PORT if options.master_port is None else options.master_port
 
-    job_id = values["slurm_job_id"] or (slurm.job_id if slurm else None)
+    job_id = options.slurm_job_id or (slurm.job_id if slurm else None)
     return Topology(
         nnodes=nnodes,
         nproc_per_node=nproc,

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_ext.config.tokenizer_files import IMAGE_TOKEN, TokenizerFiles
 from megatron_ext.errors import UserError
-from megatron_ext.launch.flags import FLAGS, split_argv
+from megatron_ext.launch.flags import FLAGS, LaunchOptions, split_argv
 from megatron_ext.launch.slurm import hostnames, slurm_job
 from tests.helpers import REPO_ROOT
 from tests.launch.conftest import write_tokenizer
@@ -96,3 +96,11 @@ def test_token_ids_when_the_vocabulary_comes_first(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<pad>"}))
     tokenizer = TokenizerFiles(tmp_path)
     assert (tokenizer.image_token_id(), tokenizer.pad_token_id()) == (7, 1)
+
+
+def test_launch_options_hold_one_field_per_flag_the_launcher_consumes_and_the_trainers_values_apart():
+    own = {flag.dest for flag in FLAGS if not flag.to}
+    assert set(LaunchOptions.__dataclass_fields__) == own | {"trainer"}
+    values = {**{name: None for name in own}, "tp": 2, "skip_train_iteration_range": ("1-2", "5-6")}
+    options = LaunchOptions.of(values)
+    assert dict(options.trainer) == {"tp": 2, "skip_train_iteration_range": ["1-2", "5-6"]}
