@@ -33,7 +33,7 @@ CPU-second of this process (one thread: per core), interleaved rounds, medians, 
 - a 640x480 mpeg4 video of 64 frames -> 8 frames sampled (PyAV) -> OneVision's frames at 384
   (megatron_ext.data.video): decoding alone, preprocessing alone, both; and preprocessing by
   transformers' LlavaOnevisionVideoProcessor beside ours (the same pixel_values, checked) in a child
-  process with torchvision (tests/hf_reference; needs `scripts/setup_env.sh --dev`).
+  process with torchvision (tests/reference/torchvision_child; needs `scripts/setup_env.sh --dev`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import click
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))  # tests/hf_reference runs transformers' video processor
+sys.path.insert(0, str(REPO_ROOT))  # tests/reference/torchvision_child runs transformers' video processor
 SEQ = 2048
 IMAGE_SIZE = 336
 IMG_SEQ_LEN = (IMAGE_SIZE // 14) ** 2
@@ -346,14 +346,14 @@ def tile_rates(work: Path, rounds: int, repeats: int = 20) -> dict[str, list[flo
 
 def hf_video_rates(work: Path, decoded, rounds: int, repeats: int) -> dict[str, list[float]]:
     """HF's video processor and ours on the same frames, timed in one child process that has
-    torchvision (tests/hf_reference)."""
-    from tests import hf_reference
+    torchvision (tests/reference/torchvision_child)."""
+    from tests.reference import torchvision_child
 
-    if not hf_reference.available():
-        print(f"no torchvision at {hf_reference.TORCHVISION_DIR} (scripts/setup_env.sh --dev puts it there): "
+    if not torchvision_child.available():
+        print(f"no torchvision at {torchvision_child.TORCHVISION_DIR} (scripts/setup_env.sh --dev puts it there): "
               "HF's video processor is not measured")
         return {}
-    rates = hf_reference.call("video_rates", work / "hf-video", timeout=1200, settings={}, frames=decoded,
+    rates = torchvision_child.call("video_rates", work / "hf-video", timeout=1200, settings={}, frames=decoded,
                               rounds=rounds, repeats=repeats)
     return {"8 decoded frames -> 8 x 384: HF LlavaOnevisionVideoProcessor (torchvision, child process)": rates["hf"],
             "8 decoded frames -> 8 x 384: megatron_ext.data.video in that child (same pixel_values)": rates["ours"]}

@@ -34,7 +34,7 @@ from megatron_ext.families import complete_llava_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # the test fixtures' writers build the inputs
-from tests.launch.conftest import HF_CONFIG, make_standins, write_prepared_dataset, write_tokenizer  # noqa: E402
+from tests.support.launcher import HF_CONFIG, make_standins, write_prepared_dataset, write_tokenizer  # noqa: E402
 
 RUN_PY = REPO_ROOT / "scripts" / "train" / "run.py"
 SHAPE_7B = REPO_ROOT / "tests" / "shapes" / "llava" / "llava-hf--llava-1.5-7b-hf.json"

@@ -41,7 +41,7 @@ def main(samples: int, max_new_tokens: int, workdir: str | None):
     from megatron_ext.convert.to_megatron import convert
     from megatron_ext.demo.tiny_models import make_all
     from megatron_ext.hf.build_llava import build_llava
-    from tests.eval.lmms_tasks import write_tasks
+    from tests.support.lmms_tasks import write_tasks
 
     work = Path(workdir or tempfile.mkdtemp(prefix="lmms_bench_"))
     tiny = make_all(work / "tiny")

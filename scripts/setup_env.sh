@@ -18,7 +18,7 @@ if .venv/bin/pip show --quiet torchvision 2>/dev/null && ! .venv/bin/python -c '
   .venv/bin/pip uninstall --quiet --yes torchvision
 fi
 # The tests compare with transformers' torchvision-backend processors (OneVision's video processor):
-# they import this copy, outside site-packages, in a child process (tests/hf_reference says how).
+# they import this copy, outside site-packages, in a child process (tests/reference/torchvision_child says how).
 if [[ -n "$extras" ]]; then
   .venv/bin/pip install --quiet --no-deps --upgrade --target .venv/torchvision-reference torchvision==0.28.0
 fi

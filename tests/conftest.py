@@ -20,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 # Test children get the environment as it is now, before any test can change it (helpers.child_env).
-import tests.helpers  # noqa: E402, F401
+import tests.support.helpers  # noqa: E402, F401
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -203,9 +203,9 @@ def megatron_onevision(tmp_path_factory, llava_onevision_siglip) -> Path:
 
 @pytest.fixture(scope="session")
 def tiled_mix(tmp_path_factory):
-    """(prepared dataset, its build report) of tests/tiled_data.py's OneVision mix."""
+    """(prepared dataset, its build report) of tests/support/tiled_data.py's OneVision mix."""
     from megatron_ext.data.build import build_energon_dataset
-    from tests.tiled_data import write_mix_json
+    from tests.support.tiled_data import write_mix_json
 
     mix = write_mix_json(tmp_path_factory.mktemp("tiled_src"))
     out = tmp_path_factory.mktemp("tiled_data") / "energon"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO_ROOT, run, run_script
+from tests.support.helpers import REPO_ROOT, run, run_script
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT, child_env, run
+from tests.support.helpers import REPO_ROOT, child_env, run
 
 
 @pytest.mark.multiprocess

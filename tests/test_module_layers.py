@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run
+from tests.support.helpers import run
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_ext"
 # Lowest first. A part is a sub-package or a module at the package's top level.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from tests.helpers import REPO_ROOT
+from tests.support.helpers import REPO_ROOT
 
 
 def _first_screen_commands() -> list[str]:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import run_python
+from tests.support.helpers import run_python
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -33,7 +33,7 @@ def test_prints_throughput_as_a_final_json_line(args):
 
 @pytest.mark.timeout(120)
 def test_gpu_check_says_in_one_line_that_it_needs_a_gpu():
-    from tests.helpers import REPO_ROOT, child_env, run
+    from tests.support.helpers import REPO_ROOT, child_env, run
 
     proc = run(["bash", str(REPO_ROOT / "scripts" / "gpu_check.sh")], timeout=100, check=False,
                env=child_env(PYTHON=sys.executable))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import child_env, hf_tensors, run_script
+from tests.support.helpers import child_env, hf_tensors, run_script
 
 
 @pytest.mark.multiprocess

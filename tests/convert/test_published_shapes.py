@@ -22,7 +22,6 @@ import json
 import pytest
 import torch
 
-from tests.helpers import hf_tensors, run_python, run_ranks
 from tests.shapes import (
     LAYOUTS,
     at_two_layers,
@@ -33,6 +32,7 @@ from tests.shapes import (
     tower_llava,
     tower_shapes,
 )
+from tests.support.helpers import hf_tensors, run_python, run_ranks
 
 LLAVAS, TOWERS = llava_shapes(), tower_shapes()
 CONFIGS = {**LLAVAS, **{name: tower_llava(config) for name, config in TOWERS.items()}}

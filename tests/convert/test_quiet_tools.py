@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO_ROOT, started
+from tests.support.helpers import REPO_ROOT, started
 
 BAR_MARKS = ("\r", "█", "it/s]")  # tqdm's redraws, blocks and rate
 

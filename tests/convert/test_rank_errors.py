@@ -12,7 +12,7 @@ import pytest
 from megatron_ext import rank_failures
 from megatron_ext.convert.cpu_ranks import run_on_cpu_ranks
 from megatron_ext.errors import UserError
-from tests.helpers import child_env, run_script
+from tests.support.helpers import child_env, run_script
 
 DOUBLE = Path(__file__).with_name("rank_failure")  # its sitecustomize makes rank FAIL_IN_RANK's stage fail
 

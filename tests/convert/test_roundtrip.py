@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import hf_tensors, run_ranks
+from tests.support.helpers import hf_tensors, run_ranks
 
 FIXTURES = {"clip": "llava_clip", "qwen": "llava_qwen2_siglip", "padded": "llava_padded", "qwen3": "llava_qwen3_siglip",
             "internvit": "llava_internvit", "gemma3": "llava_gemma3_siglip", "mistral": "llava_mistral_clip",

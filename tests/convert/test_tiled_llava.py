@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import hf_tensors, run_ranks
+from tests.support.helpers import hf_tensors, run_ranks
 
 FIXTURES = {"next": "llava_next_clip", "onevision": "llava_onevision_siglip"}
 LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-import json
 from pathlib import Path
 
 import pytest
@@ -24,16 +22,3 @@ def prepared(tmp_path_factory, synthetic_json) -> Path:
     out = tmp_path_factory.mktemp("prepared") / "energon"
     build_energon_dataset(synthetic_json, out, split_ratio="1,1,0", samples_per_shard=4, num_workers=0)
     return out
-
-
-def records_by_key(json_path: Path) -> dict[str, dict]:
-    """The builder keys sample i of the input as f"{i:09d}"."""
-    return {f"{i:09d}": r for i, r in enumerate(json.loads(json_path.read_text()))}
-
-
-def jpeg(color=(200, 30, 30), size=(40, 30)) -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("RGB", size, color).save(out, "JPEG")
-    return out.getvalue()

@@ -10,8 +10,8 @@ from transformers.models.llava_onevision.image_processing_pil_llava_onevision im
 from megatron_ext.data.anyres import AnyresPreprocessor, FeatureLayout
 from megatron_ext.model.arch import TilingArch
 from megatron_ext.model.tiling import best_resolution
-from tests.data import hf_processors
 from tests.data.test_images import _photo
+from tests.reference import hf_processors
 
 
 def _next():

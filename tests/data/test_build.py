@@ -13,9 +13,9 @@ from PIL import Image
 from megatron_ext.data import build
 from megatron_ext.data.build import build_energon_dataset
 from megatron_ext.errors import UserError
-from tests.data.conftest import jpeg
 from tests.data.mix665k import BAD, GOOD, write_mix665k
-from tests.helpers import run_script
+from tests.support.helpers import run_script
+from tests.support.samples import jpeg
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from megatron_ext.data.shard_format import PreferenceSample, decoded_preference_
 from megatron_ext.data.sources import preference_sample
 from megatron_ext.demo.synthetic_data import SyntheticSpec, make_synthetic_dataset
 from megatron_ext.errors import UserError, run_command
-from tests.data.conftest import jpeg
+from tests.support.samples import jpeg
 
 # Each shape's records, and per record (prompt messages as the trainer gets them, chosen, rejected, image files).
 LLAVA = [

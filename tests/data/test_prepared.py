@@ -10,7 +10,7 @@ import yaml
 
 from megatron_ext.data.prepared import dir_split_counts, split_counts
 from megatron_ext.errors import UserError
-from tests.helpers import run
+from tests.support.helpers import run
 
 
 @pytest.mark.multiprocess
@@ -108,7 +108,7 @@ def test_subsets_count_what_energon_takes(prepared, tmp_path):
 
 @pytest.mark.multiprocess
 def test_the_example_blend_counts_once_its_paths_are_set(prepared, tmp_path):
-    from tests.helpers import REPO_ROOT
+    from tests.support.helpers import REPO_ROOT
 
     config = yaml.safe_load((REPO_ROOT / "configs/blends/llava15_mix_docs_text.yaml").read_text())
     for member in config["splits"]["train"]["blend"] + [config["splits"]["val"]]:
@@ -121,7 +121,7 @@ def test_the_example_blend_counts_once_its_paths_are_set(prepared, tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["llava_next_stage2", "onevision_single_image", "onevision_image_multi_video"])
 def test_the_tiled_recipes_blends_count_once_their_paths_are_set(prepared, tmp_path, name):
-    from tests.helpers import REPO_ROOT
+    from tests.support.helpers import REPO_ROOT
 
     config = yaml.safe_load((REPO_ROOT / f"configs/blends/{name}.yaml").read_text())
     blend = config["splits"]["train"]["blend"]

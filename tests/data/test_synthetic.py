@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from megatron_ext.demo.synthetic_data import COLORS, SyntheticSpec, make_synthetic_dataset
-from tests.helpers import run_script
+from tests.support.helpers import run_script
 
 
 def test_same_seed_same_dataset_and_answers_match_pictures(tmp_path):

@@ -17,8 +17,8 @@ from megatron_ext.data.loader import restore_loader_state, save_loader_state, tr
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
 from megatron_ext.errors import UserError
 from megatron_ext.families import read_llava
-from tests.data.conftest import jpeg, records_by_key
-from tests.helpers import run
+from tests.support.helpers import run
+from tests.support.samples import jpeg, records_by_key
 
 END = "<|end|>"
 

@@ -17,7 +17,7 @@ from megatron_ext.data.video import VideoPreprocessor
 from megatron_ext.families import read_llava
 from megatron_ext.hf.processors import load_processor
 from megatron_ext.model.tiling import IMAGE, VIDEO
-from tests.data import hf_processors
+from tests.reference import hf_processors
 
 FIXTURES = ["llava_next_clip", "llava_onevision_siglip"]
 

@@ -13,8 +13,8 @@ from megatron_ext.data import video
 from megatron_ext.data.anyres import FeatureLayout
 from megatron_ext.data.video import VideoPreprocessor, read_frames, uniform_indices
 from megatron_ext.errors import UserError
-from tests.data import hf_processors
 from tests.data.test_images import _photo
+from tests.reference import hf_processors
 
 FRAMES = 10
 
@@ -108,13 +108,13 @@ SETTINGS = {
 @pytest.mark.timeout(300)
 def test_frames_equal_transformers_video_processor(tmp_path, monkeypatch):
     """VideoPreprocessor gives LlavaOnevisionVideoProcessor's pixel_values_videos bit for bit
-    (transformers with torchvision, in a child: tests/hf_reference)."""
-    from tests import hf_reference
+    (transformers with torchvision, in a child: tests/reference/torchvision_child)."""
+    from tests.reference import torchvision_child
 
     videos = {name: [np.stack([np.asarray(_photo(w, h, seed=10 * i + j)) for j in range(3)]) for i, (h, w) in enumerate(sizes)]
               for name, (_, sizes, _) in SETTINGS.items()}
     # Every setting in one child: its start (torch, transformers, torchvision) is most of the time.
-    results = hf_reference.call_many(tmp_path, [("video_processor", {"settings": settings, "videos": videos[name],
+    results = torchvision_child.call_many(tmp_path, [("video_processor", {"settings": settings, "videos": videos[name],
                                                                      "cpu_capability": capability})
                                                 for name, (settings, _, capability) in SETTINGS.items()])
     for (name, (settings, _, capability)), result in zip(SETTINGS.items(), results, strict=True):

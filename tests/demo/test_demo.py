@@ -8,7 +8,7 @@ import math
 import pytest
 
 from megatron_ext.checkpoint import layout
-from tests.helpers import run_script
+from tests.support.helpers import run_script
 
 
 @pytest.mark.multiprocess

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.convert.compare import synthetic_image
-from tests.eval.lmms_tasks import write_tasks
-from tests.helpers import REPO_ROOT, child_env, run_ranks, run_script
-from tests.train.conftest import metrics, train, trainer_args
+from tests.support.helpers import REPO_ROOT, child_env, run_ranks, run_script
+from tests.support.lmms_tasks import write_tasks
+from tests.support.training import metrics, train, trainer_args
 
 MAX_NEW_TOKENS = 6
 TASKS = "tiny_vqa,tiny_mc,tiny_caption"

@@ -13,7 +13,7 @@ import pytest
 from megatron_ext.data.conversation import IMAGE_MARKER
 from megatron_ext.eval.chat import ASSISTANT_PREFIX, USER_PROMPT
 from megatron_ext.families.llava import VIDEO_TOKEN
-from tests.helpers import REPO_ROOT, child_env, run_script
+from tests.support.helpers import REPO_ROOT, child_env, run_script
 
 MAX_NEW_TOKENS = 8
 FRAMES = 4
@@ -108,7 +108,7 @@ def test_conversations_about_a_video_and_an_image(megatron_onevision_small, onev
                                                   tmp_path):
     from megatron_ext.eval.prompts import load_image
     from megatron_ext.eval.videos import load_video
-    from tests.eval.conftest import HFReference
+    from tests.support.hf_generate import HFReference
 
     reference = HFReference(onevision_small_features)
     video = [load_video(video_file, FRAMES)]

@@ -10,9 +10,9 @@ import math
 import pytest
 
 from megatron_ext.eval import answer_scores
-from tests.helpers import run_script
-from tests.train.conftest import metrics as logged_metrics
-from tests.train.conftest import train, trainer_args
+from tests.support.helpers import run_script
+from tests.support.training import metrics as logged_metrics
+from tests.support.training import train, trainer_args
 
 MAX_NEW_TOKENS = 8
 VAL_SAMPLES = 16  # the whole val split of `train_data`

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.data.conversation import IMAGE_MARKER
-from tests.helpers import run_ranks, run_script
+from tests.support.helpers import run_ranks, run_script
 
 MAX_NEW_TOKENS = 12
 PROMPTS = ["Describe this image.", "What color is the shape in the picture?"]
@@ -71,7 +71,7 @@ def test_a_bf16_hub_style_checkpoint_generates_on_cpu(llava_clip, images, tmp_pa
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from megatron_ext.convert.to_megatron import convert
-    from tests.eval.conftest import HFReference
+    from tests.support.hf_generate import HFReference
 
     hub = tmp_path / "hub"
     LlavaForConditionalGeneration.from_pretrained(llava_clip, dtype=torch.bfloat16).save_pretrained(
@@ -125,7 +125,7 @@ def _on_a_terminal(*args) -> str:
 
     import pexpect
 
-    from tests.helpers import REPO_ROOT, child_env
+    from tests.support.helpers import REPO_ROOT, child_env
 
     child = pexpect.spawn(sys.executable, [str(REPO_ROOT / "scripts/eval/generate.py"), *map(str, args)],
                           env=child_env(), encoding="utf-8", timeout=120)

@@ -12,8 +12,8 @@ import pytest
 
 from megatron_ext.convert.compare import synthetic_image
 from megatron_ext.eval.prompts import load_image, user_turn
-from tests.eval.lmms_tasks import write_tasks
-from tests.helpers import child_env, run_ranks, run_script
+from tests.support.helpers import child_env, run_ranks, run_script
+from tests.support.lmms_tasks import write_tasks
 
 MAX_NEW_TOKENS = 10
 FRAMES = 4
@@ -48,7 +48,7 @@ def converted(hf_dirs, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def references(hf_dirs):
-    from tests.eval.conftest import HFReference
+    from tests.support.hf_generate import HFReference
 
     return {name: HFReference(hf_dir) for name, hf_dir in hf_dirs.items()}
 

@@ -9,15 +9,15 @@ from pathlib import Path
 import torch
 
 from tests.eval.test_generate import MAX_NEW_TOKENS, _expected, _requests
-from tests.helpers import hf_tensors, run_ranks
-from tests.train.conftest import train, trainer_args
+from tests.support.helpers import hf_tensors, run_ranks
+from tests.support.training import train, trainer_args
 
 
 def assert_greedy_at_tp2_equals_transformers(hf_dir: Path, tmp_path: Path) -> Path:
     """Converts `hf_dir` to Megatron TP2 (returned) and checks generate.py's tokens there."""
     from megatron_ext.convert.compare import synthetic_image
     from megatron_ext.convert.to_megatron import convert as to_megatron
-    from tests.eval.conftest import HFReference
+    from tests.support.hf_generate import HFReference
 
     megatron = to_megatron(hf_dir, tmp_path / "megatron", tp=2, pp=1)
     images = [tmp_path / "images" / "a.png", tmp_path / "images" / "b.png"]

@@ -69,7 +69,7 @@ def test_other_rope_types_are_refused():
 def test_context_parallelism_is_refused_before_launch(llava_gemma3_siglip, tmp_path):
     from megatron_ext.config.options import TrainConfig
     from megatron_ext.config.run_plan import make_plan
-    from tests.launch.conftest import write_prepared_dataset
+    from tests.support.launcher import write_prepared_dataset
 
     data = write_prepared_dataset(tmp_path, {"a.tar": 4}, {"train": ["a.tar"]})
     config = TrainConfig(init=True, tokenizer_load_dir=str(llava_gemma3_siglip), data_path=str(data),
@@ -97,7 +97,7 @@ def test_greedy_tokens_at_tp2_equal_transformers_and_stage2_trains_the_language_
     from megatron_ext.convert.compare import compare, hf_logits, process_inputs, synthetic_image
     from megatron_ext.convert.lora_export import write_peft_adapter
     from megatron_ext.convert.to_hf import convert as to_hf
-    from tests.train.conftest import train, trainer_args
+    from tests.support.training import train, trainer_args
 
     lora = tmp_path / "lora"
     train(1, *trainer_args(megatron, train_data, lora, stage=2, lr=1e-2, train_iters=2, chat_template="plain",

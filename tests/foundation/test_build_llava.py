@@ -12,7 +12,7 @@ from PIL import Image
 
 from megatron_ext.errors import UserError
 from megatron_ext.hf.build_llava import build_llava
-from tests.helpers import run_script
+from tests.support.helpers import run_script
 
 
 def _image(seed=0, size=(70, 60)):
@@ -258,9 +258,9 @@ def _two_images():
 
 @pytest.fixture(scope="module")
 def with_torchvision(request, tiny_hf, tiny_qwen2_tied, tmp_path_factory) -> dict:
-    """What transformers gives where torchvision is installed (tests/hf_reference), for every test
+    """What transformers gives where torchvision is installed (tests/reference/torchvision_child), for every test
     below, all in one child: its start (torch, transformers, torchvision) is most of each one's time."""
-    from tests import hf_reference
+    from tests.reference import torchvision_child
 
     image, video = _image_and_video()
     work = tmp_path_factory.mktemp("with_torchvision")
@@ -274,14 +274,14 @@ def with_torchvision(request, tiny_hf, tiny_qwen2_tied, tmp_path_factory) -> dic
             "save_dir": str(work / fixture), "text_model": str(text_model), "vision_model": str(tiny_hf[vision]), **options})
         requests["our_processor", fixture] = ("our_processor", {
             "hf_dir": str(request.getfixturevalue(fixture)), "images": _two_images()})
-    return dict(zip(requests, hf_reference.call_many(work / "child", list(requests.values())), strict=True))
+    return dict(zip(requests, torchvision_child.call_many(work / "child", list(requests.values())), strict=True))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fixture", ONEVISION_DIRS)
 def test_onevision_directory_loads_in_transformers_with_its_video_processor(request, fixture, with_torchvision):
-    """With torchvision (a child: tests/hf_reference), AutoProcessor loads a built OneVision as the
+    """With torchvision (a child: tests/reference/torchvision_child), AutoProcessor loads a built OneVision as the
     full class, video processor included, renders HF's structured image + video messages, and gives
     the ids and pixel values this project's prompt encoder gives without torchvision (images: both
     with transformers' PIL backend), also where the video processor's settings are not the image

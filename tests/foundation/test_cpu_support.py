@@ -55,7 +55,7 @@ print("ok")
     import subprocess
     import sys
 
-    from tests.helpers import child_env
+    from tests.support.helpers import child_env
 
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), timeout=120)
     assert result.stdout.strip() == "ok", result.stderr[-2000:]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import run
+from tests.support.helpers import run
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,4 +1,4 @@
-"""A job forked from the prestarted server (tests/prestarted.py) behaves as the same command in a
+"""A job forked from the prestarted server (tests/support/prestarted.py) behaves as the same command in a
 fresh interpreter: argv, environment, working directory, `__main__`, output, exit status, atexit
 handlers and threads; and the server refuses what it cannot run that way."""
 
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from tests.helpers import child_env, kill_tree, run
+from tests.support.helpers import child_env, kill_tree, run
 
 SCRIPT = textwrap.dedent("""
     import atexit, json, os, sys, threading, time
@@ -58,7 +58,7 @@ def test_a_forked_job_runs_as_a_fresh_interpreter_would(script, tmp_path, how):
 
 
 def test_the_server_forks_only_what_a_fresh_interpreter_would_run_alike(script):
-    from tests import prestarted
+    from tests.support import prestarted
 
     server = prestarted.server()
     python = sys.executable
@@ -71,7 +71,7 @@ def test_the_server_forks_only_what_a_fresh_interpreter_would_run_alike(script):
 
 
 def test_a_killed_job_reports_its_signal(tmp_path):
-    from tests import prestarted
+    from tests.support import prestarted
 
     path = tmp_path / "sleeper.py"
     path.write_text("import time\ntime.sleep(60)\n")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import child_env, run_torchrun
+from tests.support.helpers import child_env, run_torchrun
 
 DOUBLE = Path(__file__).with_name("generation_failure")  # its sitecustomize makes rank FAIL_IN_RANK's load fail
 

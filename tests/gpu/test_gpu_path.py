@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from megatron_ext.model.backends import te_available
-from tests.helpers import child_env, run_ranks
 from tests.model.test_attention import _attention, _reference
 from tests.model.test_backends import WORKER, _max_diff
-from tests.tiled_data import SEQ as TILED_SEQ
-from tests.train.conftest import metrics, trainer_args
+from tests.support.helpers import child_env, run_ranks
+from tests.support.tiled_data import SEQ as TILED_SEQ
+from tests.support.training import metrics, trainer_args
 from tests.train.test_gpu_rehearsal import REHEARSAL
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

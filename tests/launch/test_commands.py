@@ -10,7 +10,7 @@ import pytest
 from megatron_ext.container import checkout_root
 from megatron_ext.launch.network import free_port
 from megatron_ext.train.cli import trainer_options
-from tests.launch.conftest import make_standins
+from tests.support.launcher import make_standins
 
 SCRIPT = "megatron_ext.train.pretrain_llava"
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]

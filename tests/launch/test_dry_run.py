@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from tests.helpers import run
-from tests.launch.conftest import RUN_PY, Launcher, make_standins
+from tests.support.helpers import run
+from tests.support.launcher import RUN_PY, Launcher, make_standins
 
 HEAVY = {"torch", "megatron", "transformers", "numpy", "safetensors", "tokenizers", "webdataset"}
 

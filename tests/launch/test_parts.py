@@ -10,8 +10,8 @@ from megatron_ext.config.tokenizer_files import IMAGE_TOKEN, TokenizerFiles
 from megatron_ext.errors import UserError
 from megatron_ext.launch.flags import FLAGS, LaunchOptions, split_argv
 from megatron_ext.launch.slurm import hostnames, slurm_job
-from tests.helpers import REPO_ROOT
-from tests.launch.conftest import write_tokenizer
+from tests.support.helpers import REPO_ROOT
+from tests.support.launcher import write_tokenizer
 
 
 @pytest.mark.parametrize("nodelist,expected", [

@@ -7,9 +7,9 @@ import shlex
 import pytest
 
 from megatron_ext.config.run_plan import make_plan
-from tests.helpers import child_env, run_script
-from tests.launch.conftest import write_prepared_dataset, write_tokenizer
 from tests.launch.test_commands import _trainer, split_torchrun
+from tests.support.helpers import child_env, run_script
+from tests.support.launcher import write_prepared_dataset, write_tokenizer
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from tests.launch.conftest import write_prepared_dataset, write_tokenizer
+from tests.support.launcher import write_prepared_dataset, write_tokenizer
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 

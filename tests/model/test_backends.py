@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_ranks
+from tests.support.helpers import run_ranks
 
 WORKER = str(Path(__file__).with_name("backend_worker.py"))
 LAYOUTS = ("unpacked", "unpacked-rows", "packed", "packed-rows")

@@ -12,7 +12,7 @@ from megatron_ext.checkpoint import layout
 from megatron_ext.pages.run_log import join_segments, read_run
 from megatron_ext.pages.run_report import write_report
 from megatron_ext.train.metrics_log import METRICS_FILE
-from tests.helpers import run_python
+from tests.support.helpers import run_python
 
 
 def _train(iteration: int, loss: float, skipped: bool = False) -> dict:

@@ -22,11 +22,11 @@ from megatron_ext.pages.inspector_page import write_inspection
 from megatron_ext.pages.sample_encoding import EncoderSetup, build_encoder, run_inspection
 from megatron_ext.pages.sample_sources import Selection, open_source
 from megatron_ext.train.batches import task_encoder
-from tests.tiled_data import SEQ
+from tests.support.tiled_data import SEQ
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]  # the prepared mix runs `energon prepare`; a browser
 
-# tests/tiled_data.py's mix: an image (cut into a grid), two images, a video, text only, one too long.
+# tests/support/tiled_data.py's mix: an image (cut into a grid), two images, a video, text only, one too long.
 ONE_IMAGE, TWO_IMAGES, VIDEO, TEXT, TOO_LONG = "000000000", "000000001", "000000002", "000000003", "000000015"
 # A chat template whose generation prompt lacks the assistant's header: the header is rendered with
 # the reply, so the task encoder finds it inside the reply and trains it.

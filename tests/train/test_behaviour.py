@@ -10,8 +10,8 @@ import time
 import pytest
 
 from megatron_ext.checkpoint import layout
-from tests.helpers import run_script, started
-from tests.train.conftest import metrics, trainer_args
+from tests.support.helpers import run_script, started
+from tests.support.training import metrics, trainer_args
 
 
 def _expected_digests(checkpoint, data, iterations: int) -> list[str]:

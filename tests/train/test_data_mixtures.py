@@ -13,7 +13,7 @@ from megatron_ext.checkpoint import layout
 from megatron_ext.data.build import build_energon_dataset
 from megatron_ext.data.prepared import split_counts
 from tests.data.mix665k import GOOD, write_mix665k
-from tests.train.conftest import metrics, train, trainer_args
+from tests.support.training import metrics, train, trainer_args
 
 
 @pytest.mark.multiprocess

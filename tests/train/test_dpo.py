@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import run_ranks
+from tests.support.helpers import run_ranks
 
 WORKER = str(Path(__file__).with_name("dpo_worker.py"))
 LR = 1e-3

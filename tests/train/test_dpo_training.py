@@ -9,7 +9,7 @@ import json
 import pytest
 
 from megatron_ext.train.dpo.loss import METRICS
-from tests.train.conftest import metrics, train, trainer_args
+from tests.support.training import metrics, train, trainer_args
 
 DPO = {"stage": "dpo", "lr": 1e-3, "seq_length": 192, "global_batch_size": 4, "micro_batch_size": 2, "train_iters": 4,
        "lr_warmup_fraction": 0.0, "eval_interval": 2, "eval_iters": 2}
@@ -71,7 +71,7 @@ def test_dpo_checkpoint_exports_to_hf(whole_run, tmp_path):
     """A DPO run's checkpoint is a checkpoint like any other: convert_megatron_to_hf.py exports it and
     the HF model gives its logits."""
     from megatron_ext.convert.compare import compare
-    from tests.helpers import run_script
+    from tests.support.helpers import run_script
 
     run_script("convert/convert_megatron_to_hf.py", "--megatron-dir", whole_run, "--hf-dir", tmp_path / "hf")
     assert compare(tmp_path / "hf", whole_run).max_abs <= 1e-4

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import child_env, run_script
-from tests.train.conftest import trainer_args
+from tests.support.helpers import child_env, run_script
+from tests.support.training import trainer_args
 
 # (trainer options, extra environment, the one line it must print)
 CASES = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_ext.checkpoint import layout
-from tests.train.conftest import metrics, train, trainer_args
+from tests.support.training import metrics, train, trainer_args
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from megatron_ext.checkpoint import layout
-from tests.helpers import child_env, run_ranks
-from tests.tiled_data import SEQ
-from tests.train.conftest import metrics, trainer_args
+from tests.support.helpers import child_env, run_ranks
+from tests.support.tiled_data import SEQ
+from tests.support.training import metrics, trainer_args
 from tests.train.gpu_rehearsal import DEVICE, HOST, DeviceLedger, DeviceMixError, mark, place
 
 REHEARSAL = "tests/train/gpu_rehearsal.py"

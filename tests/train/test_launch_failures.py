@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.checkpoint import layout
-from tests.helpers import child_env, run, started
-from tests.train.conftest import run_py
+from tests.support.helpers import child_env, run, started
+from tests.support.training import run_py
 
 DOUBLE = Path(__file__).with_name("rank_failure")  # its sitecustomize makes rank FAIL_IN_RANK fail
 

@@ -15,8 +15,8 @@ import pytest
 
 from megatron_ext import lifetime
 from megatron_ext.checkpoint import layout
-from tests.helpers import REPO_ROOT, run, started
-from tests.train.conftest import metrics, run_py
+from tests.support.helpers import REPO_ROOT, run, started
+from tests.support.training import metrics, run_py
 
 
 def _started_by(launcher_pid: int) -> list[psutil.Process]:

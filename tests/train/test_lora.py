@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_ranks, run_script
-from tests.train.conftest import assert_held_state_is_planned, metrics, train, trainer_args
+from tests.support.helpers import run_ranks, run_script
+from tests.support.training import assert_held_state_is_planned, metrics, train, trainer_args
 
 WORKER = str(Path(__file__).with_name("lora_worker.py"))
 LORA = {"lora_rank": 4, "lora_alpha": 8.0, "lora_train_projector": True}

@@ -236,7 +236,7 @@ def test_each_tp2_ranks_activations_with_and_without_sequence_parallelism_are_wi
     """Each rank of two, its real forward (activation_worker.py, gloo) against the plan's rank; sequence
     parallelism drops the plan by what it drops the forward by (the replicated part, halved)."""
     from megatron_ext.memory.plan import memory_plan, published_shape_plan
-    from tests.helpers import run_ranks
+    from tests.support.helpers import run_ranks
 
     cases = [[dict(train_iters=1, global_batch_size=1, seq_length=seq, stage=2, unfreeze_vit=True, packing_seq_length=seq,
                    max_tiles_per_sequence=images, tp=2, sequence_parallel=sp), seq, images]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.verify import hf_loop, parity
-from tests.train.conftest import assert_held_state_is_planned
+from tests.support.training import assert_held_state_is_planned
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -38,7 +38,7 @@ RUNS = {  # name: (the HF checkpoint's fixture, processes, options over BASE)
     # embeddings; SGD with momentum (and its decay added to the gradient), whose weights pin tightly.
     "gemma3-siglip-pp2-sgd": ("llava_gemma3_siglip", 2, {"pp": 2, "micro_batch_size": 1, "global_batch_size": 4,
                                                          "optimizer": "sgd", "sgd_momentum": 0.9}),
-    # A tiled LLaVA on anyres images, two-image samples, a video and text only (tests/tiled_data.py),
+    # A tiled LLaVA on anyres images, two-image samples, a video and text only (tests/support/tiled_data.py),
     # at TP2 with packed sequences.
     "onevision-siglip-tp2-packed": ("llava_onevision_siglip", 2, {"tp": 2, "micro_batch_size": 1, "global_batch_size": 4,
                                                                  "seq_length": 2048, "packing_seq_length": 2048,

@@ -11,11 +11,11 @@ import json
 import pytest
 
 from megatron_ext.convert.compare import synthetic_image
-from tests.eval.conftest import HFReference
-from tests.helpers import run_ranks, run_script
 from tests.shapes import build, llava_shapes, narrowed
-from tests.tiled_data import turns, write_video
-from tests.train.conftest import launcher_args, metrics
+from tests.support.helpers import run_ranks, run_script
+from tests.support.hf_generate import HFReference
+from tests.support.tiled_data import turns, write_video
+from tests.support.training import launcher_args, metrics
 from tests.train.test_stages import _changed_prefixes, _hf_tensors
 
 pytestmark = [pytest.mark.multiprocess]

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from megatron_ext.checkpoint import layout
-from tests.helpers import child_env, kill_tree, run_ranks, started
-from tests.train.conftest import metrics, train, trainer_args
+from tests.support.helpers import child_env, kill_tree, run_ranks, started
+from tests.support.training import metrics, train, trainer_args
 
 ITERS, EVERY = 12, 2
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import hf_tensors
-from tests.train.conftest import train, trainer_args
+from tests.support.helpers import hf_tensors
+from tests.support.training import train, trainer_args
 
 
 def _hf_tensors(path):

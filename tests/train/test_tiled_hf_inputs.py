@@ -21,7 +21,7 @@ from megatron_ext.data.task_encoder import LlavaTaskEncoder
 from megatron_ext.families import llava_kind, read_llava
 from megatron_ext.hf.processors import load_processor
 from megatron_ext.verify.hf_loop import hf_samples
-from tests.data import hf_processors
+from tests.reference import hf_processors
 from tests.reference.trl_dpo import per_pair_logps, trl_batch, trl_dpo_metrics
 
 FRAMES = 4

@@ -14,9 +14,9 @@ import json
 import pytest
 
 from megatron_ext.convert.compare import synthetic_image
-from tests.helpers import run_script
-from tests.tiled_data import SEQ, turns
-from tests.train.conftest import assert_held_state_is_planned, launcher_args, metrics
+from tests.support.helpers import run_script
+from tests.support.tiled_data import SEQ, turns
+from tests.support.training import assert_held_state_is_planned, launcher_args, metrics
 from tests.train.test_stages import _changed_prefixes, _hf_tensors
 
 pytestmark = [pytest.mark.multiprocess]

@@ -1,4 +1,4 @@
-"""python worker.py REQUESTS.pt RESULTS.pt: tasks of tests/hf_reference, with torchvision (see there)."""
+"""python worker.py REQUESTS.pt RESULTS.pt: tasks of tests/reference/torchvision_child, with torchvision (see there)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Running real scripts and multi-rank jobs from tests: always with a timeout, always in a session of
 their own that is killed afterwards, so no trainer outlives its test. A `python SCRIPT` (or `-m`)
 job is forked from a server that has imported torch, megatron-core, transformers and energon once
-(tests/prestarted.py says when it is not); `fresh=True` starts a new interpreter."""
+(tests/support/prestarted.py says when it is not); `fresh=True` starts a new interpreter."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 DISTRIBUTED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -66,8 +66,8 @@ def started(cmd: list[str], **popen):
 
 def _launch(cmd: list[str], env: dict, cwd, stdout, stderr, fresh: bool):
     """`cmd`'s process in a session of its own: forked from the prestarted server where that runs it
-    as a fresh process would (tests/prestarted.py), else started. `fresh`: always started."""
-    from tests import prestarted
+    as a fresh process would (tests/support/prestarted.py), else started. `fresh`: always started."""
+    from tests.support import prestarted
 
     if not fresh:
         server = prestarted.server()

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from tests.helpers import REPO_ROOT, run_ranks
+from tests.support.helpers import REPO_ROOT, run_ranks
 
 
 def _small_run(checkpoint: Path, data: Path, save_dir: Path, **options) -> dict:

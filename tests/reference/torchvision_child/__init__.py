@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import child_env, run_python
+from tests.support.helpers import child_env, run_python
 
 TORCHVISION_DIR = Path(sys.prefix) / "torchvision-reference"
 WORKER = Path(__file__).with_name("worker.py")

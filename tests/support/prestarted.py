@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from tests.helpers import DISTRIBUTED_VARS, REPO_ROOT, child_env
+from tests.support.helpers import DISTRIBUTED_VARS, REPO_ROOT, child_env
 
 # Read by the test jobs at run time (tests/train/gpu_rehearsal.py, failing_save.py, the workers):
 # a job that sets them can still be forked.
@@ -222,7 +222,7 @@ class Server:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._log = tempfile.TemporaryFile("w+")  # what the imports print: read if the server fails
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", f"from tests.prestarted import serve; serve({theirs.fileno()})"],
+            [sys.executable, "-c", f"from tests.support.prestarted import serve; serve({theirs.fileno()})"],
             pass_fds=[theirs.fileno()], env=env, cwd=cwd, stdin=subprocess.DEVNULL,
             stdout=self._log, stderr=self._log, start_new_session=True)
         theirs.close()
