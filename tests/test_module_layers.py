@@ -60,6 +60,27 @@ def _imports(path: Path, text: str | None = None) -> set[str]:
     return found
 
 
+# Outside code the library may not import, by top-level module: the parts allowed to, inside functions
+# only (an extra's dependency, imported where the command that needs it runs), else none at all.
+ONLY_LAZILY_IN = {"tests": set(), "trl": set(), "peft": {"verify"}}
+
+
+def _outside_imports(text: str) -> list[tuple[str, bool]]:
+    """(top-level module, imported inside a function) for each absolute import in `text`."""
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                found.extend((alias.name.split(".")[0], in_function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and not child.level:
+                found.append((child.module.split(".")[0], in_function))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(text), False)
+    return found
+
+
 def _graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {part: set() for part in LEVEL}
     for path in PACKAGE.rglob("*.py"):
@@ -110,3 +131,16 @@ def test_the_run_configuration_imports_no_torch():
     modules = [f"megatron_ext.config.{path.stem}" for path in (PACKAGE / "config").glob("*.py")]
     code = f"import sys, {', '.join(modules)}; print('torch' in sys.modules)"
     assert run([sys.executable, "-c", code], timeout=120, fresh=True).stdout.strip() == "False"
+
+
+def test_the_library_imports_no_test_code_and_an_extras_dependency_only_lazily_where_it_is_used():
+    """tests/ and TRL (a dev dependency) never; peft (the parity extra) only inside verify/'s functions."""
+    wrong = sorted(f"{path.relative_to(PACKAGE)} imports {name}{'' if lazy else ' at module level'}"
+                   for path in PACKAGE.rglob("*.py") for name, lazy in _outside_imports(path.read_text())
+                   if name in ONLY_LAZILY_IN and not (lazy and _part(path) in ONLY_LAZILY_IN[name]))
+    assert not wrong, wrong
+
+
+def test_outside_imports_are_seen_at_module_level_and_inside_functions():
+    text = "import peft.tuners\nfrom tests.support import helpers\ndef f():\n    from trl import DPOTrainer\n"
+    assert _outside_imports(text) == [("peft", False), ("tests", False), ("trl", True)]
