@@ -102,7 +102,7 @@ def test_greedy_tokens_at_tp2_equal_transformers_and_stage2_trains_the_language_
     lora = tmp_path / "lora"
     train(1, *trainer_args(megatron, train_data, lora, stage=2, lr=1e-2, train_iters=2, chat_template="plain",
                            lora_rank=4, lora_alpha=8.0))
-    # In this process, not through the script (a process of imports): tests/train/test_lora.py runs its options.
+    # In this process, not through the script (a process of imports): tests/lora/test_lora.py runs its options.
     merged, adapter = to_hf(lora, tmp_path / "merged", lora_merge=True), write_peft_adapter(lora, tmp_path / "adapter")
     assert compare(merged, lora).max_abs <= 1e-4
     batch = process_inputs(hf_loading.load_processor(str(merged), "--hf-dir"), [synthetic_image()])

@@ -5,7 +5,7 @@ The directory holds what a download has: the config as given (sparse, as the Hub
 fields name the weights' dtype), the weights under the names and shapes `save_pretrained` writes
 (tied copies once) in one dtype, in `model-0000i-of-0000N.safetensors` shards of at most
 `max_shard_bytes` with their index (one `model.safetensors` when they fit in one), a
-tokenizer (the local one of `hf.tiny_models`: the config keeps its published vocabulary) and the
+tokenizer (the local one of `demo.tiny_models`: the config keeps its published vocabulary) and the
 tower family's image processor. Tensors are made and written one at a time (`ShardWriter`), so
 memory holds about two of them whatever the model's size.
 

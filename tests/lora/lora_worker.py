@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc-per-node N lora_worker.py CHECKPOINT DATA OUT_DIR OPTIONS_JSON ITERS
 
-The trainer's plan, model (adapters added), optimizer and step run on invariance_worker's samples:
+The trainer's plan, model (adapters added), optimizer and step run on tests/support/fixed_samples.py's samples:
 step i takes global batch i % 3, so a few dozen steps revisit each batch. Every rank writes
 OUT_DIR/rank<R>.json: the losses and gradient norms, its parameters that require gradients, those
 whose values changed, and the optimizer's parameter count.
@@ -13,7 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from invariance_worker import GLOBAL_BATCH, SEQ, samples
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # a script: the repository root for tests.support
+from tests.support.fixed_samples import GLOBAL_BATCH, SEQ, samples  # noqa: E402
 
 BATCHES = 3
 
