@@ -140,6 +140,18 @@ def synthetic_micro_batches(plan, preset: Preset, packing: bool, rng: np.random.
     return [layout.batch([group]).as_dict() for group in groups]
 
 
+def _with_host_reads(inputs):
+    """The step as it was before it stopped reading device values back: megatron-core's own LLaVA
+    preprocessing and its per-tensor gradient norm (the A/B of BENCHMARKS.md)."""
+    import dataclasses
+
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
+    return dataclasses.replace(inputs, host_layout=False)
+
+
 def _synchronize():
     import torch
 
@@ -155,7 +167,8 @@ def _peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: int, peak_tflops: float) -> dict:
+def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: int, peak_tflops: float,
+            host_reads: bool = False) -> dict:
 
     from megatron_ext.distributed import device, init_parallel, shutdown
     from megatron_ext.model.forward_step import make_forward_step
@@ -170,6 +183,8 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
     init_parallel(1, 1, seed=1234)
     trained = build_training_model(plan)
     inputs = ModelInputs.for_model(plan.arch, trained.model, device())
+    if host_reads:
+        inputs = _with_host_reads(inputs)
     forward_step = make_forward_step(inputs)
     rng = np.random.default_rng(0)
     steps = [synthetic_micro_batches(plan, preset, packing, rng) for _ in range(warmup + iters)]
@@ -255,7 +270,10 @@ def sweep(argv: list[str]) -> dict:
 @click.option("--peak-tflops", type=float, default=H100_BF16_PEAK_TFLOPS, show_default=True,
               help="Peak dense TFLOP/s the MFU is taken against (989: H100 SXM bf16).")
 @click.option("--sweep", "run_sweep", is_flag=True, help="Run every variant of BENCHMARKS.md, each in its own process.")
-def main(preset, attention_backend, packing, recompute_granularity, fp8, iters, warmup, peak_tflops, run_sweep):
+@click.option("--host-reads", is_flag=True, help="The step before it stopped reading the device back: megatron-core's "
+              "LLaVA preprocessing and per-tensor gradient norm (for an A/B).")
+def main(preset, attention_backend, packing, recompute_granularity, fp8, iters, warmup, peak_tflops, run_sweep,
+         host_reads):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if run_sweep:
         argv = ["--preset", preset, "--iters", str(iters), "--warmup", str(warmup), "--peak-tflops", str(peak_tflops)]
@@ -263,7 +281,7 @@ def main(preset, attention_backend, packing, recompute_granularity, fp8, iters, 
         return
     options = {"attention_backend": attention_backend, "recompute_granularity": recompute_granularity, "fp8": fp8,
                "packing_seq_length": PRESETS[preset].seq_length if packing else None}
-    result = run_one(preset, options, packing, iters, warmup, peak_tflops)
+    result = run_one(preset, options, packing, iters, warmup, peak_tflops, host_reads)
     print(json.dumps({"device": _device_name(), **result}))
 
 

@@ -210,14 +210,15 @@ def _build(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions, vp_stag
 
 
 def _model_class(arch: LlavaArch):
-    """megatron-core's LLaVAModel, or for tiled models (LLaVA-NeXT, OneVision) its subclass; either
-    takes shared images (a preference pair's, `shared_images`)."""
+    """megatron-core's LLaVAModel taking a host-computed layout (`combined_layout`), or for tiled
+    models (LLaVA-NeXT, OneVision) its subclass; either takes shared images (a preference pair's,
+    `shared_images`)."""
     from megatron_ext.model.shared_images import with_shared_images
 
     if arch.tiling is None:
-        from megatron.core.models.multimodal.llava_model import LLaVAModel
+        from megatron_ext.model.combined_layout import LaidOutLLaVAModel
 
-        return with_shared_images(LLaVAModel)
+        return with_shared_images(LaidOutLLaVAModel)
     from megatron_ext.model.tiled_llava import TiledLLaVAModel
 
     return partial(with_shared_images(TiledLLaVAModel), tiling=arch.tiling, tile=arch.vision.image_size)
