@@ -149,7 +149,7 @@ def _with_host_reads(inputs):
     from megatron.core.optimizer import clip_grads
 
     clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
-    return dataclasses.replace(inputs, host_layout=False)
+    return dataclasses.replace(inputs, host_layout=False, logits_where_loss=False)
 
 
 def _synchronize():
@@ -198,12 +198,14 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
     _synchronize()
     seconds = time.perf_counter() - start
     flops = iteration_flops(plan.arch, positions=timed["positions"], squared_lengths=timed["squared_lengths"],
-                            images=timed["images"], lm_trained=True, vit_trained=False)
+                            images=timed["images"], lm_trained=True, vit_trained=False,
+                            logit_positions=timed["logit_positions"])
     tflops = flops / seconds / 1e12
     shutdown()
     return {
         "preset": preset_name, "attention_backend": plan.execution.model.attention_backend, "packing": packing,
         "recompute": plan.execution.model.recompute_granularity or "none", "fp8": plan.execution.model.fp8 is not None,
+        "logits_where_loss": inputs.logits_where_loss,
         "dtype": plan.dtype, "seq_length": plan.seq_length, "iterations": iters,
         "micro_batches_per_step": round(sum(len(s) for s in steps[warmup:]) / iters, 2),
         "parameters": sum(p.numel() for p in trained.model.parameters()),
@@ -270,17 +272,20 @@ def sweep(argv: list[str]) -> dict:
 @click.option("--peak-tflops", type=float, default=H100_BF16_PEAK_TFLOPS, show_default=True,
               help="Peak dense TFLOP/s the MFU is taken against (989: H100 SXM bf16).")
 @click.option("--sweep", "run_sweep", is_flag=True, help="Run every variant of BENCHMARKS.md, each in its own process.")
+@click.option("--logits-where-loss/--no-logits-where-loss", default=True, show_default=True,
+              help="Logits and cross entropy only where a loss is taken (the trainer's default), or everywhere.")
 @click.option("--host-reads", is_flag=True, help="The step before it stopped reading the device back: megatron-core's "
               "LLaVA preprocessing and per-tensor gradient norm (for an A/B).")
 def main(preset, attention_backend, packing, recompute_granularity, fp8, iters, warmup, peak_tflops, run_sweep,
-         host_reads):
+         logits_where_loss, host_reads):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if run_sweep:
         argv = ["--preset", preset, "--iters", str(iters), "--warmup", str(warmup), "--peak-tflops", str(peak_tflops)]
         print(json.dumps(sweep(argv)))
         return
     options = {"attention_backend": attention_backend, "recompute_granularity": recompute_granularity, "fp8": fp8,
-               "packing_seq_length": PRESETS[preset].seq_length if packing else None}
+               "packing_seq_length": PRESETS[preset].seq_length if packing else None,
+               "logits_where_loss": logits_where_loss}
     result = run_one(preset, options, packing, iters, warmup, peak_tflops, host_reads)
     print(json.dumps({"device": _device_name(), **result}))
 

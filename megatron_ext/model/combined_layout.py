@@ -29,22 +29,27 @@ class CombinedLayout:
     `source` [b, s] indexes the rows of cat(text embeddings [b * t], image features in the order
     megatron-core fills them, one zero row): the row each position copies. `labels` and
     `loss_mask` [b, s] are the combined sequence's. `image_rows`: how many image feature rows the
-    layout places (the model checks the tower gave as many)."""
+    layout places (the model checks the tower gave as many). `loss_positions`: where the loss mask
+    is set, as flat indices in the [s, b] order of hidden states (at least one position, so the
+    output layer always takes part), when the model computes logits there only (`loss_positions.py`)."""
     source: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
     image_rows: int
+    loss_positions: torch.Tensor | None = None
 
     def to(self, move) -> "CombinedLayout":
         """The same layout with each tensor passed through `move` (to the device)."""
-        return CombinedLayout(move(self.source), move(self.labels), move(self.loss_mask), self.image_rows)
+        positions = None if self.loss_positions is None else move(self.loss_positions)
+        return CombinedLayout(move(self.source), move(self.labels), move(self.loss_mask), self.image_rows, positions)
 
 
 def combined_layout(input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, image_token_index: int,
-                    img_seq_len: int, max_length: int, pad_to_max: bool) -> CombinedLayout:
+                    img_seq_len: int, max_length: int, pad_to_max: bool, loss_positions: bool = False) -> CombinedLayout:
     """megatron-core's `_preprocess_data` for one tile per image token (every caller of ours),
     on host tensors: each image token widened to `img_seq_len` positions, rows padded to the
-    longest (with pipeline parallelism to `max_length`), cut at `max_length`."""
+    longest (with pipeline parallelism to `max_length`), cut at `max_length`; with
+    `loss_positions`, also where the loss is taken."""
     batch, text_len = input_ids.shape
     image = input_ids == image_token_index
     # Each token's last combined position (megatron-core's new_position_ids).
@@ -63,8 +68,16 @@ def combined_layout(input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: to
     final_labels = _labels(labels, rows, cols, text_positions, seq_lens, length)
     final_mask = _loss_mask(loss_mask, image, last, rows, cols, text_positions, images, length)
     cut = slice(0, min(length, max_length))
-    return CombinedLayout(source[:, cut].contiguous(), final_labels[:, cut].contiguous(),
-                          final_mask[:, cut].contiguous(), image_rows)
+    final_mask = final_mask[:, cut].contiguous()
+    positions = _positions(final_mask) if loss_positions else None
+    return CombinedLayout(source[:, cut].contiguous(), final_labels[:, cut].contiguous(), final_mask, image_rows,
+                          positions)
+
+
+def _positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Flat [s * b] indices of the set entries of a [b, s] mask; position 0 when none is set."""
+    positions = torch.nonzero(loss_mask.t().reshape(-1)).reshape(-1)
+    return positions if positions.numel() else torch.zeros(1, dtype=torch.long)
 
 
 def _labels(labels, rows, cols, text_positions, seq_lens, length) -> torch.Tensor:
@@ -93,16 +106,30 @@ def _loss_mask(loss_mask, image, last, rows, cols, text_positions, images, lengt
 
 class LaidOutLLaVAModel(LLaVAModel):
     """megatron-core's LLaVAModel taking `layout=` (a `CombinedLayout` on the model's device) in
-    forward; subclasses that rearrange image features (the tiled model) do so before this runs."""
+    forward; subclasses that rearrange image features (the tiled model) do so before this runs.
+    A layout with loss positions has the last stage compute logits only there (`loss_positions`)."""
 
     _combined: CombinedLayout | None = None
+    logits_where_loss = False  # set by the provider from ModelExecution: ModelInputs asks for positions
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._loss_positions = None
+        if self.add_decoder and self.post_process:
+            from megatron_ext.model import loss_positions
+
+            self._loss_positions = loss_positions.attach(self.language_model)
 
     def forward(self, *args, layout: CombinedLayout | None = None, **kwargs):
         self._combined = layout
+        if self._loss_positions is not None and layout is not None and kwargs.get("labels") is not None:
+            self._loss_positions.positions = layout.loss_positions
         try:
             return super().forward(*args, **kwargs)
         finally:
             self._combined = None
+            if self._loss_positions is not None:
+                self._loss_positions.positions = None
 
     def _preprocess_data(self, image_embeddings, language_embeddings, input_ids, loss_mask, labels, *args, **kwargs):
         layout = self._combined

@@ -39,6 +39,8 @@ class ModelInputs:
     # The combined sequence's layout computed here, on the host (`combined_layout`), so the model
     # reads nothing back from the device; False: megatron-core's own preprocessing (for A/B benches).
     host_layout: bool = True
+    # With host_layout: the last stage computes logits and loss only where the loss mask is set.
+    logits_where_loss: bool = False
 
     @classmethod
     def for_model(cls, arch, model, device: torch.device) -> "ModelInputs":
@@ -51,7 +53,8 @@ class ModelInputs:
                    parallel_state.get_pipeline_model_parallel_world_size() > 1, model.attention_backend,
                    model.config.params_dtype, device, tiled=arch.tiling is not None,
                    video_token_index=arch.tiling.video_token_index if arch.tiling is not None else None,
-                   host_layout=isinstance(model, LaidOutLLaVAModel))
+                   host_layout=isinstance(model, LaidOutLLaVAModel),
+                   logits_where_loss=getattr(model, "logits_where_loss", False))
 
     def combined_length(self, input_ids: torch.Tensor) -> int:
         return combined_seq_len(input_ids, self.image_token_index, self.img_seq_len, self.seq_length,
@@ -100,7 +103,7 @@ class ModelInputs:
             # The tiled model treats video tokens as image tokens (`tiled_llava`).
             input_ids = input_ids.masked_fill(input_ids == self.video_token_index, self.image_token_index)
         return combined_layout(input_ids, batch["labels"], batch["loss_mask"], self.image_token_index,
-                               self.img_seq_len, self.seq_length, self.pipeline_parallel)
+                               self.img_seq_len, self.seq_length, self.pipeline_parallel, self.logits_where_loss)
 
     def to_device(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A host tensor on the compute device; to a GPU through pinned memory, without waiting

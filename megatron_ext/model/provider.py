@@ -204,6 +204,7 @@ def _build(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions, vp_stag
     model.model_type = ModelType.encoder_or_decoder
     # How batches must express packing to it (model.inputs).
     model.attention_backend = backend
+    model.logits_where_loss = opts.execution.logits_where_loss
     if not opts.init_weights:
         _mark_tensor_parallel_weights(model)
     return model

@@ -96,3 +96,54 @@ def test_image_features_that_do_not_fill_the_image_tokens_are_refused():
     with pytest.raises(ValueError, match="the images give 3 feature rows, the image tokens take 6"):
         model._preprocess_data(one_image, torch.zeros(1, 4, HIDDEN), input_ids, loss_mask, labels, False, None,
                                IMAGE, torch.ones(1, dtype=torch.int))
+
+
+class _Output(torch.nn.Module):
+    """megatron-core's output layer's call shape: (logits, bias) of [s, b, h] hidden states."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(HIDDEN, 11, dtype=torch.float64)
+        self.rows = []
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        self.rows.append(hidden.shape[0] * hidden.shape[1])
+        return self.linear(hidden), None
+
+
+def _megatron_loss(labels, logits):
+    """compute_language_model_loss: labels [b, s], logits [s, b, V] -> per-token loss [b, s]."""
+    loss = torch.nn.functional.cross_entropy(logits.permute(1, 2, 0), labels, reduction="none")
+    return loss
+
+
+def test_logits_are_computed_only_at_the_loss_positions_with_the_same_losses_and_gradients():
+    from types import SimpleNamespace
+
+    from megatron_ext.model import loss_positions
+
+    input_ids, labels, loss_mask = _batch([[1, IMAGE, 2, 3, 4, 5], [6, 7, IMAGE, 8, 9, 10]], seed=3)
+    layout = combined_layout(input_ids, labels % 11, loss_mask, IMAGE, 2, 64, False, loss_positions=True)
+    seq, batch = layout.source.shape[1], layout.source.shape[0]
+    assert torch.equal(layout.loss_positions, torch.nonzero(layout.loss_mask.t().reshape(-1)).reshape(-1))
+    hidden = torch.randn(seq, batch, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    results = []
+    for positions in (None, layout.loss_positions):
+        torch.manual_seed(5)  # the same output weights on both sides
+        lm = SimpleNamespace(output_layer=_Output(), compute_language_model_loss=_megatron_loss)
+        slot = loss_positions.attach(lm)
+        slot.positions = positions
+        h = hidden.clone().requires_grad_()
+        logits, _ = lm.output_layer(h)
+        loss = lm.compute_language_model_loss(layout.labels, logits)
+        (loss * layout.loss_mask).sum().backward()
+        results.append((lm.output_layer.rows, loss * layout.loss_mask, h.grad))
+    (all_rows, full, full_grad), (rows, sparse, sparse_grad) = results
+    assert all_rows == [seq * batch] and rows == [layout.loss_positions.numel()] and rows[0] < seq * batch / 2
+    assert torch.allclose(sparse, full, rtol=1e-12, atol=0) and torch.allclose(sparse_grad, full_grad, rtol=1e-12, atol=0)
+
+
+def test_a_micro_batch_without_loss_still_runs_the_output_layer_at_one_position():
+    input_ids, labels, _ = _batch([[1, IMAGE, 2]], seed=1)
+    layout = combined_layout(input_ids, labels, torch.zeros(1, 3), IMAGE, 2, 64, False, loss_positions=True)
+    assert layout.loss_positions.tolist() == [0]
