@@ -66,3 +66,11 @@ def test_the_profile_charges_every_kernel_to_a_category_and_phase():
     assert result["micro_batches"] > 1 and [g["gemm"] for g in result["gemm_ceiling"]] == \
         ["qkv", "proj", "fc1", "fc2", "logits"]
     assert "| **total** |" in proc.stdout
+
+
+def test_transformers_runs_on_the_same_samples_for_a_side_by_side_ratio():
+    ours, theirs = _bench(), _bench("--hf")
+    assert theirs["implementation"] == "transformers" and theirs["tokens_per_s"] > 0
+    # The same synthetic samples: the same language-model positions per step on both sides.
+    assert theirs["tokens_per_s"] * theirs["step_time_s"] == pytest.approx(ours["tokens_per_s"] * ours["step_time_s"])
+    assert theirs["loss_first"] == pytest.approx(ours["loss_first"], rel=0.05)  # both near ln(vocabulary)
