@@ -76,6 +76,7 @@ SWEEP = {
     "sdpa, packed, full recompute": ["--recompute-granularity", "full"],
     # Its S x S scores need the selective recompute (its default): without, ~48 GiB at 4096.
     "local, packed, selective recompute": ["--attention-backend", "local"],
+    "transformers, sdpa, padded micro batches of 4": ["--hf"],
 }
 TE_SWEEP = {
     "te, packed": ["--attention-backend", "te"],
@@ -114,9 +115,26 @@ def make_plan(preset: Preset, options: dict, iters: int):
                    dtype="bfloat16" if on_gpu else "float32", execution=execution, skip_ranges=())
 
 
+def synthetic_samples(preset: Preset, arch, rng: np.random.Generator) -> list[tuple]:
+    """One optimizer step's samples: (token ids with one image token, their next-token labels, the
+    trained-answer mask, the image)."""
+    import torch
+
+    size = arch.vision.image_size
+    samples = []
+    for _ in range(preset.samples_per_step):
+        n = int(rng.integers(*preset.text_tokens))
+        ids = rng.integers(0, arch.text.vocab_size - 2, n)
+        ids[1] = arch.image_token_index
+        labels = np.append(ids[1:], arch.pad_token_id)
+        answer = np.arange(n) >= int(0.4 * n)  # the last 60% of the tokens are the trained answer
+        answer[-1] = False
+        samples.append((ids, labels, answer, torch.randn(3, size, size)))
+    return samples
+
+
 def synthetic_micro_batches(plan, preset: Preset, packing: bool, rng: np.random.Generator) -> list[dict]:
     """One optimizer step's micro batches (one packed sequence or one sample each)."""
-    import torch
     from megatron.energon import Sample
 
     from megatron_ext.data.batching import BatchLayout
@@ -126,18 +144,104 @@ def synthetic_micro_batches(plan, preset: Preset, packing: bool, rng: np.random.
     layout = BatchLayout(pad_token_id=arch.pad_token_id, image_token_index=arch.image_token_index,
                          img_seq_len=arch.img_seq_len, max_length=preset.seq_length, image_shape=(3, size, size),
                          alignment=plan.execution.alignment)
-    samples = []
-    for i in range(preset.samples_per_step):
-        n = int(rng.integers(*preset.text_tokens))
-        ids = rng.integers(0, arch.text.vocab_size - 2, n)
-        ids[1] = arch.image_token_index
-        labels = np.append(ids[1:], arch.pad_token_id)
-        answer = np.arange(n) >= int(0.4 * n)  # the last 60% of the tokens are the trained answer
-        answer[-1] = False
-        images = [torch.randn(3, size, size)]
-        samples.append(layout.sample(Sample(__key__=str(i), __restore_key__=()), ids, labels, answer, images, False))
+    samples = [layout.sample(Sample(__key__=str(i), __restore_key__=()), ids, labels, answer, [image], False)
+               for i, (ids, labels, answer, image) in enumerate(synthetic_samples(preset, arch, rng))]
     groups = [layout.pack(pack) for pack in layout.packs(samples)] if packing else samples
     return [layout.batch([group]).as_dict() for group in groups]
+
+
+def hf_micro_batches(arch, samples: list[tuple], micro_batch_size: int) -> list[dict]:
+    """The same samples as transformers' LLaVA takes them: each image token repeated once per image
+    feature, labels the token itself where the token before it is trained, rows padded to the
+    micro batch's longest (what a user without packing kernels runs)."""
+    import torch
+
+    rows = []
+    for ids, _, answer, image in samples:
+        image_at = int(np.flatnonzero(ids == arch.image_token_index)[0])
+        expanded = np.concatenate([ids[:image_at], np.full(arch.img_seq_len, arch.image_token_index), ids[image_at + 1:]])
+        trained = np.concatenate([answer[:image_at], np.zeros(arch.img_seq_len, bool), answer[image_at + 1:]])
+        labels = np.where(np.concatenate([[False], trained[:-1]]), expanded, -100)
+        rows.append((torch.from_numpy(expanded), torch.from_numpy(labels), image))
+    batches = []
+    for first in range(0, len(rows), micro_batch_size):
+        group = rows[first:first + micro_batch_size]
+        width = max(len(ids) for ids, _, _ in group)
+        ids = torch.full((len(group), width), arch.pad_token_id)
+        labels = torch.full((len(group), width), -100)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for row, (i, lab, _) in enumerate(group):
+            ids[row, :len(i)], labels[row, :len(i)], mask[row, :len(i)] = i, lab, 1
+        batches.append({"input_ids": ids, "labels": labels, "attention_mask": mask,
+                        "pixel_values": torch.stack([image for _, _, image in group])})
+    return batches
+
+
+def run_hf(preset_name: str, iters: int, warmup: int, peak_tflops: float, micro_batch_size: int) -> dict:
+    """transformers' LlavaForConditionalGeneration on the same samples, trained as its Trainer with
+    bf16=True trains (fp32 weights, autocast), sdpa attention, fused AdamW on a GPU; stage 2 (the
+    tower frozen)."""
+    import torch
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    from megatron_ext import families
+    from megatron_ext.train.flops import iteration_flops
+
+    preset = PRESETS[preset_name]
+    hf_config = llava_config(preset)
+    arch = families.read_llava(hf_config)
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    torch.manual_seed(1234)
+    model = LlavaForConditionalGeneration._from_config(LlavaConfig(**hf_config), attn_implementation="sdpa")
+    model.to(device).train()
+    model.model.vision_tower.requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=on_gpu)
+    rng = np.random.default_rng(0)
+    steps = [synthetic_samples(preset, arch, rng) for _ in range(warmup + iters)]
+    losses = []
+    for step, samples in enumerate(steps):
+        if step == warmup:
+            _synchronize()
+            start = time.perf_counter()
+        batches = hf_micro_batches(arch, samples, micro_batch_size)
+        total = 0.0
+        for batch in batches:
+            with torch.autocast(device.type, torch.bfloat16, enabled=on_gpu):
+                loss = model(**{k: v.to(device, non_blocking=True) for k, v in batch.items()}).loss / len(batches)
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(total))
+    _synchronize()
+    seconds = time.perf_counter() - start
+    positions = [len(ids) - 1 + arch.img_seq_len for samples in steps[warmup:] for ids, *_ in samples]
+    flops = iteration_flops(arch, positions=sum(positions), squared_lengths=sum(n * n for n in positions),
+                            images=len(positions), lm_trained=True, vit_trained=False)
+    tflops = flops / seconds / 1e12
+    return {
+        "preset": preset_name, "implementation": "transformers", "attention_backend": "sdpa", "packing": False,
+        "micro_batch_size": micro_batch_size, "dtype": "bfloat16 autocast" if on_gpu else "float32",
+        "iterations": iters, "parameters": sum(p.numel() for p in model.parameters()),
+        "loss_first": losses[0], "loss_last": losses[-1], "step_time_s": seconds / iters,
+        "tokens_per_s": sum(positions) / seconds, "tflops_per_gpu": tflops, "mfu": tflops / peak_tflops,
+        "peak_mem_gib": _peak_memory_gib(),
+    }
+
+
+def _with_host_reads(inputs):
+    """The step as it was before it stopped reading device values back: megatron-core's own LLaVA
+    preprocessing and its per-tensor gradient norm (the A/B of BENCHMARKS.md)."""
+    import dataclasses
+
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
+    return dataclasses.replace(inputs, host_layout=False, logits_where_loss=False)
 
 
 def _synchronize():
@@ -155,7 +259,8 @@ def _peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: int, peak_tflops: float) -> dict:
+def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: int, peak_tflops: float,
+            host_reads: bool = False) -> dict:
 
     from megatron_ext.distributed import device, init_parallel, shutdown
     from megatron_ext.model.forward_step import make_forward_step
@@ -170,6 +275,8 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
     init_parallel(1, 1, seed=1234)
     trained = build_training_model(plan)
     inputs = ModelInputs.for_model(plan.arch, trained.model, device())
+    if host_reads:
+        inputs = _with_host_reads(inputs)
     forward_step = make_forward_step(inputs)
     rng = np.random.default_rng(0)
     steps = [synthetic_micro_batches(plan, preset, packing, rng) for _ in range(warmup + iters)]
@@ -183,12 +290,14 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
     _synchronize()
     seconds = time.perf_counter() - start
     flops = iteration_flops(plan.arch, positions=timed["positions"], squared_lengths=timed["squared_lengths"],
-                            images=timed["images"], lm_trained=True, vit_trained=False)
+                            images=timed["images"], lm_trained=True, vit_trained=False,
+                            logit_positions=timed["logit_positions"])
     tflops = flops / seconds / 1e12
     shutdown()
     return {
         "preset": preset_name, "attention_backend": plan.execution.model.attention_backend, "packing": packing,
         "recompute": plan.execution.model.recompute_granularity or "none", "fp8": plan.execution.model.fp8 is not None,
+        "logits_where_loss": inputs.logits_where_loss,
         "dtype": plan.dtype, "seq_length": plan.seq_length, "iterations": iters,
         "micro_batches_per_step": round(sum(len(s) for s in steps[warmup:]) / iters, 2),
         "parameters": sum(p.numel() for p in trained.model.parameters()),
@@ -255,15 +364,27 @@ def sweep(argv: list[str]) -> dict:
 @click.option("--peak-tflops", type=float, default=H100_BF16_PEAK_TFLOPS, show_default=True,
               help="Peak dense TFLOP/s the MFU is taken against (989: H100 SXM bf16).")
 @click.option("--sweep", "run_sweep", is_flag=True, help="Run every variant of BENCHMARKS.md, each in its own process.")
-def main(preset, attention_backend, packing, recompute_granularity, fp8, iters, warmup, peak_tflops, run_sweep):
+@click.option("--logits-where-loss/--no-logits-where-loss", default=True, show_default=True,
+              help="Logits and cross entropy only where a loss is taken (the trainer's default), or everywhere.")
+@click.option("--hf", is_flag=True, help="Time transformers' LlavaForConditionalGeneration on the same samples "
+              "instead (sdpa, padded micro batches of --hf-micro-batch-size, as its Trainer with bf16=True).")
+@click.option("--hf-micro-batch-size", type=int, default=4, show_default=True)
+@click.option("--host-reads", is_flag=True, help="The step before it stopped reading the device back: megatron-core's "
+              "LLaVA preprocessing and per-tensor gradient norm (for an A/B).")
+def main(preset, attention_backend, packing, recompute_granularity, fp8, iters, warmup, peak_tflops, run_sweep,
+         logits_where_loss, hf, hf_micro_batch_size, host_reads):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if run_sweep:
         argv = ["--preset", preset, "--iters", str(iters), "--warmup", str(warmup), "--peak-tflops", str(peak_tflops)]
         print(json.dumps(sweep(argv)))
         return
+    if hf:
+        print(json.dumps({"device": _device_name(), **run_hf(preset, iters, warmup, peak_tflops, hf_micro_batch_size)}))
+        return
     options = {"attention_backend": attention_backend, "recompute_granularity": recompute_granularity, "fp8": fp8,
-               "packing_seq_length": PRESETS[preset].seq_length if packing else None}
-    result = run_one(preset, options, packing, iters, warmup, peak_tflops)
+               "packing_seq_length": PRESETS[preset].seq_length if packing else None,
+               "logits_where_loss": logits_where_loss}
+    result = run_one(preset, options, packing, iters, warmup, peak_tflops, host_reads)
     print(json.dumps({"device": _device_name(), **result}))
 
 

@@ -16,6 +16,11 @@ TE crashed building the vision tower (found on an H100). `apply()` runs before e
    torch Adam, including `step`, which the checkpoint keeps separately -> `KeyError: 'step'`; `step`
    is left as the param-group load set it, one tensor per parameter (the load shares one tensor
    among all, and Adam's in-place increment would then count N times).
+3. Gradient norm: without Apex's multi-tensor kernel, `clip_grads` takes `local_multi_tensor_l2_norm`,
+   which builds a host tensor from every parameter's norm: one device -> host read per trained
+   tensor per step (102 for the ~1B LLaVA on an H200, `bench/gpu_profile.py --find-syncs`). The same
+   norm stays on the device here (`_foreach_norm`, one stacked norm); megatron-core reads the total
+   once afterwards, as it does with Apex.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ _MEGATRON_NAMES = {
         "CLIPViTModel.__init__(ln_post_impl)",
     ),
     "megatron.core.transformer.torch_norm": ("WrappedTorchNorm",),
+    "megatron.core.optimizer.clip_grads": ("l2_norm_impl",),
+    "megatron.core.utils": ("local_multi_tensor_l2_norm",),
     "megatron.core.optimizer.distrib_optimizer": (
         "HAVE_APEX_OR_TE",
         "DistributedOptimizer.sharded_state_dict",
@@ -84,8 +91,24 @@ def _patch_distributed_optimizer_loading() -> None:
     distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
 
 
+def l2_norm_on_device(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """`local_multi_tensor_l2_norm`'s result ([1] float32: the L2 norm of all the tensors) computed
+    where the tensors are, with nothing read back."""
+    tensors = [t for tensor_list in tensor_lists for t in tensor_list]
+    norms = torch.stack(torch._foreach_norm(tensors)).float()
+    return torch.linalg.vector_norm(norms).reshape(1), None
+
+
+def _patch_grad_norm() -> None:
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = l2_norm_on_device
+
+
 def apply() -> None:
-    """Both patches, once per process (idempotent); UserError, nothing patched, when the installed
+    """The patches, once per process (idempotent); UserError, nothing patched, when the installed
     megatron-core lacks a name they need."""
     global _APPLIED
     if _APPLIED:
@@ -93,4 +116,5 @@ def apply() -> None:
     check_megatron_core(_MEGATRON_NAMES, "no-Transformer-Engine")
     _patch_vision_norm_defaults()
     _patch_distributed_optimizer_loading()
+    _patch_grad_norm()
     _APPLIED = True

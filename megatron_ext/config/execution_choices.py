@@ -108,6 +108,7 @@ def resolve_execution(config: TrainConfig, world_size: int, te: bool, on_gpu: bo
         recompute_method=config.recompute_method,
         recompute_num_layers=config.recompute_num_layers,
         gradient_accumulation_fusion=_gradient_accumulation_fusion(backend, on_gpu),
+        logits_where_loss=_logits_where_loss(config, sequence_parallel),
     )
     return Execution(
         model=model,
@@ -117,6 +118,16 @@ def resolve_execution(config: TrainConfig, world_size: int, te: bool, on_gpu: bo
         ddp_bucket_size=config.ddp_bucket_size,
         alignment=alignment,
     )
+
+
+def _logits_where_loss(config: TrainConfig, sequence_parallel: bool) -> bool:
+    """On unless the hidden states are split over ranks by position (sequence or context parallelism),
+    where a rank's positions are not the batch's."""
+    split = sequence_parallel or config.cp > 1
+    if config.logits_where_loss and split:
+        raise UserError("--logits-where-loss cannot run with sequence or context parallelism (each rank holds "
+                        "part of the positions); drop it or use --no-logits-where-loss")
+    return not split if config.logits_where_loss is None else config.logits_where_loss
 
 
 def _alignment_reason(config: TrainConfig, sequence_parallel: bool) -> str:

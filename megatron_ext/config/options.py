@@ -72,6 +72,10 @@ class TrainConfig:
                                              "attention), full (whole layers) or none; auto: selective with the local "
                                              "kernel (its S x S scores), none with sdpa and te (flash kernels keep "
                                              "no scores).", choices=["auto", "none", "selective", "full"])
+    logits_where_loss: bool | None = opt(None, "Compute the output layer's logits and the cross entropy only at the "
+                                               "positions a loss is taken at (the same losses and gradients; default: "
+                                               "on, except with sequence or context parallelism); "
+                                               "--no-logits-where-loss: at every position, as megatron-core does.")
     recompute_method: str = opt("uniform", "Full recomputation: uniform (groups of --recompute-num-layers layers) or "
                                            "block (the first --recompute-num-layers layers of each pipeline stage).",
                                 choices=["uniform", "block"])

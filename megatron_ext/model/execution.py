@@ -18,4 +18,5 @@ class ModelExecution:
     recompute_method: str = "uniform"  # full recomputation: "uniform" or "block"
     recompute_num_layers: int = 1
     gradient_accumulation_fusion: bool = False  # weight gradients accumulated in place (training on GPU)
+    logits_where_loss: bool = False  # training: output layer and cross entropy only where a loss is taken
 

@@ -36,16 +36,25 @@ class ModelInputs:
     device: torch.device
     tiled: bool = False  # a tiled LLaVA: the batch's media_layout goes to its forward
     video_token_index: int | None = None  # a tiled LLaVA's video token (None: no video)
+    # The combined sequence's layout computed here, on the host (`combined_layout`), so the model
+    # reads nothing back from the device; False: megatron-core's own preprocessing (for A/B benches).
+    host_layout: bool = True
+    # With host_layout: the last stage computes logits and loss only where the loss mask is set.
+    logits_where_loss: bool = False
 
     @classmethod
     def for_model(cls, arch, model, device: torch.device) -> "ModelInputs":
         """For this rank's LLaVAModel of `arch` (`provider.build_model`), under the current parallel state."""
         from megatron.core import parallel_state
 
+        from megatron_ext.model.combined_layout import LaidOutLLaVAModel
+
         return cls(arch.image_token_index, arch.img_seq_len, model.language_model.max_sequence_length,
                    parallel_state.get_pipeline_model_parallel_world_size() > 1, model.attention_backend,
                    model.config.params_dtype, device, tiled=arch.tiling is not None,
-                   video_token_index=arch.tiling.video_token_index if arch.tiling is not None else None)
+                   video_token_index=arch.tiling.video_token_index if arch.tiling is not None else None,
+                   host_layout=isinstance(model, LaidOutLLaVAModel),
+                   logits_where_loss=getattr(model, "logits_where_loss", False))
 
     def combined_length(self, input_ids: torch.Tensor) -> int:
         return combined_seq_len(input_ids, self.image_token_index, self.img_seq_len, self.seq_length,
@@ -71,6 +80,8 @@ class ModelInputs:
             if self.video_token_index is not None:
                 media |= input_ids == self.video_token_index
             kwargs["image_tokens"] = int(media.sum())
+        if self.host_layout:
+            kwargs["layout"] = self.layout(batch).to(self.to_device)
         packed = int(segment_ids.max()) > 1
         length = self.combined_length(input_ids)
         if self.backend != "local" and input_ids.shape[0] == 1:
@@ -82,6 +93,17 @@ class ModelInputs:
             kwargs["attention_mask"] = packed_attention_mask(kwargs["input_ids"], self.to_device(segment_ids),
                                                              self.image_token_index, self.img_seq_len, length)
         return kwargs
+
+    def layout(self, batch: dict):
+        """Where the model puts each combined position's embedding, label and loss mask (host tensors)."""
+        from megatron_ext.model.combined_layout import combined_layout
+
+        input_ids = batch["input_ids"]
+        if self.tiled and self.video_token_index is not None:
+            # The tiled model treats video tokens as image tokens (`tiled_llava`).
+            input_ids = input_ids.masked_fill(input_ids == self.video_token_index, self.image_token_index)
+        return combined_layout(input_ids, batch["labels"], batch["loss_mask"], self.image_token_index,
+                               self.img_seq_len, self.seq_length, self.pipeline_parallel, self.logits_where_loss)
 
     def to_device(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A host tensor on the compute device; to a GPU through pinned memory, without waiting

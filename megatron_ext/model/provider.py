@@ -204,20 +204,22 @@ def _build(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions, vp_stag
     model.model_type = ModelType.encoder_or_decoder
     # How batches must express packing to it (model.inputs).
     model.attention_backend = backend
+    model.logits_where_loss = opts.execution.logits_where_loss
     if not opts.init_weights:
         _mark_tensor_parallel_weights(model)
     return model
 
 
 def _model_class(arch: LlavaArch):
-    """megatron-core's LLaVAModel, or for tiled models (LLaVA-NeXT, OneVision) its subclass; either
-    takes shared images (a preference pair's, `shared_images`)."""
+    """megatron-core's LLaVAModel taking a host-computed layout (`combined_layout`), or for tiled
+    models (LLaVA-NeXT, OneVision) its subclass; either takes shared images (a preference pair's,
+    `shared_images`)."""
     from megatron_ext.model.shared_images import with_shared_images
 
     if arch.tiling is None:
-        from megatron.core.models.multimodal.llava_model import LLaVAModel
+        from megatron_ext.model.combined_layout import LaidOutLLaVAModel
 
-        return with_shared_images(LLaVAModel)
+        return with_shared_images(LaidOutLLaVAModel)
     from megatron_ext.model.tiled_llava import TiledLLaVAModel
 
     return partial(with_shared_images(TiledLLaVAModel), tiling=arch.tiling, tile=arch.vision.image_size)

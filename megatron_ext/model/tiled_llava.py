@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 
 import torch
-from megatron.core.models.multimodal.llava_model import LLaVAModel
 
 from megatron_ext.model.arch import TilingArch
+from megatron_ext.model.combined_layout import LaidOutLLaVAModel
 from megatron_ext.model.tiling import Media, assemble, feature_count
 
 
-class TiledLLaVAModel(LLaVAModel):
+class TiledLLaVAModel(LaidOutLLaVAModel):
     def __init__(self, *, tiling: TilingArch, tile: int, **kwargs):
         """`tile`: the tower's image size in pixels, which the grids are multiples of."""
         super().__init__(**kwargs)

@@ -26,10 +26,12 @@ def _transformer_flops(tokens: float, attention_pairs: float, layers: int, hidde
 
 
 def iteration_flops(arch: LlavaArch, *, positions: float, squared_lengths: float, images: float, lm_trained: bool,
-                    vit_trained: bool) -> float:
+                    vit_trained: bool, logit_positions: float | None = None) -> float:
     """FLOPs of one optimizer step. `images`: vision tower inputs (a tiled model's tiles and video
     frames); `positions`: language-model positions holding samples (image embeddings included,
-    padding not); `squared_lengths`: the sum of L^2 over those samples."""
+    padding not); `squared_lengths`: the sum of L^2 over those samples; `logit_positions`: where
+    the output layer computes logits (default: every position; fewer with --logits-where-loss,
+    so the count follows what is computed)."""
     t, v = arch.text, arch.vision
     image_tokens = v.num_patches + int(v.class_token)
     vit = _transformer_flops(images * image_tokens, images * image_tokens**2, v.num_layers, v.hidden_size,
@@ -40,6 +42,6 @@ def iteration_flops(arch: LlavaArch, *, positions: float, squared_lengths: float
     projector = 2.0 * images * tile_features * (v.hidden_size * t.hidden_size + t.hidden_size * t.hidden_size)
     lm = _transformer_flops(positions, squared_lengths / 2, t.num_layers, t.hidden_size, t.ffn_hidden_size,
                             t.num_attention_heads, t.num_query_groups, t.kv_channels, True)
-    logits = 2.0 * positions * t.hidden_size * t.padded_vocab_size
+    logits = 2.0 * (positions if logit_positions is None else logit_positions) * t.hidden_size * t.padded_vocab_size
     lm_factor = 3 if lm_trained else 2  # the projector before it always trains
     return vit * (3 if vit_trained else 1) + projector * 3 + (lm + logits) * lm_factor

@@ -69,20 +69,23 @@ def _memory_gb() -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
-BATCH_STATS = ("samples", "positions", "squared_lengths", "model_positions", "images", "truncated", "skipped")
+BATCH_STATS = ("samples", "positions", "squared_lengths", "model_positions", "images", "truncated", "skipped",
+               "logit_positions")
 
 
 def batch_stats(micro_batches: list[dict], inputs: ModelInputs) -> torch.Tensor:
     """`BATCH_STATS` of these micro batches (bench/gpu_bench.py counts with it too). positions:
     language-model positions holding samples (image embeddings included); model_positions: all the
     positions the model computes, padding included; squared_lengths: the sum of each sample's
-    squared length (its attention work)."""
+    squared length (its attention work); logit_positions: where the output layer computes logits
+    (the loss positions with --logits-where-loss, else the sample positions)."""
     total = torch.zeros(len(BATCH_STATS), dtype=torch.float64)
     for b in micro_batches:
         lengths = sample_lengths(b["input_ids"], b["segment_ids"], inputs.image_token_index, inputs.img_seq_len).double()
+        logits = inputs.layout(b).loss_positions.numel() if inputs.logits_where_loss else lengths.sum()
         total += torch.tensor([b["num_samples"], lengths.sum(), (lengths**2).sum(),
                                b["input_ids"].shape[0] * inputs.combined_length(b["input_ids"]), b["images"].shape[0],
-                               b["num_truncated"], b["num_skipped"]], dtype=torch.float64)
+                               b["num_truncated"], b["num_skipped"], logits], dtype=torch.float64)
     return total
 
 
@@ -233,7 +236,7 @@ class Trainer:
         self.counters["skipped_samples"] += int(batch["skipped"])
         flops = iteration_flops(self.plan.arch, positions=batch["positions"], squared_lengths=batch["squared_lengths"],
                                 images=batch["images"], lm_trained=not self.cfg.freeze_lm,
-                                vit_trained=self.cfg.unfreeze_vit)
+                                vit_trained=self.cfg.unfreeze_vit, logit_positions=batch["logit_positions"])
         record = {
             "iteration": self.iteration,
             "loss": result.loss if result else float("nan"),

@@ -41,3 +41,36 @@ def test_gpu_check_says_in_one_line_that_it_needs_a_gpu():
     assert proc.stderr.strip().splitlines() == [
         "gpu_check: torch sees no CUDA GPU here; run it on a GPU node "
         "(or: singularity exec --nv IMAGE bash scripts/gpu_check.sh)"]
+
+
+def test_the_host_reads_variant_trains_the_same_losses():
+    """--host-reads (megatron-core's preprocessing and gradient norm, the A/B baseline) and the
+    default path compute the same step: same losses on the CPU in fp32."""
+    ours, theirs = _bench(), _bench("--host-reads")
+    assert (ours["loss_first"], ours["loss_last"]) == (theirs["loss_first"], theirs["loss_last"])
+
+
+@pytest.mark.timeout(200)
+def test_the_profile_charges_every_kernel_to_a_category_and_phase():
+    proc = run_python("bench/gpu_profile.py", "--preset", "tiny", timeout=180)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    table = result["table_ms"]
+    # The frozen tower runs forward only; the LM's matrix products run forward and backward.
+    assert table["GEMM"]["vit"] > 0 and "backward: vit" not in table["GEMM"]
+    assert table["GEMM"]["lm"] > 0 and table["GEMM"]["backward: lm"] > 0
+    assert table["GEMM"]["logits+loss"] > 0 and any(row.get("optimizer") for row in table.values())
+    charged = sum(ms for row in table.values() for ms in row.values())
+    # On the CPU the outermost operators are the "kernels": they tile the busy time exactly.
+    assert charged == pytest.approx(result["device_busy_ms"], rel=0.01)
+    assert result["device_busy_ms"] + result["device_idle_ms"] == pytest.approx(result["wall_ms"], abs=0.2)
+    assert result["micro_batches"] > 1 and [g["gemm"] for g in result["gemm_ceiling"]] == \
+        ["qkv", "proj", "fc1", "fc2", "logits"]
+    assert "| **total** |" in proc.stdout
+
+
+def test_transformers_runs_on_the_same_samples_for_a_side_by_side_ratio():
+    ours, theirs = _bench(), _bench("--hf")
+    assert theirs["implementation"] == "transformers" and theirs["tokens_per_s"] > 0
+    # The same synthetic samples: the same language-model positions per step on both sides.
+    assert theirs["tokens_per_s"] * theirs["step_time_s"] == pytest.approx(ours["tokens_per_s"] * ours["step_time_s"])
+    assert theirs["loss_first"] == pytest.approx(ours["loss_first"], rel=0.05)  # both near ln(vocabulary)

@@ -40,8 +40,7 @@ import torch
 from megatron.core.models.vision import clip_vit_model
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron_ext.compat import without_te
-from megatron_ext.compat import cpu_support
+from megatron_ext.compat import cpu_support, without_te
 defaults = clip_vit_model.CLIPViTModel.__init__.__defaults__
 assert torch.nn.LayerNorm in defaults and WrappedTorchNorm not in defaults
 loading = DistributedOptimizer.sharded_state_dict
@@ -49,6 +48,8 @@ without_te.apply()
 defaults = clip_vit_model.CLIPViTModel.__init__.__defaults__
 assert WrappedTorchNorm in defaults and torch.nn.LayerNorm not in defaults
 assert DistributedOptimizer.sharded_state_dict is not loading
+from megatron.core.optimizer import clip_grads
+assert clip_grads.l2_norm_impl is without_te.l2_norm_on_device
 assert not cpu_support.cpu_mode_active()
 print("ok")
 """
@@ -121,3 +122,18 @@ def test_a_missing_constructor_parameter_is_named(monkeypatch):
     monkeypatch.setattr(CLIPViTModel, "__init__", without_ln_post_impl)
     assert cpu_support._missing_megatron_names(without_te._MEGATRON_NAMES) == [
         "megatron.core.models.vision.clip_vit_model.CLIPViTModel.__init__(ln_post_impl)"]
+
+
+def test_the_gradient_norm_kept_on_the_device_equals_megatron_cores_host_one():
+    """megatron-core's local_multi_tensor_l2_norm: each tensor's norm, a host tensor of them, its
+    norm; ours reads nothing back and gives the same float32 number."""
+    import torch
+
+    from megatron_ext.compat.without_te import l2_norm_on_device
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=gen) * scale for shape, scale in (((7, 5), 1e-3), ((11,), 3.0), ((2, 3, 4), 0.5))]
+    megatrons = torch.norm(torch.tensor([torch.norm(g) for g in grads]))
+    norm, per_tensor = l2_norm_on_device(2048 * 32, None, [grads], False)
+    assert per_tensor is None and norm.shape == (1,) and norm.dtype == torch.float32
+    assert torch.equal(norm[0], megatrons)

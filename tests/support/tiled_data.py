@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import av
 import numpy as np
 
 SEQ = 256  # the sequence length the mix is made for: its long samples do not fit in it
@@ -14,6 +13,8 @@ SEQ = 256  # the sequence length the mix is made for: its long samples do not fi
 
 def write_video(path: Path, frames: int = 6) -> None:
     """A 64 x 48 video that brightens frame by frame."""
+    import av  # here, not at the top: the GPU tests import this module where PyAV is not installed
+
     with av.open(str(path), "w") as container:
         stream = container.add_stream("mpeg4", rate=5)
         stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"

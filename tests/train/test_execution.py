@@ -57,12 +57,22 @@ def test_summary_is_flat_as_checkpoints_store_it():
     summary = _resolve(world=2, attention_backend="local", dist_optim=True).summary()
     assert summary == {"attention_backend": "local", "sequence_parallel": False, "cp": 1, "fp8": None,
                        "recompute_granularity": "selective", "recompute_method": "uniform", "recompute_num_layers": 1,
-                       "gradient_accumulation_fusion": False, "data_parallel_size": 2, "overlap_grad_reduce": True,
+                       "gradient_accumulation_fusion": False, "logits_where_loss": True, "data_parallel_size": 2,
+                       "overlap_grad_reduce": True,
                        "overlap_param_gather": True, "ddp_bucket_size": None,
                        "alignment": {"total": 1, "per_sample": 1}}
 
 
+def test_logits_where_loss_is_on_unless_a_rank_holds_part_of_the_positions():
+    assert _resolve().model.logits_where_loss
+    assert not _resolve(logits_where_loss=False).model.logits_where_loss
+    assert not _resolve(world=2, tp=2, sequence_parallel=True, attention_backend="te", te=True).model.logits_where_loss
+
+
 REFUSED = {
+    "logits where loss with sp": (dict(world=2, tp=2, sequence_parallel=True, attention_backend="te", te=True,
+                                       logits_where_loss=True),
+                                  "--logits-where-loss cannot run with sequence or context parallelism"),
     "te without TE": (dict(attention_backend="te"), "--attention-backend te needs Transformer Engine with CUDA"),
     "fp8 without TE": (dict(fp8=True), "--fp8 needs Transformer Engine with CUDA, which is not importable here"),
     "fp8 with sdpa": (dict(fp8=True, attention_backend="sdpa", te=True),

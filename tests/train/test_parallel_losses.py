@@ -55,3 +55,19 @@ def test_packed_anyres_samples_train_like_unpacked(tmp_path, llava_next_clip, tr
         assert got["tokens"] == expected["tokens"]
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-5)
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2, "packing_seq_length": 192}, {"tp": 2, "pp": 2}], ids=["tp2-packed", "tp2-pp2"])
+def test_logits_only_where_a_loss_is_taken_train_like_logits_everywhere(tmp_path, megatron_clip, train_data, layout):
+    """--logits-where-loss (the default) against megatron-core's logits at every position: the
+    same losses and gradient norms (fp32)."""
+    nproc = layout.get("tp", 1) * layout.get("pp", 1)
+    (tmp_path / "where").mkdir()
+    (tmp_path / "everywhere").mkdir()
+    where = _steps(tmp_path / "where", megatron_clip, train_data, nproc, layout)
+    everywhere = _steps(tmp_path / "everywhere", megatron_clip, train_data, nproc, {**layout, "logits_where_loss": False})
+    assert len(where) == len(everywhere) == 3
+    for got, expected in zip(where, everywhere):
+        assert got["tokens"] == expected["tokens"]
+        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6)
