@@ -164,15 +164,18 @@ def _train_split(config: TrainConfig) -> SplitCount:
     if not config.data_path:
         raise UserError("--data-path is required: a prepared energon dataset directory or a metadataset YAML")
     try:
-        train = split_counts(config.data_path)["train"]
+        counts = split_counts(config.data_path)
     except UncountedSamples:
         if config.train_iters is None:
             raise
         # The length is given, so nothing needs the count; the metadataset names its datasets itself.
         return SplitCount(0)
-    if train.samples == 0:
-        raise UserError(f"--data-path {config.data_path} has no training samples")
-    return train
+    if counts["train"].samples == 0:
+        splits = ", ".join(f"{name} {count.samples}" for name, count in counts.items())
+        raise UserError(f"--data-path {config.data_path} has no training samples (splits: {splits}); rebuild it with "
+                        "`megatron-ext-data build` (every non-zero --split-ratio share gets samples) or point "
+                        "--data-path at a dataset whose train split has samples")
+    return counts["train"]
 
 
 def _epoch_iters(epochs: float, train_samples: int, global_batch_size: int) -> int:

@@ -236,3 +236,14 @@ def test_synthetic_pairs_differ_and_build_without_skips(tmp_path, capsys):
             "--split-ratio", "1,0,0", "--num-workers", 0, "--samples-per-shard", 12)
     out = capsys.readouterr().out
     assert f"wrote 24 pairs in 2 shards to {tmp_path / 'out'}" in out and "skipped 0 pairs" in out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_few_pairs_built_with_the_defaults_have_train_and_val_pairs(tmp_path, capsys):
+    source = make_synthetic_dataset(tmp_path / "src", SyntheticSpec(num_samples=37, task="preference"))
+    with pytest.raises(SystemExit) as exited:
+        run_command(group, ["build", str(source), "--output-dir", str(tmp_path / "out"), "--task", "preference",
+                            "--num-workers", "0"])
+    assert exited.value.code == 0
+    assert "splits: train 33, val 4, test 0" in capsys.readouterr().out

@@ -71,7 +71,8 @@ CASES = {
     "passthrough typo": (["--", "--trian-iters", "5"], 0, "trainer options after --: No such option '--trian-iters'"),
     "passthrough value": (["--", "--lr", "fast"], 0, "'fast' is not a valid float"),
     "launcher flag after --": (["--", "--tp", "2"], 0, "--tp after --: give it as run.py's --tp"),
-    "no training samples": (["--data-path", "NO_TRAIN"], 0, "has no training samples"),
+    "no training samples": (["--data-path", "NO_TRAIN"], 0, "has no training samples (splits: train 0, val 5, test 0); "
+                            "rebuild it with `megatron-ext-data build`"),
     # Checked by the trainer's own plan, before anything starts.
     "seq length under the image": (["--", "--seq-length", "200"], 0,
                                    "--seq-length 200 leaves no room for text after 256 image embeddings"),
