@@ -81,7 +81,22 @@ class ValData:
                                  limit=cfg.eval_iters * plan.num_microbatches)
 
     def global_batches(self) -> list[list[dict]]:
-        """One full pass (energon restarts the split on every pass), as groups of micro batches."""
+        """One full pass (energon restarts the split on every pass), as groups of micro batches; the
+        last group may be short, and a data-parallel rank with fewer groups than another gets empty
+        ones, so every rank takes part in as many evaluation steps (a val split smaller than a
+        global batch is still evaluated)."""
         batches = [batch.as_dict() for batch in self.loader]
         n = self.num_microbatches
-        return [batches[i:i + n] for i in range(0, len(batches) - n + 1, n)]
+        groups = [batches[i:i + n] for i in range(0, len(batches), n)]
+        return groups + [[] for _ in range(_most_over_data_parallel(len(groups)) - len(groups))]
+
+
+def _most_over_data_parallel(count: int) -> int:
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_ext.distributed import device
+
+    most = torch.tensor([count], device=device())
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    return int(most.item())

@@ -38,6 +38,9 @@ from megatron_ext.train.step import StepResult, train_step
 
 log = logging.getLogger(__name__)
 
+_NOTHING_EVALUATED = ("evaluation scored nothing (loss nan): every val sample was skipped or has no trained "
+                      "tokens (too long for --seq-length? see the skipped counts); the val split needs usable samples")
+
 # metrics.jsonl's "state" record: one row per rank.
 STATE_COLUMNS = ["pp_rank", "tp_rank", "dp_rank", "param_bytes", "grad_bytes", "optimizer_bytes"]
 
@@ -147,7 +150,7 @@ class Trainer:
             self.dpo.reference.load()
             return
         log.info("computing the reference log-probabilities of the %d training pairs", self.plan.train_split.samples)
-        val = self.val_data.global_batches() if self.val_data is not None else []
+        val = [group for group in self.val_data.global_batches() if group] if self.val_data is not None else []
         train = split_pass(self.plan, "train")
         groups = iter(lambda: list(islice(train, self.plan.num_microbatches)), [])
         self.dpo.reference.precompute(chain(groups, val))
@@ -268,6 +271,8 @@ class Trainer:
             loss, n = eval_loss(self.trained.ddp, self.forward_step, micro_batches, self.plan.seq_length,
                                 self.cfg.micro_batch_size)
             total, tokens = total + loss * n, tokens + n
+        if not tokens:
+            log.warning(_NOTHING_EVALUATED)
         loss = total / tokens if tokens else float("nan")
         result = {"iteration": self.iteration, "loss": loss, "perplexity": math.exp(loss) if tokens else float("nan"),
                   "loss_tokens": tokens}
@@ -288,6 +293,8 @@ class Trainer:
             for name, value in {"loss": loss, **metrics}.items():
                 sums[name] = sums.get(name, 0.0) + value * n
             pairs += n
+        if not pairs:
+            log.warning(_NOTHING_EVALUATED)
         return {"iteration": self.iteration, "pairs": pairs,
                 **{name: value / pairs if pairs else float("nan") for name, value in sums.items()}}
 

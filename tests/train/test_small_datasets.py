@@ -7,7 +7,7 @@ import pytest
 from megatron_ext.data.build import build_energon_dataset
 from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
 from tests.helpers import run_script
-from tests.train.conftest import metrics, trainer_args
+from tests.train.conftest import metrics, train, trainer_args
 
 
 @pytest.fixture(scope="module")
@@ -26,3 +26,31 @@ def test_thirty_seven_samples_built_with_the_defaults_train_one_epoch_without_a_
     run_script("train/pretrain_llava.py", *trainer_args(megatron_clip, small_data, save, train_iters=None), timeout=300)
     # One epoch of the 33 training samples at global batch 4.
     assert sorted(metrics(save)) == list(range(1, 10))
+
+
+def _one_val_sample(root, task: str):
+    """37 synthetic samples (or pairs) built so that val holds one: train 36, val 1."""
+    source = make_synthetic_dataset(root / "src", SyntheticSpec(num_samples=37, seed=5, task=task))
+    return build_energon_dataset(source, root / "energon", split_ratio="36,1,0", num_workers=0, task=task).output_dir
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_val_split_smaller_than_a_global_batch_is_evaluated_on_every_data_parallel_rank(tmp_path, megatron_clip):
+    data = _one_val_sample(tmp_path, "sft")
+    save = tmp_path / "run"
+    # Two data-parallel ranks of two micro batches each: one holds the val sample, the other none.
+    train(2, *trainer_args(megatron_clip, data, save, micro_batch_size=1, train_iters=2, eval_interval=2), timeout=300)
+    val = metrics(save, "val")[2]
+    assert val["loss_tokens"] > 0 and val["loss"] == val["loss"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_one_val_pair_is_evaluated_by_dpo(tmp_path, megatron_clip):
+    data = _one_val_sample(tmp_path, "preference")
+    save = tmp_path / "run"
+    train(1, *trainer_args(megatron_clip, data, save, stage="dpo", seq_length=192, train_iters=2, eval_interval=2),
+          timeout=300)
+    val = metrics(save, "val")[2]
+    assert val["pairs"] == 1 and val["loss"] == val["loss"]

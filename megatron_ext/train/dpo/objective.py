@@ -77,6 +77,8 @@ class DpoObjective:
     def evaluate(self, micro_batches: list[dict]) -> tuple[float, int, dict]:
         """(loss, pairs, metrics) of one global batch, forward only."""
         self._prepare(micro_batches)
+        if not micro_batches:  # as model.forward_step.eval_loss: this rank adds nothing
+            return self._reduce([])
         with torch.no_grad():
             return self._reduce(run_schedule(self.trained.ddp, self.forward_step, micro_batches, self.seq_length,
                                              self.micro_batch_size, True))
