@@ -36,6 +36,7 @@ from megatron_ext.progress import QUIET_ENV, progress
 log = logging.getLogger(__name__)
 
 REPORT_FILE = "build_report.json"
+NAMED_SKIPS = 5  # skipped records the summary names; build_report.json lists them all
 
 
 @dataclass
@@ -68,6 +69,9 @@ class BuildReport:
         total = sum(self.skipped.values())
         lines.append(f"skipped {total} {unit}s" + (":" if total else ""))
         lines += [f"  {count:6d}  {reason}" for reason, count in sorted(self.skipped.items(), key=lambda kv: -kv[1])]
+        lines += [f"  {Skip(**skip).describe(unit)}" for skip in self.skipped_samples[:NAMED_SKIPS]]
+        if total > NAMED_SKIPS:
+            lines.append(f"  and {total - NAMED_SKIPS} more in {REPORT_FILE}")
         return "\n".join(lines)
 
 

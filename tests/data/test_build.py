@@ -216,3 +216,20 @@ def test_a_split_whose_records_were_all_skipped_is_refused_and_nothing_is_writte
     assert str(refused.value) == ("--split-ratio 9,1,0: every record of the val split (records 9-9 of INPUT) was "
                                   "skipped; fix them (--strict names the first) or change --split-ratio")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_summary_names_the_first_skipped_records_by_id_and_points_to_the_report_for_the_rest(messy_input, tmp_path):
+    (messy_input.parent / "coco/train2017/noise.jpg").write_bytes(b"not a picture at all")
+    records = json.loads(messy_input.read_text())
+    records.insert(0, {"id": "noise", "image": "coco/train2017/noise.jpg",
+                       "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "Red."}]})
+    messy_input.write_text(json.dumps(records))
+    report = build_energon_dataset(messy_input, tmp_path / "out", split_ratio="1,0,0", num_workers=0)
+    lines = report.summary().splitlines()
+    named = lines[lines.index("  sample 0 (id noise): corrupt image "
+                              f"({messy_input.parent / 'coco/train2017/noise.jpg'}: not an image format PIL can read)"):]
+    assert len(named) == 6 and all(line.startswith("  sample ") for line in named[:5])
+    assert named[5] == f"  and {sum(BAD.values()) + 1 - 5} more in build_report.json"
+    assert "BytesIO" not in (tmp_path / "out" / "build_report.json").read_text()
