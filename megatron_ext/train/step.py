@@ -27,8 +27,9 @@ def token_objective(losses: list[dict]) -> tuple[float, int, dict]:
 
 
 def train_step(trained, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
-               reduce=token_objective) -> StepResult:
-    """`reduce`: the step's loss-function outputs -> (loss, what it is the mean over, metrics)."""
+               reduce=token_objective, schedule_increment: int = 1) -> StepResult:
+    """`reduce`: the step's loss-function outputs -> (loss, what it is the mean over, metrics);
+    `schedule_increment`: how far the LR schedule advances (0: the caller advances it)."""
     trained.ddp.zero_grad_buffer()
     trained.optimizer.zero_grad()
     loss, count, metrics = reduce(run_schedule(trained.ddp, forward_step, micro_batches, seq_length, micro_batch_size,
@@ -36,5 +37,5 @@ def train_step(trained, forward_step, micro_batches: list[dict], seq_length: int
     if not math.isfinite(loss):
         return StepResult(loss, count, None, updated=False, metrics=metrics)
     _, grad_norm, _ = trained.optimizer.step()
-    trained.scheduler.step(increment=1)
+    trained.scheduler.step(increment=schedule_increment)
     return StepResult(loss, count, grad_norm, updated=True, metrics=metrics)

@@ -6,7 +6,7 @@ import pytest
 
 from megatron_ext.data.build import build_energon_dataset
 from megatron_ext.data.synthetic import SyntheticSpec, make_synthetic_dataset
-from tests.helpers import run_script
+from tests.helpers import run_ranks, run_script
 from tests.train.conftest import metrics, train, trainer_args
 
 
@@ -54,3 +54,26 @@ def test_one_val_pair_is_evaluated_by_dpo(tmp_path, megatron_clip):
           timeout=300)
     val = metrics(save, "val")[2]
     assert val["pairs"] == 1 and val["loss"] == val["loss"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_one_epoch_with_packing_trains_each_training_sample_once(tmp_path, megatron_clip, small_data):
+    import json
+
+    import torch
+
+    from megatron_ext.train.parity_run import batch_file
+
+    config = {"megatron_load_dir": str(megatron_clip), "data_path": str(small_data), "save": True,
+              "save_dir": str(tmp_path / "run"), "micro_batch_size": 2, "global_batch_size": 4, "seq_length": 256,
+              "packing_seq_length": 256, "epochs": 1.0, "num_workers": 0, "stage": 2, "lr": 1e-3}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    # The parity check's recording trainer: the real trainer, saving each global batch it trains on.
+    run_ranks(1, "-m megatron_ext.train.parity_run", tmp_path / "batches", tmp_path / "config.json", timeout=300)
+    records = metrics(tmp_path / "run")
+    keys = [key for i in sorted(records) for b in torch.load(batch_file(tmp_path / "batches", i, 0))
+            for row in b["keys"] for key in row.split(",")]
+    # Every one of the 33 training samples (records 0-32) once, in fewer iterations than unpacked rows would take.
+    assert sorted(keys) == [f"{i:09d}" for i in range(33)]
+    assert sum(r["samples"] for r in records.values()) == 33 and len(records) < 9

@@ -69,10 +69,10 @@ class DpoObjective:
         metrics = {name: value / pairs if pairs else float("nan") for name, value in zip(METRICS, sums)}
         return (total / pairs if pairs else float("nan")), int(pairs), metrics
 
-    def train_step(self, micro_batches: list[dict]) -> StepResult:
+    def train_step(self, micro_batches: list[dict], schedule_increment: int = 1) -> StepResult:
         self._prepare(micro_batches)
         return train_step(self.trained, self.forward_step, micro_batches, self.seq_length, self.micro_batch_size,
-                          reduce=self._reduce)
+                          reduce=self._reduce, schedule_increment=schedule_increment)
 
     def evaluate(self, micro_batches: list[dict]) -> tuple[float, int, dict]:
         """(loss, pairs, metrics) of one global batch, forward only."""
