@@ -127,11 +127,15 @@ def main(values: dict, passthrough_argv: list[str]) -> int:
 def print_layout_plans(values: dict, passthrough_argv: list[str], layouts: str | None) -> int:
     """`megatron-ext-train plan`: the run's memory plan at each layout, side by side."""
     from megatron_ext.launch.memory_check import budget
-    from megatron_ext.train.memory_plan import layout_plans, parse_layouts, side_by_side
+    from megatron_ext.logs import quiet_megatron_core
 
-    launch = prepare({**values, "dry_run": True}, passthrough_argv, os.environ)
-    plan = launch.trainer.plan
-    chosen = parse_layouts(layouts) if layouts else [(plan.config.tp, plan.config.pp)]
-    for line in side_by_side(layout_plans(plan, budget(values, os.environ), chosen)):
+    with quiet_megatron_core():
+        from megatron_ext.train.memory_plan import layout_plans, parse_layouts, side_by_side
+
+        launch = prepare({**values, "dry_run": True}, passthrough_argv, os.environ)
+        plan = launch.trainer.plan
+        chosen = parse_layouts(layouts) if layouts else [(plan.config.tp, plan.config.pp)]
+        plans = layout_plans(plan, budget(values, os.environ), chosen)
+    for line in side_by_side(plans):
         print(line)
     return 0

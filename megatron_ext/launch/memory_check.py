@@ -22,9 +22,12 @@ def budget(values: dict, env: Mapping[str, str]) -> int:
 
 def check_memory(plan: RunPlan, values: dict, env: Mapping[str, str]) -> list[str]:
     """The plan's lines; raises the one-line refusal when it does not fit."""
-    from megatron_ext.train.memory_plan import memory_plan, plan_lines, refusal
+    from megatron_ext.logs import quiet_megatron_core
 
-    mp = memory_plan(plan, budget(values, env))
+    with quiet_megatron_core():
+        from megatron_ext.train.memory_plan import memory_plan, plan_lines, refusal
+
+        mp = memory_plan(plan, budget(values, env))
     if not mp.fits:
         raise UserError(refusal(plan, mp))
     return plan_lines(mp, plan.dtype)
