@@ -96,3 +96,12 @@ def test_token_ids_when_the_vocabulary_comes_first(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<pad>"}))
     tokenizer = TokenizerFiles(tmp_path)
     assert (tokenizer.image_token_id(), tokenizer.pad_token_id()) == (7, 1)
+
+
+def test_the_launchers_help_names_its_plan_and_report_commands():
+    import click
+
+    from megatron_ext.commands.train import launch
+
+    shown = launch.get_help(click.Context(launch, info_name="megatron-ext-train"))
+    assert "plan [--layouts 4x2,8x1] FLAGS..." in shown and "report SAVE_DIR [--png]" in shown
