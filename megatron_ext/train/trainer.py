@@ -348,7 +348,7 @@ class Trainer:
                 result, micro_batches, batch, stop = self._iteration()
             except _DataUsedUp:
                 self.iteration -= 1
-                log.info("the %d epoch(s) of training samples are used up at iteration %d", self.cfg.epochs,
+                log.info("the %g epoch(s) of training samples are used up at iteration %d", self.cfg.epochs,
                          self.iteration)
                 if cfg.save and not self._due(cfg.save_interval):  # else the last iteration saved already
                     self.save()
