@@ -163,8 +163,13 @@ def test_bad_records_are_counted_per_reason(tmp_path, llava_clip):
     assert report.written == 2 and report.skipped == BAD
     lines = report.summary().splitlines()
     assert lines[0].startswith("wrote 2 pairs in 1 shards")
-    assert lines[lines.index("skipped 9 pairs:") + 1:] == [f"  {n:6d}  {reason}" for reason, n in
-                                                          sorted(BAD.items(), key=lambda kv: -kv[1])]
+    counted = lines.index("skipped 9 pairs:") + 1
+    assert lines[counted:counted + len(BAD)] == [f"  {n:6d}  {reason}" for reason, n in
+                                                 sorted(BAD.items(), key=lambda kv: -kv[1])]
+    # Then the first five by record, and where the rest are.
+    named = lines[counted + len(BAD):]
+    assert named[0] == "  pair 1 (id no-rejected): missing rejected answer"
+    assert len(named) == 6 and named[-1] == "  and 4 more in build_report.json"
     saved = json.loads((tmp_path / "out" / "build_report.json").read_text())
     reasons = {s["id"]: s["reason"] for s in saved["skipped_samples"]}
     assert reasons["long"] == "prompt over the length" and reasons["answered-prompt"] == "malformed record"
