@@ -43,7 +43,9 @@ def require_lmms_eval() -> None:
     and so is numexpr's (its thread count, logged when lmms-eval's pandas loads it)."""
     logging.getLogger("numexpr").setLevel(logging.WARNING)
     try:
-        import lmms_eval  # noqa: F401
+        # lmms-eval's model registry loads our model's entry point (eval.lmms_model) while it is built:
+        # built first, before we import that module, it finds it whole (else it warns of a circular import).
+        import lmms_eval.models  # noqa: F401
         from loguru import logger
     except ImportError:
         raise UserError(f"benchmarks run through lmms-eval, which is not installed: {EVAL_EXTRA}") from None
