@@ -3,6 +3,7 @@ third-party noise (warnings, log lines) out of a command's output."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -39,6 +40,22 @@ def _filtered(show):
         show(message, category, filename, lineno, file, line)
 
     return showwarning
+
+
+@contextlib.contextmanager
+def quiet_megatron_core():
+    """megatron-core's notices at import and while building configs (Transformer Engine / Apex
+    missing, the defaults it deprecates, "LLaVA is work in progress") kept out of a command that
+    only plans a run (run.py's memory plan): none of them is about the user's run."""
+    logger = logging.getLogger("megatron.core")
+    level = logger.level
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
+        logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logger.setLevel(level)
 
 
 def setup_logging(verbose: bool = False, rank: int | None = None) -> None:

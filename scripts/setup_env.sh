@@ -31,3 +31,4 @@ if [[ -n "$extras" ]] && ! command -v chromium >/dev/null; then
   fi
 fi
 echo "environment ready: .venv ($(.venv/bin/python -c 'import torch, megatron.core; print("torch", torch.__version__, "megatron-core", megatron.core.__version__)'))"
+echo "run the commands with .venv/bin/python (e.g. .venv/bin/python scripts/demo/run_demo.py), or first: source .venv/bin/activate"

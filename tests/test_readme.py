@@ -24,3 +24,10 @@ def test_first_screen_commands_name_existing_files():
     for command in _first_screen_commands():
         for path in re.findall(r"(scripts/[\w/]+\.(?:py|sh))", command):
             assert (REPO_ROOT / path).is_file(), path
+
+
+def test_setup_and_the_first_screen_say_how_to_run_commands_in_the_venv():
+    last_line = (REPO_ROOT / "scripts" / "setup_env.sh").read_text().strip().splitlines()[-1]
+    assert ".venv/bin/python" in last_line and "source .venv/bin/activate" in last_line
+    first_screen = (REPO_ROOT / "README.md").read_text().split("## Contents")[0]
+    assert ".venv/bin/python scripts/" in first_screen and "source .venv/bin/activate" in first_screen

@@ -41,7 +41,7 @@ def _in_container(sif_path: str, binds: list) -> None:
 @click.option("--save-dir", required=True, type=click.Path(file_okay=False), help="Where to write the LLaVA checkpoint.")
 @click.option("--text-model", required=True, help="Text model: Hub tag or local directory (with its tokenizer).")
 @click.option("--vision-model", default=DEFAULT_VISION_MODEL, show_default=True,
-              help="Vision encoder (CLIP or SigLIP): Hub tag or local directory.")
+              help="Vision encoder (CLIP, SigLIP or InternViT): Hub tag or local directory.")
 @click.option("--vocab-size-padding", is_flag=True, help="Pad the embedding and LM head to a multiple of 128 rows.")
 @click.option("--dtype", type=click.Choice(["auto", *STORED_DTYPES]), default="auto", show_default=True,
               help="Weights dtype; auto keeps the text model's.")

@@ -23,7 +23,7 @@ from megatron_ext.progress import quiet_option
 @click.argument("input_path", metavar="INPUT", type=click.Path(dir_okay=False))
 @click.option("--output-dir", required=True, type=click.Path(file_okay=False), help="Directory for the prepared dataset.")
 @click.option("--image-root", type=click.Path(file_okay=False), help="Folder the records' image paths are relative to (default: INPUT's folder).")
-@click.option("--split-ratio", default="9,1,0", show_default=True, help="train,val,test shares (energon splits by shard).")
+@click.option("--split-ratio", default="9,1,0", show_default=True, help="train,val,test shares of the records, in input order (train first); every non-zero share gets at least one.")
 @click.option("--samples-per-shard", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--num-workers", type=click.IntRange(min=0), default=4, show_default=True, help="Processes that check and encode images.")
 @click.option("--strict", is_flag=True, help="Fail on the first bad sample instead of skipping it.")

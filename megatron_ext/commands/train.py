@@ -24,7 +24,13 @@ CONTEXT = {"max_content_width": 110, "help_option_names": ["-h", "--help"]}
 @launcher_options
 @click.pass_obj
 def launch(passthrough, **values):
-    """Launch the trainer (megatron_ext/train/pretrain_llava.py) under torchrun. Trainer options without a flag here go after `--`."""
+    """Launch the trainer (megatron_ext/train/pretrain_llava.py) under torchrun. Trainer options without a flag here go after `--`.
+
+    \b
+    Two more commands of megatron-ext-train, its first word (scripts/train/report.py is the second):
+      plan [--layouts 4x2,8x1] FLAGS...  the memory plan of each TPxPP layout, side by side; nothing starts
+      report SAVE_DIR [--png]            an HTML page of a run (going or done) from its own records
+    """
     from megatron_ext.launch.launcher import main as run_launcher
 
     return run_launcher(LaunchOptions.of(values), passthrough)

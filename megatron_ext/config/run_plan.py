@@ -58,10 +58,22 @@ class RunPlan:
 
     @property
     def train_iters(self) -> int:
+        """--train-iters, else the iterations of --epochs: exact without packing, the most there can
+        be with it (a packed row holds one sample or more; the run ends at `epoch_samples`)."""
         cfg = self.config
         if cfg.train_iters is not None:
             return cfg.train_iters
         return _epoch_iters(cfg.epochs, self.train_split.samples, cfg.global_batch_size)
+
+    @property
+    def epoch_samples(self) -> int | None:
+        """With packing and the length in epochs: the samples the run trains (the train split's,
+        --epochs times). A packed global batch holds an unknown number of samples, so the run ends
+        when these are trained and its LR schedule counts samples. None: the length is iterations."""
+        cfg = self.config
+        if cfg.train_iters is not None or cfg.packing_seq_length is None:
+            return None
+        return max(1, math.ceil(cfg.epochs * self.train_split.samples))
 
     @property
     def seq_length(self) -> int:
@@ -165,15 +177,18 @@ def _train_split(config: TrainConfig) -> SplitCount:
     if not config.data_path:
         raise UserError("--data-path is required: a prepared energon dataset directory or a metadataset YAML")
     try:
-        train = split_counts(config.data_path)["train"]
+        counts = split_counts(config.data_path)
     except UncountedSamples:
         if config.train_iters is None:
             raise
         # The length is given, so nothing needs the count; the metadataset names its datasets itself.
         return SplitCount(0)
-    if train.samples == 0:
-        raise UserError(f"--data-path {config.data_path} has no training samples")
-    return train
+    if counts["train"].samples == 0:
+        splits = ", ".join(f"{name} {count.samples}" for name, count in counts.items())
+        raise UserError(f"--data-path {config.data_path} has no training samples (splits: {splits}); rebuild it with "
+                        "`megatron-ext-data build` (every non-zero --split-ratio share gets samples) or point "
+                        "--data-path at a dataset whose train split has samples")
+    return counts["train"]
 
 
 def _epoch_iters(epochs: float, train_samples: int, global_batch_size: int) -> int:
@@ -181,12 +196,24 @@ def _epoch_iters(epochs: float, train_samples: int, global_batch_size: int) -> i
 
 
 def _train_length(config: TrainConfig, train_samples: int) -> tuple[dict, list[str]]:
-    """--train-iters of one epoch when neither it nor --epochs is given, and the note saying so."""
-    if config.train_iters is not None or config.epochs is not None:
+    """One epoch when neither --train-iters nor --epochs is given (in iterations; in samples with
+    packing, whose global batches hold an unknown number of them), and the note saying what the
+    length is."""
+    if config.train_iters is not None:
+        return {}, []
+    epochs = 1.0 if config.epochs is None else config.epochs
+    change = "(change with -- --train-iters N or -- --epochs E)"
+    if config.packing_seq_length is not None:
+        most = _epoch_iters(epochs, train_samples, config.global_batch_size)
+        return {"epochs": epochs}, [
+            f"{epochs:g} epoch(s) = each of the {train_samples} training samples {epochs:g} time(s): with packing a "
+            f"global batch of {config.global_batch_size} rows holds several samples, so the run ends when they are "
+            f"trained (at most {most} iterations) and the LR schedule counts samples {change}"]
+    if config.epochs is not None:
         return {}, []
     iters = _epoch_iters(1, train_samples, config.global_batch_size)
     return {"train_iters": iters}, [f"{iters} iterations = one epoch of {train_samples} training samples at global "
-                                    f"batch {config.global_batch_size} (change with -- --train-iters N or -- --epochs E)"]
+                                    f"batch {config.global_batch_size} {change}"]
 
 
 def _tokenizer(config: TrainConfig, snapshot: layout.Snapshot | None) -> TokenizerFiles:

@@ -2,8 +2,9 @@
 (``task="sft"``) or preference pairs for DPO (``task="preference"``, the record shapes of `sources`).
 
 Order of work: read the records; check each one and load its image in worker processes (in
-input order); write webdataset shards ``NNNNNN.tar`` into a temporary directory; run
-``energon prepare`` there non-interactively and write the task's dataset.yaml of `shard_format`; check that the
+input order); write webdataset shards ``NNNNNN.tar`` into a temporary directory, each split's
+records (`splits`: by record, in input order) in shards of their own; run
+``energon prepare`` there non-interactively, naming each split's shards, and write the task's dataset.yaml of `shard_format`; check that the
 prepared sample count is what was written; write ``build_report.json``; only then rename the
 temporary directory to the output directory. A failure anywhere leaves no output behind.
 """
@@ -26,6 +27,7 @@ import yaml
 from megatron_ext.data.prepared import META_DIR, dir_split_counts
 from megatron_ext.data.shard_format import DATASET_YAML, PREFERENCE_DATASET_YAML
 from megatron_ext.data.sources import PromptLimit, Skip, preference_sample, read_records, shard_sample
+from megatron_ext.data.splits import split_of_records, split_parts, split_sizes
 from megatron_ext.data.tasks import PREFERENCE, SFT, TASKS
 from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
@@ -34,6 +36,7 @@ from megatron_ext.progress import QUIET_ENV, progress
 log = logging.getLogger(__name__)
 
 REPORT_FILE = "build_report.json"
+NAMED_SKIPS = 5  # skipped records the summary names; build_report.json lists them all
 
 
 @dataclass
@@ -66,6 +69,9 @@ class BuildReport:
         total = sum(self.skipped.values())
         lines.append(f"skipped {total} {unit}s" + (":" if total else ""))
         lines += [f"  {count:6d}  {reason}" for reason, count in sorted(self.skipped.items(), key=lambda kv: -kv[1])]
+        lines += [f"  {Skip(**skip).describe(unit)}" for skip in self.skipped_samples[:NAMED_SKIPS]]
+        if total > NAMED_SKIPS:
+            lines.append(f"  and {total - NAMED_SKIPS} more in {REPORT_FILE}")
         return "\n".join(lines)
 
 
@@ -93,31 +99,43 @@ def _samples(work, records: list, num_workers: int):
         yield from pool.imap(work, enumerate(records), chunksize=16)
 
 
-def _write_shards(samples, out: Path, total: int, samples_per_shard: int, strict: bool, report: BuildReport) -> None:
+def _write_shards(samples, out: Path, splits: list[str], samples_per_shard: int, strict: bool,
+                  report: BuildReport) -> dict[str, list[int]]:
+    """Write the samples, record `i` into split `splits[i]`, each split into shards of its own;
+    returns the shard numbers of each split."""
     import webdataset as wds
 
-    skipped = Counter()
+    skipped, shards = Counter(), {}
     with wds.ShardWriter(str(out / "%06d.tar"), maxcount=samples_per_shard, verbose=0) as writer:
-        for sample in progress(samples, total=total, desc="writing shards", unit="sample"):
+        for index, sample in enumerate(progress(samples, total=len(splits), desc="writing shards", unit="sample")):
             if isinstance(sample, Skip):
                 if strict:
                     raise UserError(f"{report.input}: {sample.describe(report.unit)} (--strict stops at the first bad {report.unit})")
                 skipped[sample.reason] += 1
                 report.skipped_samples.append(asdict(sample))
                 continue
+            split = splits[index]
+            if writer.count and split not in shards:
+                writer.next_stream()  # a new split starts a new shard
             writer.write(sample.parts)
+            numbers = shards.setdefault(split, [])
+            if writer.shard - 1 not in numbers:  # the number of the shard just written to
+                numbers.append(writer.shard - 1)
             report.written += 1
             report.text_only += sample.num_images == 0
             report.multi_image += sample.num_images > 1
             report.max_images = max(report.max_images, sample.num_images)
             report.videos += sample.num_videos > 0
     report.skipped = dict(skipped)
+    return shards
 
 
-def run_energon_prepare(path: Path, split_ratio: str, num_workers: int, dataset_yaml: dict = DATASET_YAML) -> None:
-    """Index the shards in `path` and name the sample type they hold (`dataset_yaml`)."""
+def run_energon_prepare(path: Path, shards: dict[str, list[int]], num_workers: int, dataset_yaml: dict = DATASET_YAML) -> None:
+    """Index the shards in `path`, `shards` naming the shard numbers of each split, and name the
+    sample type they hold (`dataset_yaml`)."""
     cmd = [sys.executable, "-m", "megatron.energon.cli.main", "prepare", str(path), "--non-interactive",
-           "--split-ratio", split_ratio, "--skip-dataset-yaml", "--num-workers", str(max(1, num_workers))]
+           "--skip-dataset-yaml", "--num-workers", str(max(1, num_workers))]
+    cmd += [arg for part in split_parts(shards) for arg in ("--split-parts", part)]
     if not sys.stderr.isatty() or os.environ.get(QUIET_ENV):
         cmd.append("--no-progress")
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -125,6 +143,16 @@ def run_energon_prepare(path: Path, split_ratio: str, num_workers: int, dataset_
         tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["no output"]
         raise UserError(f"energon prepare failed on the new shards: {tail[0]}")
     (path / META_DIR / "dataset.yaml").write_text(yaml.safe_dump(dataset_yaml, sort_keys=False))
+
+
+def _check_splits(report: BuildReport, sizes: dict[str, int], shards: dict[str, list[int]], split_ratio: str) -> None:
+    """A UserError when every record of a split the ratio asked for was skipped."""
+    first = 0
+    for name, size in sizes.items():
+        if size and not shards.get(name):
+            raise UserError(f"--split-ratio {split_ratio}: every record of the {name} split (records {first}-{first + size - 1}"
+                            f" of INPUT) was skipped; fix them (--strict names the first) or change --split-ratio")
+        first += size
 
 
 def _prompt_limit(task: str, tokenizer_load_dir, seq_length: int | None) -> PromptLimit | None:
@@ -173,13 +201,18 @@ def build_energon_dataset(
     else:
         work, dataset_yaml = functools.partial(shard_sample, kind, image_root), DATASET_YAML
     report = BuildReport(input=str(input_path), output_dir=str(output_dir), task=task)
+    if not records:
+        raise UserError(f"{input_path}: no usable {report.unit}s: the input is empty")
+    sizes = split_sizes(len(records), split_ratio)
     with atomic_output_dir(output_dir) as tmp:
-        _write_shards(_samples(work, records, num_workers), tmp, len(records), samples_per_shard, strict, report)
+        shards = _write_shards(_samples(work, records, num_workers), tmp, split_of_records(sizes), samples_per_shard,
+                               strict, report)
         if report.written == 0:
-            reasons = ", ".join(f"{r} ({n})" for r, n in report.skipped.items()) or "the input is empty"
+            reasons = ", ".join(f"{r} ({n})" for r, n in report.skipped.items())
             raise UserError(f"{input_path}: no usable {report.unit}s: {reasons}")
+        _check_splits(report, sizes, shards, split_ratio)
         report.shards = len(list(tmp.glob("*.tar")))
-        run_energon_prepare(tmp, split_ratio, num_workers, dataset_yaml)
+        run_energon_prepare(tmp, shards, num_workers, dataset_yaml)
         report.splits = dir_split_counts(tmp, "--output-dir")
         prepared = sum(report.splits.values())
         if prepared != report.written:

@@ -39,8 +39,9 @@ def worker_config(num_workers: int, seed: int = 0) -> WorkerConfig:
 
 
 def train_loader(path: str | Path, encoder: LlavaTaskEncoder, *, micro_batch_size: int, num_workers: int = 2,
-                 seed: int = 1234, packing_buffer_size: int = PACKING_BUFFER):
-    """An endless, shuffled, savable loader of `LlavaBatch`es from the train split."""
+                 seed: int = 1234, packing_buffer_size: int = PACKING_BUFFER, repeat: bool = True):
+    """A shuffled, savable loader of `LlavaBatch`es from the train split: endless, or with `repeat`
+    False one pass over it (each sample once; iterate it again for the next)."""
     require_split(path, "train")
     dataset = get_train_dataset(
         str(path),
@@ -50,6 +51,7 @@ def train_loader(path: str | Path, encoder: LlavaTaskEncoder, *, micro_batch_siz
         max_samples_per_sequence=MAX_SAMPLES_PER_SEQUENCE,
         packing_buffer_size=packing_buffer_size if encoder.packing else None,
         task_encoder=encoder,
+        repeat=repeat,
     )
     return get_savable_loader(dataset)
 

@@ -78,6 +78,9 @@ def image_file_part(path: Path) -> tuple[str, bytes]:
             out = io.BytesIO()
             image.save(out, "PNG")
             return "png", out.getvalue()
+    except Image.UnidentifiedImageError:
+        # PIL names the in-memory buffer it read ("<_io.BytesIO object at 0x...>"), not the file.
+        raise ImageFileError(f"{path}: not an image format PIL can read", missing=False) from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise ImageFileError(f"{path}: {exc}", missing=False) from None
 
@@ -132,6 +135,7 @@ class ConversationSample(Sample):
     images: list  # decoded images (PIL), in the order of their <image> markers
     messages: list[dict]  # chat messages; `<image>` marks each image, `<video>` each video
     videos: list = field(default_factory=list)  # a video file's bytes, or a list of frames (PIL or uint8 arrays)
+    record_id: str = ""  # the input record's "id" (the builder stores it), for tracing a sample back
 
 
 def _json_part(raw: dict) -> dict:
@@ -152,7 +156,8 @@ def conversation_fields(raw: dict) -> dict:
     """A decoded webdataset sample's `ConversationSample` fields; raises BadConversation (energon's
     error handler then skips the sample)."""
     meta = _json_part(raw)
-    return {**_media(raw), "messages": sample_messages(meta.get("conversations") or meta.get("question"), raw.get("txt"))}
+    return {**_media(raw), "messages": sample_messages(meta.get("conversations") or meta.get("question"), raw.get("txt")),
+            "record_id": str(meta.get("id", ""))}
 
 
 def _decoded_raw(parts: dict) -> dict:
@@ -199,6 +204,7 @@ class PreferenceSample(Sample):
     chosen: str
     rejected: str
     videos: list = field(default_factory=list)  # as ConversationSample's
+    record_id: str = ""  # as ConversationSample's
 
 
 def _checked_prompt(prompt: list[dict], num_images: int, num_videos: int) -> list[dict]:
@@ -217,7 +223,7 @@ def preference_fields(raw: dict) -> dict:
     if not isinstance(chosen, str) or not isinstance(rejected, str):
         raise BadConversation(MALFORMED, f"sample {raw.get('__key__')} needs string 'chosen' and 'rejected'")
     prompt = _checked_prompt(turn_messages(meta.get("conversations")), len(media["images"]), len(media["videos"]))
-    return {**media, "prompt": prompt, "chosen": chosen, "rejected": rejected}
+    return {**media, "prompt": prompt, "chosen": chosen, "rejected": rejected, "record_id": str(meta.get("id", ""))}
 
 
 def decoded_preference_sample(parts: dict) -> PreferenceSample:

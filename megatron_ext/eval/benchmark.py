@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -38,9 +39,13 @@ _RANK_VARIABLES = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
 
 
 def require_lmms_eval() -> None:
-    """A one-line error when lmms-eval is missing; its own log (loguru) kept to warnings, as ours is."""
+    """A one-line error when lmms-eval is missing; its own log (loguru) kept to warnings, as ours is,
+    and so is numexpr's (its thread count, logged when lmms-eval's pandas loads it)."""
+    logging.getLogger("numexpr").setLevel(logging.WARNING)
     try:
-        import lmms_eval  # noqa: F401
+        # lmms-eval's model registry loads our model's entry point (eval.lmms_model) while it is built:
+        # built first, before we import that module, it finds it whole (else it warns of a circular import).
+        import lmms_eval.models  # noqa: F401
         from loguru import logger
     except ImportError:
         raise UserError(f"benchmarks run through lmms-eval, which is not installed: {EVAL_EXTRA}") from None
@@ -84,13 +89,43 @@ def evaluate_tasks(model, model_args: str, tasks: list[str], manager, limit: int
             task_files = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lmms_eval_task_files_")))
         # The only command-line arguments lmms-eval's evaluator and task scorers read from it.
         cli_args = argparse.Namespace(output_path=str(task_files), process_with_media=True)
-        with _single_process_view():
+        with _single_process_view(), _task_data_reachable(tasks):
             results = simple_evaluate(model=model, model_args=model_args, tasks=tasks, task_manager=manager,
                                       limit=limit, log_samples=True, evaluation_tracker=tracker, bootstrap_iters=0,
                                       cli_args=cli_args, distributed_executor_backend="torchrun", verbosity="WARNING",
                                       **seeds)
     results["config"].pop("resolved_cli_args", None)  # ours, naming a temporary directory
     return results
+
+
+def _unreachable(exc: BaseException) -> ConnectionError | None:
+    """The `datasets` error for a task's data that could not be fetched (offline, or the Hub down),
+    wherever it is in `exc`'s chain; lmms-eval wraps it in tenacity's RetryError."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ConnectionError) and "on the Hub" in str(exc):
+            return exc
+        attempt = getattr(exc, "last_attempt", None)  # tenacity.RetryError
+        exc = attempt.exception() if attempt is not None else exc.__cause__ or exc.__context__
+    return None
+
+
+@contextlib.contextmanager
+def _task_data_reachable(tasks: list[str]):
+    """A task whose data is neither cached nor reachable: one line saying what to fetch, not lmms-eval's traceback."""
+    try:
+        yield
+    except Exception as exc:
+        unreachable = _unreachable(exc)
+        if unreachable is None:
+            raise
+        from datasets import config
+
+        raise UserError(f"--tasks {','.join(tasks)}: lmms-eval cannot load a task's data: {unreachable}; download it "
+                        f"once where the Hub is reachable (the same command without HF_HUB_OFFLINE / HF_DATASETS_OFFLINE "
+                        f"caches it in {config.HF_DATASETS_CACHE}), or give --include-path task YAMLs whose "
+                        "dataset_path is a local copy (docs/benchmarks.md)") from None
 
 
 class BenchmarkEvaluation:

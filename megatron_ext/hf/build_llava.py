@@ -18,6 +18,7 @@ What it does, in order:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from pathlib import Path
@@ -55,6 +56,19 @@ def add_special_tokens(tokenizer, media_tokens: tuple[str, ...] = (IMAGE_TOKEN,)
 # The tower's image processor settings a tiled model's anyres image processor keeps.
 _IMAGE_PROCESSOR_FIELDS = ("size", "crop_size", "do_convert_rgb", "do_resize", "resample", "do_rescale",
                            "rescale_factor", "do_normalize", "image_mean", "image_std")
+
+
+@contextlib.contextmanager
+def _transformers_quiet():
+    """transformers' log kept to errors for the calls inside."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _anyres_image_processor(kind, tower_processor, pinpoints: list[list[int]]):
@@ -187,7 +201,8 @@ def build_llava(
 
     # Rows for the added tokens start from the mean of the existing ones; padding rows are added
     # in a second step so they never change the rows (and logits) of tokens the tokenizer has.
-    llava.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    with _transformers_quiet():  # it announces the mean resizing asked for here, twice (embeddings, LM head)
+        llava.resize_token_embeddings(len(tokenizer), mean_resizing=True)
     if vocab_size_padding:
         llava.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=VOCAB_MULTIPLE, mean_resizing=False)
     # Only now is the pad id inside the (resized) vocabulary.

@@ -8,6 +8,7 @@ given after `--` and checked by the trainer's own parser (`passthrough_options`)
 
 from __future__ import annotations
 
+import sys
 import typing
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -17,7 +18,7 @@ import click
 from click.core import ParameterSource
 
 from megatron_ext.config.options import TrainConfig, fields, is_switch, option_name
-from megatron_ext.errors import UserError, run_command
+from megatron_ext.errors import UserError, report, run_command
 from megatron_ext.train.cli import click_kwargs, trainer_options
 
 
@@ -215,10 +216,26 @@ def passthrough_options(argv: list[str]) -> dict[str, Any]:
     return {name: list(value) if isinstance(value, tuple) else value for name, value in given.items()}
 
 
+def _options(command: click.Command) -> set[str]:
+    return {name for param in command.params for name in (*param.opts, *param.secondary_opts)}
+
+
+def misplaced_trainer_option(command: click.Command, argv: list[str]) -> str | None:
+    """The first trainer option in run.py's own arguments (`argv`, before `--`), which click would
+    only call unknown."""
+    own, trainer = _options(command), _options(_trainer_command)
+    return next((name for name in (arg.split("=", 1)[0] for arg in argv if arg.startswith("--"))
+                 if name not in own and name in trainer), None)
+
+
 def invoke(command: click.Command, argv: list[str]) -> None:
     """Run run.py's click `command` on `argv`: ranges spread, `--` split off, errors on one line.
 
     The command receives the trainer arguments after `--` as `ctx.obj`; its return value is the exit status.
     """
     argv, passthrough = split_argv(argv)
+    misplaced = misplaced_trainer_option(command, argv)
+    if misplaced:
+        report(f"{misplaced} is the trainer's option: give it after -- (run.py [run.py's flags] -- {misplaced} ...)")
+        sys.exit(2)
     run_command(command, argv, obj=passthrough)

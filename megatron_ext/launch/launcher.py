@@ -126,11 +126,15 @@ def main(options: LaunchOptions, passthrough_argv: list[str]) -> int:
 
 def print_layout_plans(options: LaunchOptions, passthrough_argv: list[str], layouts: str | None) -> int:
     """`megatron-ext-train plan`: the run's memory plan at each layout, side by side."""
-    from megatron_ext.memory.plan import layout_plans, parse_layouts, side_by_side
+    from megatron_ext.logs import quiet_megatron_core
 
-    launch = prepare(dataclasses.replace(options, dry_run=True), passthrough_argv, os.environ)
-    plan = launch.trainer.plan
-    chosen = parse_layouts(layouts) if layouts else [(plan.config.tp, plan.config.pp)]
-    for line in side_by_side(layout_plans(plan, budget(options.gpu_memory, os.environ), chosen)):
+    with quiet_megatron_core():
+        from megatron_ext.memory.plan import layout_plans, parse_layouts, side_by_side
+
+        launch = prepare(dataclasses.replace(options, dry_run=True), passthrough_argv, os.environ)
+        plan = launch.trainer.plan
+        chosen = parse_layouts(layouts) if layouts else [(plan.config.tp, plan.config.pp)]
+        plans = layout_plans(plan, budget(options.gpu_memory, os.environ), chosen)
+    for line in side_by_side(plans):
         print(line)
     return 0

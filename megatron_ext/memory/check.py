@@ -9,9 +9,12 @@ from megatron_ext.errors import UserError
 
 def check_memory(plan: RunPlan, budget: int) -> list[str]:
     """The plan's lines; raises the one-line refusal when its largest rank does not fit `budget` bytes."""
-    from megatron_ext.memory.plan import memory_plan, plan_lines, refusal
+    from megatron_ext.logs import quiet_megatron_core
 
-    mp = memory_plan(plan, budget)
+    with quiet_megatron_core():
+        from megatron_ext.memory.plan import memory_plan, plan_lines, refusal
+
+        mp = memory_plan(plan, budget)
     if not mp.fits:
         raise UserError(refusal(plan, mp))
     return plan_lines(mp, plan.dtype)

@@ -104,6 +104,8 @@ def run_schedule(model, forward_step, micro_batches: list[dict], seq_length: int
 
 def eval_loss(model, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int) -> tuple[float, int]:
     """Token-weighted loss of one global batch, forward only. `model`: the trainer's DDP module or a
-    bare LLaVAModel (scripts/eval/evaluate.py)."""
+    bare LLaVAModel (scripts/eval/evaluate.py). No `micro_batches` (a data-parallel rank whose share
+    of a small split is used up): this rank adds nothing to the others' sums."""
     with torch.no_grad():
-        return reduce_loss(run_schedule(model, forward_step, micro_batches, seq_length, micro_batch_size, True))
+        return reduce_loss(run_schedule(model, forward_step, micro_batches, seq_length, micro_batch_size, True)
+                           if micro_batches else [])

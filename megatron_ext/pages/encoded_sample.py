@@ -30,6 +30,8 @@ from megatron_ext.pages.sample_sources import skip_reason
 IMAGE, VIDEO = "image", "video"
 ADDED = "added"  # a token the tokenizer adds itself (a BOS in front, an EOS), in no message
 CHOSEN, REJECTED = "chosen", "rejected"  # a pair's sequences, in the encoder's order
+_UNFINISHED = "\ufffd"  # what a tokenizer decodes the first bytes of a character to
+_MOST_TOKENS_PER_CHARACTER = 4  # UTF-8 bytes in one character: byte tokens beyond that are text of their own
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class Piece:
     cut: bool = False  # truncation dropped it
     media: int | None = None  # index into `Inspected.media` for a block
     positions: int = 1
+    tokens: int = 1  # text tokens it shows: several where byte-level BPE splits a character over them
 
 
 @dataclass
@@ -83,6 +86,7 @@ class Inspected:
     shown: bool
     skip_reason: str = ""  # why the trainer would skip it ("" when it trains on it)
     skip_detail: str = ""
+    record_id: str = ""  # the input record's "id"
     sequences: list[Sequence] = field(default_factory=list)
     media: list[ShownMedia] = field(default_factory=list)  # of a shown sample, once for all its sequences
     images: int = 0
@@ -122,7 +126,7 @@ class SampleReader:
         self.media_tokens = set(media_tokens)
 
     def read(self, index: int, key: str, shown: bool, sample) -> Inspected:
-        found = Inspected(index, key, shown)
+        found = Inspected(index, key, shown, record_id=getattr(sample, "record_id", ""))
         try:
             encoded = self.encoder.preencode_sample(sample)
         except Exception as exc:  # energon's error handler skips a sample for any error; so does the page
@@ -178,9 +182,11 @@ class SampleReader:
         these tokens with the media expanded, of which it kept the first `kept` (truncation)."""
         roles = [ADDED if r is None else messages[r]["role"] for r in self.encoder.chat.token_roles(messages)]
         chat_ids, _ = self.encoder.chat.encode(messages)
-        pieces, at, media = [], 0, iter(enumerate(positions))
+        pieces, at, media, text = [], 0, iter(enumerate(positions)), []
         for token, role in zip(chat_ids, roles):
             if token in self.media_tokens:
+                pieces += self._text_pieces(text)
+                text = []
                 number, count = next(media)
                 width = count if self.encoder.media is not None else 1  # tiled ids hold every feature
                 kind = VIDEO if token != self.arch.image_token_index else IMAGE
@@ -188,8 +194,22 @@ class SampleReader:
                 at += width
                 continue
             trained = 0 < at < kept and bool(loss_mask[at - 1])
-            pieces.append(Piece(self.tokenizer.decode([int(token)]), role, trained, at >= kept))
+            text.append((int(token), role, trained, at >= kept))
             at += 1
+        return pieces + self._text_pieces(text)
+
+    def _text_pieces(self, tokens: list[tuple[int, str, bool, bool]]) -> list[Piece]:
+        """(token, role, trained, cut) as pieces of whole characters: where byte-level BPE splits a
+        character (Japanese, Chinese, emoji) over tokens, one piece shows it for all of them, as
+        decoding them one by one gives only U+FFFD."""
+        pieces, start = [], 0
+        for end in range(1, len(tokens) + 1):
+            text = self.tokenizer.decode([token for token, *_ in tokens[start:end]])
+            alike = end < len(tokens) and tokens[end][1:] == tokens[start][1:]
+            if alike and text.endswith(_UNFINISHED) and end - start < _MOST_TOKENS_PER_CHARACTER:
+                continue
+            pieces.append(Piece(text, *tokens[start][1:], tokens=end - start))
+            start = end
         return pieces
 
     def _media(self, videos: list, sources: list, rows: list, tiles, positions: list[int]) -> list[ShownMedia]:

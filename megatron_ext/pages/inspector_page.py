@@ -44,7 +44,8 @@ svg.grid .newline { fill: #d22; }
 .strip { display: flex; flex-wrap: wrap; gap: 0.3em; }
 img.frame { width: 7em; image-rendering: pixelated; }
 .tokens { white-space: pre-wrap; font-family: ui-monospace, monospace; font-size: 0.9em; line-height: 1.8; }
-.tok { border-bottom: 3px solid transparent; }
+.tok { border-bottom: 3px solid transparent; box-shadow: inset -1px 0 rgba(0, 0, 0, 0.18); }
+.tok.joined { outline: 1px dotted #777; outline-offset: -1px; }
 .role-system { background: #eee8f8; } .role-user { background: #e6f0fb; }
 .role-assistant { background: #fdf1dc; } .role-added { background: #eee; }
 .tok.trained { border-bottom-color: #c60; font-weight: 600; }
@@ -112,6 +113,9 @@ def _piece(piece: Piece, sample: Inspected) -> str:
         return (f'<span class="{css}" data-positions="{piece.positions}">{piece.role} {number}: '
                 f'{piece.positions:,} positions</span>')
     css = f"tok role-{piece.role}" + (" trained" if piece.trained else "") + (" cut" if piece.cut else "")
+    if piece.tokens > 1:  # a character split over tokens: one box, the count on hover
+        return (f'<span class="{css} joined" data-tokens="{piece.tokens}" title="{piece.tokens} tokens">'
+                f'{html.escape(piece.text)}</span>')
     return f'<span class="{css}">{html.escape(piece.text)}</span>'
 
 
@@ -139,7 +143,8 @@ def _sequence(sequence: Sequence, sample: Inspected) -> tuple[str, str]:
 
 
 def _sample(sample: Inspected, found: Inspection) -> str:
-    title = f"{found.unit.capitalize()} {sample.key} (index {sample.index})"
+    title = f"{found.unit.capitalize()} {sample.key} (index {sample.index}" + \
+        (f", record id {sample.record_id})" if sample.record_id else ")")
     head = f'<section class="sample" data-key="{html.escape(sample.key)}"><h3>{html.escape(title)}</h3>'
     if sample.skip_reason:
         return (f'{head}<p class="skipped">skipped by the trainer: {html.escape(sample.skip_reason)}'
@@ -160,7 +165,8 @@ _LEGEND = ('<p class="legend">Roles: <span class="role-system">system</span><spa
            '</span> (what the template renders around a message counts with it); <span class="tok trained">underlined '
            'bold</span>: trained (the model learns to predict the token: the loss mask is 1 at the position before it); '
            '<span class="block">image 1: N positions</span>: an image or video as the positions the model expands it '
-           'to; struck out: cut by truncation.</p>')
+           'to; struck out: cut by truncation; a thin line ends each token, and <span class="tok joined">dotted</span> '
+           'boxes are characters the tokenizer splits over several tokens (hover for how many).</p>')
 _PAIRS = ('<p class="legend">A pair is one sample of two sequences, the prompt with the chosen answer then with the '
           'rejected one; both use the pair\'s images and videos, which the model gets once (shown once, above the '
           'sequences).</p>')

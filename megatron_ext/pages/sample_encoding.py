@@ -146,7 +146,8 @@ def run_inspection(source: SampleSource, encoder: InspectorEncoder, everything: 
     total = source.total if everything else None
     for record in progress(source.records, total=total, desc="samples", unit="sample"):
         if record.sample is None:
-            sample = Inspected(record.index, record.key, record.shown, record.skip_reason, record.skip_detail)
+            sample = Inspected(record.index, record.key, record.shown, record.skip_reason, record.skip_detail,
+                               record_id=record.record_id)
         else:
             sample = reader.read(record.index, record.key, record.shown, record.sample)
         found.counted.append(sample)

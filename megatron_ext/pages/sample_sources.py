@@ -59,6 +59,7 @@ class Record:
     sample: object | None  # a decoded energon sample, or None when the source could not make one
     skip_reason: str = ""
     skip_detail: str = ""
+    record_id: str = ""  # the input record's "id"
 
 
 @dataclass
@@ -117,7 +118,7 @@ def prepared_source(path: str | Path, split: str, selection: Selection) -> Sampl
             sample = batch[0]
             shown = wanted.shown(index, sample.__key__)
             if shown or wanted.everything:
-                yield Record(index, sample.__key__, shown, sample)
+                yield Record(index, sample.__key__, shown, sample, record_id=getattr(sample, "record_id", ""))
             if wanted.done():
                 return
 
@@ -148,11 +149,12 @@ def json_source(path: str | Path, image_root: str | Path | None, selection: Sele
 def _json_record(kind: str, root: Path, index: int, item, key: str, shown: bool) -> Record:
     made = shard_sample(kind, root, (index, item))
     if isinstance(made, Skip):
-        return Record(index, key, shown, None, made.reason, made.detail)
+        return Record(index, key, shown, None, made.reason, made.detail, made.id)
     try:
-        return Record(index, key, shown, decoded_sample(made.parts))
+        sample = decoded_sample(made.parts)
     except BadConversation as exc:
-        return Record(index, key, shown, None, exc.reason, exc.detail)
+        return Record(index, key, shown, None, exc.reason, exc.detail, str(item.get("id", index)))
+    return Record(index, key, shown, sample, record_id=sample.record_id)
 
 
 def open_source(data: str | Path, split: str, image_root: str | Path | None, selection: Selection) -> SampleSource:

@@ -7,6 +7,7 @@ data-parallel replica reads the same batches, so TP/PP peers see the same sample
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 from megatron_ext.config.options import TrainConfig
@@ -40,18 +41,32 @@ def _encoder(plan: RunPlan) -> LlavaTaskEncoder:
 
 
 class TrainData:
-    """Endless training micro batches whose position is saved with every checkpoint."""
+    """Training micro batches whose position is saved with every checkpoint: endless, or for a run
+    measured in samples (`RunPlan.epoch_samples`) --epochs whole passes over a dataset directory.
+    energon's endless loader mixes the next pass into its shuffle and packing buffers, so an epoch
+    would not be every sample once; a blend has no passes of its own and stays endless."""
 
     def __init__(self, plan: RunPlan):
         cfg = plan.config
+        by_pass = plan.epoch_samples is not None and Path(cfg.data_path).is_dir()
+        self.epochs = math.ceil(cfg.epochs) if by_pass else None
+        self.passes = 0  # passes read to their end (the trainer keeps it with its counters)
         self.loader = train_loader(cfg.data_path, _encoder(plan), micro_batch_size=cfg.micro_batch_size,
-                                   num_workers=cfg.num_workers, seed=cfg.seed)
+                                   num_workers=cfg.num_workers, seed=cfg.seed, repeat=not by_pass)
         self._batches = None
 
     def next_micro_batches(self, count: int) -> list[dict]:
-        if self._batches is None:
-            self._batches = iter(self.loader)
-        return [next(self._batches).as_dict() for _ in range(count)]
+        """`count` micro batches; fewer (none) once the last of --epochs passes is used up."""
+        batches = []
+        while len(batches) < count and (self.epochs is None or self.passes < self.epochs):
+            if self._batches is None:
+                self._batches = iter(self.loader)
+            try:
+                batches.append(next(self._batches).as_dict())
+            except StopIteration:
+                self._batches = None
+                self.passes += 1
+        return batches
 
     def save(self, path: Path) -> None:
         save_loader_state(self.loader, path)
@@ -81,7 +96,22 @@ class ValData:
                                  limit=cfg.eval_iters * plan.num_microbatches)
 
     def global_batches(self) -> list[list[dict]]:
-        """One full pass (energon restarts the split on every pass), as groups of micro batches."""
+        """One full pass (energon restarts the split on every pass), as groups of micro batches; the
+        last group may be short, and a data-parallel rank with fewer groups than another gets empty
+        ones, so every rank takes part in as many evaluation steps (a val split smaller than a
+        global batch is still evaluated)."""
         batches = [batch.as_dict() for batch in self.loader]
         n = self.num_microbatches
-        return [batches[i:i + n] for i in range(0, len(batches) - n + 1, n)]
+        groups = [batches[i:i + n] for i in range(0, len(batches), n)]
+        return groups + [[] for _ in range(_most_over_data_parallel(len(groups)) - len(groups))]
+
+
+def _most_over_data_parallel(count: int) -> int:
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_ext.distributed import device
+
+    most = torch.tensor([count], device=device())
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    return int(most.item())

@@ -71,9 +71,14 @@ def lr_overrides(config, plan: RunPlan) -> dict | None:
     return overrides
 
 
+def schedule_steps(plan: RunPlan) -> int:
+    """The LR schedule's length: iterations, or samples where a run's length is samples (`epoch_samples`)."""
+    return plan.epoch_samples or plan.train_iters
+
+
 def warmup_steps(plan: RunPlan) -> int:
-    """Steps of linear warm-up: --lr-warmup-fraction of --train-iters, rounded down."""
-    return int(plan.config.lr_warmup_fraction * plan.train_iters)
+    """Steps of linear warm-up: --lr-warmup-fraction of the schedule, rounded down."""
+    return int(plan.config.lr_warmup_fraction * schedule_steps(plan))
 
 
 def model_options(plan: RunPlan, init_weights: bool) -> ModelOptions:
@@ -126,8 +131,8 @@ def build_training_model(plan: RunPlan) -> TrainingModel:
     warmup = warmup_steps(plan)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=plan.train_iters, lr_decay_style=cfg.lr_decay_style,
-        start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=plan.train_iters,
+        lr_decay_steps=schedule_steps(plan), lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=schedule_steps(plan),
         wd_incr_style="constant",
     )
     trained = TrainingModel(model, ddp, optimizer, scheduler)

@@ -28,10 +28,12 @@ def token_objective(losses: list[dict]) -> tuple[float, int, dict]:
 
 
 def train_step(trained, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
-               reduce=token_objective, before_update: Callable[[], None] = lambda: None) -> StepResult:
+               reduce=token_objective, before_update: Callable[[], None] = lambda: None,
+               schedule_increment: int = 1) -> StepResult:
     """`reduce`: the step's loss-function outputs -> (loss, what it is the mean over, metrics);
     `before_update`: called when the gradients are final (reduced, scaled), before the optimizer clips
-    and applies them (not when the loss is not finite)."""
+    and applies them (not when the loss is not finite); `schedule_increment`: how far the LR
+    schedule advances (0: the caller advances it)."""
     trained.ddp.zero_grad_buffer()
     trained.optimizer.zero_grad()
     loss, count, metrics = reduce(run_schedule(trained.ddp, forward_step, micro_batches, seq_length, micro_batch_size,
@@ -40,5 +42,5 @@ def train_step(trained, forward_step, micro_batches: list[dict], seq_length: int
         return StepResult(loss, count, None, updated=False, metrics=metrics)
     before_update()
     _, grad_norm, _ = trained.optimizer.step()
-    trained.scheduler.step(increment=1)
+    trained.scheduler.step(increment=schedule_increment)
     return StepResult(loss, count, grad_norm, updated=True, metrics=metrics)

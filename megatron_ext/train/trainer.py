@@ -38,6 +38,9 @@ from megatron_ext.train.step import StepResult, train_step
 
 log = logging.getLogger(__name__)
 
+_NOTHING_EVALUATED = ("evaluation scored nothing (loss nan): every val sample was skipped or has no trained "
+                      "tokens (too long for --seq-length? see the skipped counts); the val split needs usable samples")
+
 # metrics.jsonl's "state" record: one row per rank.
 STATE_COLUMNS = ["pp_rank", "tp_rank", "dp_rank", "param_bytes", "grad_bytes", "optimizer_bytes"]
 
@@ -67,6 +70,18 @@ def _memory_gb() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 2**30
+
+
+class _DataUsedUp(Exception):
+    """A run measured in samples read its last pass to the end on some rank before they were all trained
+    (samples skipped as too long are not trained; data-parallel ranks' packs differ)."""
+
+
+def _on_every_rank(holds: bool) -> bool:
+    """Whether `holds` is true on every rank (collective)."""
+    value = torch.tensor([float(holds)], device=device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+    return bool(value.item())
 
 
 BATCH_STATS = ("samples", "positions", "squared_lengths", "model_positions", "images", "truncated", "skipped",
@@ -113,6 +128,7 @@ class Trainer:
             common = checkpointing.load_resume_state(plan, self.trained, self.train_data)
             self.iteration = common["iteration"]
             self.counters.update(common.get("counters", {}))
+            self.train_data.passes = self.counters.get("data_passes", 0)
         elif plan.start is not None:
             checkpointing.load_weights(self.trained, plan.start, with_optimizer=False)
             log.info("starting from %s", plan.start.path)
@@ -150,7 +166,7 @@ class Trainer:
             self.dpo.reference.load()
             return
         log.info("computing the reference log-probabilities of the %d training pairs", self.plan.train_split.samples)
-        val = self.val_data.global_batches() if self.val_data is not None else []
+        val = [group for group in self.val_data.global_batches() if group] if self.val_data is not None else []
         train = split_pass(self.plan, "train")
         groups = iter(lambda: list(islice(train, self.plan.num_microbatches)), [])
         self.dpo.reference.precompute(chain(groups, val))
@@ -162,21 +178,35 @@ class Trainer:
 
     def _iteration(self) -> tuple[StepResult | None, list[dict], dict, bool]:
         """One step: (its result, None when skipped; its micro batches; the global batch's
-        statistics; whether any rank received a stop signal)."""
+        statistics; whether any rank received a stop signal). Raises `_DataUsedUp` instead when a
+        run measured in samples has no batch left on some rank."""
         micro_batches = self.train_data.next_micro_batches(self.plan.num_microbatches)
+        by_samples = self.plan.epoch_samples is not None
+        if by_samples and not _on_every_rank(bool(micro_batches)):
+            raise _DataUsedUp
         stats = batch_stats(micro_batches, self.inputs)
+        # The LR schedule advances with the iteration, or by the global batch's samples once they are known.
+        increment = 0 if by_samples else 1
         if self.plan.skipped(self.iteration):
-            # The data is consumed, no update is made; the schedule still advances with the iteration.
-            self.trained.scheduler.step(increment=1)
+            # The data is consumed, no update is made; the schedule still advances.
+            self.trained.scheduler.step(increment=increment)
             self.counters["skipped_iterations"] += 1
             result = None
         elif self.dpo is not None:
-            result = self.dpo.train_step(micro_batches, self.before_optimizer_step)
+            result = self.dpo.train_step(micro_batches, self.before_optimizer_step, schedule_increment=increment)
         else:
             result = train_step(self.trained, self.forward_step, micro_batches, self.plan.seq_length,
-                                self.cfg.micro_batch_size, before_update=self.before_optimizer_step)
+                                self.cfg.micro_batch_size, before_update=self.before_optimizer_step,
+                                schedule_increment=increment)
         batch, stop = self._shared(stats)
+        if by_samples and (result is None or result.updated):
+            self.trained.scheduler.step(increment=int(batch["samples"]))
         return result, micro_batches, batch, stop
+
+    def _finished(self) -> bool:
+        """The last iteration is done, or in a run measured in samples, its samples are trained."""
+        samples = self.plan.epoch_samples
+        return self.iteration >= self.plan.train_iters or (samples is not None and self.counters["samples"] >= samples)
 
     def _shared(self, stats: torch.Tensor) -> tuple[dict, bool]:
         """The global batch's statistics and whether any rank was signalled to stop, in one all-reduce
@@ -271,6 +301,8 @@ class Trainer:
             loss, n = eval_loss(self.trained.ddp, self.forward_step, micro_batches, self.plan.seq_length,
                                 self.cfg.micro_batch_size)
             total, tokens = total + loss * n, tokens + n
+        if not tokens:
+            log.warning(_NOTHING_EVALUATED)
         loss = total / tokens if tokens else float("nan")
         result = {"iteration": self.iteration, "loss": loss, "perplexity": math.exp(loss) if tokens else float("nan"),
                   "loss_tokens": tokens}
@@ -291,10 +323,13 @@ class Trainer:
             for name, value in {"loss": loss, **metrics}.items():
                 sums[name] = sums.get(name, 0.0) + value * n
             pairs += n
+        if not pairs:
+            log.warning(_NOTHING_EVALUATED)
         return {"iteration": self.iteration, "pairs": pairs,
                 **{name: value / pairs if pairs else float("nan") for name, value in sums.items()}}
 
     def save(self) -> None:
+        self.counters["data_passes"] = self.train_data.passes
         with self.trained.parameters_gathered():
             self.last_saved = checkpointing.save_snapshot(self.plan, self.trained, self.iteration,
                                                           {"counters": self.counters}, self.train_data)
@@ -318,21 +353,30 @@ class Trainer:
                  cfg.micro_batch_size, self.plan.execution.data_parallel_size)
         if cfg.eval_on_start and self.iteration == 0:
             self.metrics.log(self.evaluate(), prefix="val")
-        while self.iteration < self.plan.train_iters:
+        while not self._finished():
             self.iteration += 1
             start, lr = time.perf_counter(), self._lr()
-            result, micro_batches, batch, stop = self._iteration()
+            try:
+                result, micro_batches, batch, stop = self._iteration()
+            except _DataUsedUp:
+                self.iteration -= 1
+                log.info("the %g epoch(s) of training samples are used up at iteration %d", self.cfg.epochs,
+                         self.iteration)
+                if cfg.save and not self._due(cfg.save_interval):  # else the last iteration saved already
+                    self.save()
+                return
             self.after_iteration(micro_batches)
             record = self._record(result, batch, time.perf_counter() - start, lr)
             if result is not None and result.updated and not self.held_state_recorded:
                 self._record_held_state()
-            if self._due(cfg.log_interval) or self.iteration == self.plan.train_iters or not (result is None or result.finite):
+            last = self._finished()
+            if self._due(cfg.log_interval) or last or not (result is None or result.finite):
                 self.metrics.log({**record, "samples_digest": self._samples_digest(micro_batches)})
             self._check_finite(result)
             if self.val_data is not None and self._due(cfg.eval_interval):
                 self.metrics.log(self.evaluate(), prefix="val")
             exiting = stop or (cfg.exit_interval and self.iteration >= cfg.exit_interval)
-            if cfg.save and (self._due(cfg.save_interval) or exiting or self.iteration == self.plan.train_iters):
+            if cfg.save and (self._due(cfg.save_interval) or exiting or last):
                 self.save()
             if exiting:
                 log.info("%s at iteration %d: exiting", "signal received" if stop else "--exit-interval", self.iteration)

@@ -8,10 +8,12 @@ import tarfile
 
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 from megatron_ext.data import build
 from megatron_ext.data.build import build_energon_dataset
+from megatron_ext.data.splits import split_sizes
 from megatron_ext.errors import UserError
 from tests.data.mix665k import BAD, GOOD, write_mix665k
 from tests.support.helpers import run_script
@@ -122,13 +124,13 @@ def test_json_that_is_not_a_list_is_one_clear_error(tmp_path):
 
 
 def test_failed_prepare_leaves_no_dataset(messy_input, tmp_path, monkeypatch):
-    def broken_prepare(path, split_ratio, num_workers, dataset_yaml):
+    def broken_prepare(path, shards, num_workers, dataset_yaml):
         assert list(path.glob("*.tar"))
         raise UserError("energon prepare failed on the new shards: boom")
 
     monkeypatch.setattr(build, "run_energon_prepare", broken_prepare)
     with pytest.raises(UserError, match="boom"):
-        build_energon_dataset(messy_input, tmp_path / "out", num_workers=0)
+        build_energon_dataset(messy_input, tmp_path / "out", split_ratio="1,0,0", num_workers=0)
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
@@ -154,3 +156,80 @@ def test_refuses_non_empty_output_and_bad_split(messy_input, tmp_path):
         build_energon_dataset(messy_input, tmp_path / "full")
     with pytest.raises(UserError, match="--split-ratio"):
         build_energon_dataset(messy_input, tmp_path / "new", split_ratio="9,1")
+
+
+@pytest.mark.parametrize("records, ratio, sizes", [
+    (37, "9,1,0", {"train": 33, "val": 4, "test": 0}),
+    (2, "9,1,0", {"train": 1, "val": 1, "test": 0}),
+    (3, "98,1,1", {"train": 1, "val": 1, "test": 1}),
+    (1000, "8,1,1", {"train": 800, "val": 100, "test": 100}),
+])
+def test_every_non_zero_share_gets_records(records, ratio, sizes):
+    assert split_sizes(records, ratio) == sizes
+
+
+def test_too_few_records_for_the_ratio_are_refused_in_one_line():
+    with pytest.raises(UserError) as refused:
+        split_sizes(2, "1,1,1")
+    assert str(refused.value) == ("--split-ratio 1,1,1 needs at least 3 records (one per non-zero share), INPUT has 2: "
+                                  "give more records or --split-ratio 1,0,0")
+
+
+def _shard_keys(out, shards) -> list[str]:
+    return sorted(name.split(".")[0] for name in _shard_members_of(out, shards) if name.endswith(".json"))
+
+
+def _shard_members_of(out, shards) -> list[str]:
+    names = []
+    for shard in shards:
+        with tarfile.open(out / shard) as tar:
+            names += tar.getnames()
+    return names
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_small_input_built_with_the_defaults_has_train_and_val_samples(tmp_path):
+    from megatron_ext.demo.synthetic_data import SyntheticSpec, make_synthetic_dataset
+
+    source = make_synthetic_dataset(tmp_path / "src", SyntheticSpec(num_samples=37))
+    out = tmp_path / "out"
+    report = build_energon_dataset(source, out, num_workers=0)
+    assert report.splits == {"train": 33, "val": 4, "test": 0} and report.shards == 2
+    # By record, in input order: the last four records are val, in a shard of their own.
+    parts = yaml.safe_load((out / ".nv-meta" / "split.yaml").read_text())["split_parts"]
+    assert parts == {"train": ["000000.tar"], "val": ["000001.tar"], "test": []}
+    assert _shard_keys(out, ["000001.tar"]) == [f"{i:09d}" for i in range(33, 37)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_split_whose_records_were_all_skipped_is_refused_and_nothing_is_written(tmp_path):
+    from megatron_ext.demo.synthetic_data import SyntheticSpec, make_synthetic_dataset
+
+    source = make_synthetic_dataset(tmp_path / "src", SyntheticSpec(num_samples=10))
+    records = json.loads(source.read_text())
+    records[9]["image"] = "images/nowhere.jpg"
+    source.write_text(json.dumps(records))
+    with pytest.raises(UserError) as refused:
+        build_energon_dataset(source, tmp_path / "out", num_workers=0)
+    assert str(refused.value) == ("--split-ratio 9,1,0: every record of the val split (records 9-9 of INPUT) was "
+                                  "skipped; fix them (--strict names the first) or change --split-ratio")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_summary_names_the_first_skipped_records_by_id_and_points_to_the_report_for_the_rest(messy_input, tmp_path):
+    (messy_input.parent / "coco/train2017/noise.jpg").write_bytes(b"not a picture at all")
+    records = json.loads(messy_input.read_text())
+    records.insert(0, {"id": "noise", "image": "coco/train2017/noise.jpg",
+                       "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "Red."}]})
+    messy_input.write_text(json.dumps(records))
+    report = build_energon_dataset(messy_input, tmp_path / "out", split_ratio="1,0,0", num_workers=0)
+    lines = report.summary().splitlines()
+    named = lines[lines.index("  sample 0 (id noise): corrupt image "
+                              f"({messy_input.parent / 'coco/train2017/noise.jpg'}: not an image format PIL can read)"):]
+    assert len(named) == 6 and all(line.startswith("  sample ") for line in named[:5])
+    assert named[5] == f"  and {sum(BAD.values()) + 1 - 5} more in build_report.json"
+    assert "BytesIO" not in (tmp_path / "out" / "build_report.json").read_text()

@@ -163,8 +163,13 @@ def test_bad_records_are_counted_per_reason(tmp_path, llava_clip):
     assert report.written == 2 and report.skipped == BAD
     lines = report.summary().splitlines()
     assert lines[0].startswith("wrote 2 pairs in 1 shards")
-    assert lines[lines.index("skipped 9 pairs:") + 1:] == [f"  {n:6d}  {reason}" for reason, n in
-                                                          sorted(BAD.items(), key=lambda kv: -kv[1])]
+    counted = lines.index("skipped 9 pairs:") + 1
+    assert lines[counted:counted + len(BAD)] == [f"  {n:6d}  {reason}" for reason, n in
+                                                 sorted(BAD.items(), key=lambda kv: -kv[1])]
+    # Then the first five by record, and where the rest are.
+    named = lines[counted + len(BAD):]
+    assert named[0] == "  pair 1 (id no-rejected): missing rejected answer"
+    assert len(named) == 6 and named[-1] == "  and 4 more in build_report.json"
     saved = json.loads((tmp_path / "out" / "build_report.json").read_text())
     reasons = {s["id"]: s["reason"] for s in saved["skipped_samples"]}
     assert reasons["long"] == "prompt over the length" and reasons["answered-prompt"] == "malformed record"
@@ -236,3 +241,14 @@ def test_synthetic_pairs_differ_and_build_without_skips(tmp_path, capsys):
             "--split-ratio", "1,0,0", "--num-workers", 0, "--samples-per-shard", 12)
     out = capsys.readouterr().out
     assert f"wrote 24 pairs in 2 shards to {tmp_path / 'out'}" in out and "skipped 0 pairs" in out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_few_pairs_built_with_the_defaults_have_train_and_val_pairs(tmp_path, capsys):
+    source = make_synthetic_dataset(tmp_path / "src", SyntheticSpec(num_samples=37, task="preference"))
+    with pytest.raises(SystemExit) as exited:
+        run_command(group, ["build", str(source), "--output-dir", str(tmp_path / "out"), "--task", "preference",
+                            "--num-workers", "0"])
+    assert exited.value.code == 0
+    assert "splits: train 33, val 4, test 0" in capsys.readouterr().out

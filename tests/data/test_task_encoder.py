@@ -132,7 +132,7 @@ def _write_prepared(path, samples):
     with wds.TarWriter(str(path / "000000.tar")) as writer:
         for sample in samples:
             writer.write(sample)
-    run_energon_prepare(path, "1,1,0", 1)
+    run_energon_prepare(path, {"val": [0]}, 1)
 
 
 @pytest.mark.multiprocess

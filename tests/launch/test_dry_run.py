@@ -58,3 +58,14 @@ def test_dry_run_with_an_image_where_no_container_runtime_is_installed(inputs, t
     assert real.returncode == 2 and real.stderr.strip() == \
         "error: --sif-path needs singularity or apptainer on PATH; neither was found"
     assert launcher.records() == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_dry_run_with_its_memory_plan_prints_only_its_own_lines(launcher, inputs):
+    dry = launcher.run("--megatron-load-dir", inputs.checkpoint, "--data-path", inputs.data, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stderr.strip().splitlines()
+    # megatron-core's UserWarnings (no TE / Apex, deprecated defaults) and "LLaVA is work in progress" are not ours.
+    assert any("memory plan per GPU" in line for line in lines)
+    assert [line for line in lines if not line.startswith("run.py: ")] == []

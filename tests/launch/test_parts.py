@@ -104,3 +104,12 @@ def test_launch_options_hold_one_field_per_flag_the_launcher_consumes_and_the_tr
     values = {**{name: None for name in own}, "tp": 2, "skip_train_iteration_range": ("1-2", "5-6")}
     options = LaunchOptions.of(values)
     assert dict(options.trainer) == {"tp": 2, "skip_train_iteration_range": ["1-2", "5-6"]}
+
+
+def test_the_launchers_help_names_its_plan_and_report_commands():
+    import click
+
+    from megatron_ext.commands.train import launch
+
+    shown = launch.get_help(click.Context(launch, info_name="megatron-ext-train"))
+    assert "plan [--layouts 4x2,8x1] FLAGS..." in shown and "report SAVE_DIR [--png]" in shown

@@ -79,3 +79,18 @@ def test_a_metadataset_with_join_entries_trains_for_the_given_iterations(launche
     refused = launcher.run("--dry-run", *common)
     assert refused.returncode != 0
     assert "cannot count samples of a metadataset with join entries; give --train-iters" in refused.stderr
+
+
+def test_with_packing_one_epoch_is_every_training_sample_once_not_iterations(launcher, inputs):
+    common = ["--megatron-load-dir", str(inputs.checkpoint), "--data-path", str(inputs.data), "--stage", "2",
+              "--global-batch-size", "8"]
+    dry = launcher.run("--dry-run", *common, "--", "--packing-seq-length", "512")
+    assert dry.returncode == 0, dry.stderr
+    _, launched = split_torchrun(shlex.split(dry.stdout)[1:])
+    plan = make_plan(launched, world_size=1, on_gpu=False, te=False)
+    # A packed row holds several samples: the run ends after the 1000 samples, at most 125 iterations.
+    assert (launched.epochs, launched.train_iters, plan.epoch_samples, plan.train_iters) == (1.0, None, 1000, 125)
+    note = ("1 epoch(s) = each of the 1000 training samples 1 time(s): with packing a global batch of 8 rows holds "
+            "several samples, so the run ends when they are trained (at most 125 iterations) and the LR schedule "
+            "counts samples (change with -- --train-iters N or -- --epochs E)")
+    assert f"run.py: {note}" in dry.stderr.splitlines()

@@ -68,10 +68,13 @@ CASES = {
                            "--seq-length 2040 must be a multiple of 16 for --fp8; use 2048"),
     "skip range": (["--skip-train-iteration-range", "110-100"], 0, "--skip-train-iteration-range '110-100'"),
     "unknown flag": (["--tpp", "2"], 0, "No such option '--tpp'"),
+    "trainer option before --": (["--lora-rank", "8"], 0, "--lora-rank is the trainer's option: give it after -- "
+                                 "(run.py [run.py's flags] -- --lora-rank ...)"),
     "passthrough typo": (["--", "--trian-iters", "5"], 0, "trainer options after --: No such option '--trian-iters'"),
     "passthrough value": (["--", "--lr", "fast"], 0, "'fast' is not a valid float"),
     "launcher flag after --": (["--", "--tp", "2"], 0, "--tp after --: give it as run.py's --tp"),
-    "no training samples": (["--data-path", "NO_TRAIN"], 0, "has no training samples"),
+    "no training samples": (["--data-path", "NO_TRAIN"], 0, "has no training samples (splits: train 0, val 5, test 0); "
+                            "rebuild it with `megatron-ext-data build`"),
     # Checked by the trainer's own plan, before anything starts.
     "seq length under the image": (["--", "--seq-length", "200"], 0,
                                    "--seq-length 200 leaves no room for text after 256 image embeddings"),

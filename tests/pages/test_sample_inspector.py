@@ -244,3 +244,31 @@ def test_a_preference_dataset_shows_each_pair_once_with_its_chosen_and_rejected_
             images = len(samples[key].images)
             assert pair.locator(".medium").count() == images > 0  # once for the pair
             assert [a.locator(".block").count() for a in answers] == [images, images]  # used by both sequences
+
+
+def test_japanese_and_emoji_split_over_byte_level_tokens_render_as_characters_with_their_record_id(tmp_path, llava_clip):
+    """The tiny models' byte-level BPE tokenizer has no merges for these characters: each is several
+    byte tokens, which the page joins into one box per character instead of U+FFFD per token."""
+    from tests.data.conftest import jpeg
+    from tests.pages.browser import opened
+
+    question, answer = "この画像の動物は何ですか？", "猫です🐱。"
+    (tmp_path / "cat.jpg").write_bytes(jpeg())
+    record = {"id": "ja-cat-7", "image": "cat.jpg",
+              "conversations": [{"from": "human", "value": f"<image>\n{question}"}, {"from": "gpt", "value": answer}]}
+    (tmp_path / "ja.json").write_text(json.dumps([record], ensure_ascii=False))
+    setup = EncoderSetup(tokenizer_load_dir=str(llava_clip), options={"seq_length": SEQ})
+    page = write_inspection(tmp_path / "ja.json", tmp_path / "ja.html", setup, Selection(samples=1))
+    with opened(page) as shown:
+        assert shown.console_errors == [] and shown.requests == []
+        section = shown.page.locator('section[data-key="000000000"]')
+        assert section.locator("h3").inner_text() == "Sample 000000000 (index 0, record id ja-cat-7)"
+        text = "".join(section.locator(".tok").all_inner_texts())
+        assert question in text and answer in text and "\ufffd" not in text
+        joined = section.locator(".tok.joined")
+        # 動, 物, 何, 猫 and 🐱 have no token of their own (この画像 has one).
+        assert set("動物何猫🐱") <= set("".join(joined.all_inner_texts())) and "画" not in "".join(joined.all_inner_texts())
+        # Every token is still on the page: single ones and the joined boxes' counts add up to the stats.
+        counts = [int(n) for n in joined.evaluate_all("els => els.map(e => e.dataset.tokens)")]
+        single = section.locator(".tok:not(.joined)").count()
+        assert single + sum(counts) == int(_table(section.locator(".stats"))["tokens"].replace(",", ""))

@@ -71,14 +71,17 @@ class DpoObjective:
         metrics = {name: value / pairs if pairs else float("nan") for name, value in zip(METRICS, sums)}
         return (total / pairs if pairs else float("nan")), int(pairs), metrics
 
-    def train_step(self, micro_batches: list[dict], before_update: Callable[[], None] = lambda: None) -> StepResult:
+    def train_step(self, micro_batches: list[dict], before_update: Callable[[], None] = lambda: None,
+                   schedule_increment: int = 1) -> StepResult:
         self._prepare(micro_batches)
         return train_step(self.trained, self.forward_step, micro_batches, self.seq_length, self.micro_batch_size,
-                          reduce=self._reduce, before_update=before_update)
+                          reduce=self._reduce, before_update=before_update, schedule_increment=schedule_increment)
 
     def evaluate(self, micro_batches: list[dict]) -> tuple[float, int, dict]:
         """(loss, pairs, metrics) of one global batch, forward only."""
         self._prepare(micro_batches)
+        if not micro_batches:  # as model.forward_step.eval_loss: this rank adds nothing
+            return self._reduce([])
         with torch.no_grad():
             return self._reduce(run_schedule(self.trained.ddp, self.forward_step, micro_batches, self.seq_length,
                                              self.micro_batch_size, True))
