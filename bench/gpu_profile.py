@@ -74,24 +74,24 @@ class Work:
     op: object = None
 
 
+BACKWARD_NODE = "autograd::engine::evaluate_function"
+
+
+def _lineage(event):
+    """The event, then its parent, its parent's parent, ... (the profiler's CPU call tree)."""
+    while event is not None:
+        yield event
+        event = event.cpu_parent
+
+
 def _phase_of_op(op, backward_phase: dict) -> str:
-    event = op
-    while event is not None:
-        name = event.name
-        if name.startswith("phase:"):
-            return name[len("phase:"):]
-        if name.startswith("autograd::engine::evaluate_function"):
+    """The innermost phase range around `op`; backward nodes take their forward operator's phase."""
+    for event in _lineage(op):
+        if event.name.startswith("phase:"):
+            return event.name[len("phase:"):]
+        if event.name.startswith(BACKWARD_NODE):
             return "backward: " + backward_phase.get(event.sequence_nr, "schedule")
-        event = event.cpu_parent
     return "schedule"
-
-
-def _in_backward(event) -> bool:
-    while event is not None:
-        if event.name.startswith("autograd::engine::evaluate_function"):
-            return True
-        event = event.cpu_parent
-    return False
 
 
 def _forward_phases(events) -> dict:
@@ -99,18 +99,14 @@ def _forward_phases(events) -> dict:
     node carries): the first forward operator of a sequence number decides."""
     phases = {}
     for event in events:
-        if event.sequence_nr >= 0 and event.sequence_nr not in phases and not _in_backward(event):
+        in_backward = any(e.name.startswith(BACKWARD_NODE) for e in _lineage(event))
+        if event.sequence_nr >= 0 and event.sequence_nr not in phases and not in_backward:
             phases[event.sequence_nr] = _phase_of_op(event, {})
     return phases
 
 
 def _inside_aten(event) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name.startswith("aten::"):
-            return True
-        parent = parent.cpu_parent
-    return False
+    return any(e.name.startswith("aten::") for e in _lineage(event.cpu_parent))
 
 
 def _cpu_ops(events) -> list:

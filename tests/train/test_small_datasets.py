@@ -56,9 +56,10 @@ def test_one_val_pair_is_evaluated_by_dpo(tmp_path, megatron_clip):
     assert val["pairs"] == 1 and val["loss"] == val["loss"]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_one_epoch_with_packing_trains_each_training_sample_once(tmp_path, megatron_clip, small_data):
+def _packed_epoch(tmp_path, megatron_clip, small_data, seq: int, runs: dict) -> tuple[dict, list[str]]:
+    """One epoch with packing through the parity check's recording trainer (the real trainer, saving
+    each global batch it trains on), once per entry of `runs` (extra options): its metrics records
+    and the sample keys of every batch trained."""
     import json
 
     import torch
@@ -66,14 +67,21 @@ def test_one_epoch_with_packing_trains_each_training_sample_once(tmp_path, megat
     from megatron_ext.verify.parity_run import batch_file
 
     config = {"megatron_load_dir": str(megatron_clip), "data_path": str(small_data), "save": True,
-              "save_dir": str(tmp_path / "run"), "micro_batch_size": 2, "global_batch_size": 4, "seq_length": 256,
-              "packing_seq_length": 256, "epochs": 1.0, "num_workers": 0, "stage": 2, "lr": 1e-3}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    # The parity check's recording trainer: the real trainer, saving each global batch it trains on.
-    run_ranks(1, "-m megatron_ext.verify.parity_run", tmp_path / "batches", tmp_path / "config.json", timeout=300)
+              "save_dir": str(tmp_path / "run"), "micro_batch_size": 2, "global_batch_size": 4, "seq_length": seq,
+              "packing_seq_length": seq, "epochs": 1.0, "num_workers": 0, "stage": 2, "lr": 1e-3}
+    for name, extra in runs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({**config, **extra}))
+        run_ranks(1, "-m megatron_ext.verify.parity_run", tmp_path / "batches", tmp_path / f"{name}.json", timeout=300)
     records = metrics(tmp_path / "run")
     keys = [key for i in sorted(records) for b in torch.load(batch_file(tmp_path / "batches", i, 0))
             for row in b["keys"] for key in row.split(",")]
+    return records, keys
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_one_epoch_with_packing_trains_each_training_sample_once(tmp_path, megatron_clip, small_data):
+    records, keys = _packed_epoch(tmp_path, megatron_clip, small_data, 256, {"config": {}})
     # Every one of the 33 training samples (records 0-32) once, in fewer iterations than unpacked rows would take.
     assert sorted(keys) == [f"{i:09d}" for i in range(33)]
     assert sum(r["samples"] for r in records.values()) == 33 and len(records) < 9
@@ -82,20 +90,7 @@ def test_one_epoch_with_packing_trains_each_training_sample_once(tmp_path, megat
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_packed_epoch_stopped_and_resumed_still_trains_each_sample_once(tmp_path, megatron_clip, small_data):
-    import json
-
-    import torch
-
-    from megatron_ext.verify.parity_run import batch_file
-
-    config = {"megatron_load_dir": str(megatron_clip), "data_path": str(small_data), "save": True,
-              "save_dir": str(tmp_path / "run"), "micro_batch_size": 2, "global_batch_size": 4, "seq_length": 128,
-              "packing_seq_length": 128, "epochs": 1.0, "num_workers": 0, "stage": 2, "lr": 1e-3}
-    for name, extra in (("first", {"exit_interval": 1}), ("resumed", {})):
-        (tmp_path / f"{name}.json").write_text(json.dumps({**config, **extra}))
-        run_ranks(1, "-m megatron_ext.verify.parity_run", tmp_path / "batches", tmp_path / f"{name}.json", timeout=300)
-    records = metrics(tmp_path / "run")
-    keys = [key for i in sorted(records) for b in torch.load(batch_file(tmp_path / "batches", i, 0))
-            for row in b["keys"] for key in row.split(",")]
+    records, keys = _packed_epoch(tmp_path, megatron_clip, small_data, 128, {"first": {"exit_interval": 1},
+                                                                               "resumed": {}})
     # The first run stopped after iteration 1; the resumed one trained the rest of the pass.
     assert min(records) == 1 and max(records) > 2 and sorted(keys) == [f"{i:09d}" for i in range(33)]
