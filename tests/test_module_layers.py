@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_ext"
 # Lowest first. A part is a sub-package or a module at the package's top level.
 LAYERS = [
-    ("foundation", {"errors", "rank_failures", "environ", "fsutil", "logs", "progress", "lifetime", "quick_exit", "lean_import", "cpu_support", "without_te",
+    ("foundation", {"errors", "rank_failures", "environ", "fsutil", "logs", "progress", "lifetime", "stop_signals", "quick_exit", "lean_import", "cpu_support", "without_te",
                     "distributed", "container", "hf_loading"}),
     ("model", {"model"}),
     ("families", {"families"}),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from megatron_ext.errors import UserError
-from megatron_ext.launch import network, runner
+from megatron_ext.launch import network, run_dirs, runner
 from megatron_ext.launch.command import LaunchCommand, build_command
 from megatron_ext.launch.flags import TRAINER_FLAGS, passthrough_options
 from megatron_ext.launch.memory_check import check_memory
@@ -118,7 +118,8 @@ def main(values: dict, passthrough_argv: list[str]) -> int:
         return 0
     for retries_left in reversed(range(PORT_RETRIES + 1)):
         print(f"+ {launch.command.shell()}", file=sys.stderr, flush=True)
-        outcome = runner.run(launch.command.argv, launch.command.env, launch.command.log_file)
+        outcome = runner.run(launch.command.argv, launch.command.env, launch.command.log_file,
+                             run_dirs.run_key(launch.trainer.argv))
         if not outcome.port_taken:
             return outcome.status
         launch = _port_taken(launch, values, retries_left)
