@@ -105,3 +105,23 @@ def _wait_signalled(launcher, proc, timeout=30.0):
     while not [r for r in launcher.records() if "signal" in r]:
         assert proc.poll() is None and time.monotonic() < deadline, launcher.records()
         time.sleep(0.05)
+
+
+def test_a_killed_launch_leaves_its_temporary_folder_to_the_next_start_of_the_same_run(launcher, inputs, tmp_path):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    proc = launcher.popen(*_args(inputs), env=launcher.env(TMPDIR=str(temp), STANDIN_WAIT="1"),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_ready(launcher, proc, 2)
+        os.kill(proc.pid, signal.SIGKILL)  # run.py alone: nothing cleans up
+        proc.wait()
+    finally:
+        launcher.stop(proc)
+    left = list(temp.glob("megatron-ext-run-*"))
+    assert len(left) == 1 and (left[0] / "output.log").is_file()
+
+    other = launcher.run(*_args(inputs), "--name", "another-run", env=launcher.env(TMPDIR=str(temp)))
+    assert other.returncode == 0 and list(temp.glob("megatron-ext-run-*")) == left  # not its own: left alone
+    same = launcher.run(*_args(inputs), env=launcher.env(TMPDIR=str(temp)))
+    assert same.returncode == 0 and not list(temp.glob("megatron-ext-run-*"))
