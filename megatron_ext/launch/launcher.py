@@ -70,6 +70,8 @@ def prepare(values: dict, passthrough_argv: list[str], env: Mapping[str, str]) -
     _check_devices(topology, values)
     if values["interface"]:
         network.check_interface(values["interface"])
+    if topology.nnodes > 1:
+        network.check_reachable(topology.master_addr, values["interface"], topology.nnodes)
     flag_values = {field: list(values[field]) if isinstance(values[field], tuple) else values[field] for field in TRAINER_FLAGS}
     setup = trainer_setup(flag_values, passthrough, topology.world_size,
                           _transformer_engine(topology, values["sif_path"]), topology.on_gpu)

@@ -90,8 +90,12 @@ def test_passthrough_options_and_original_skip_range_syntax(launcher, inputs):
     assert (config.epochs, config.train_iters) == (2.5, None)  # the trainer turns epochs into iterations
 
 
+# Where this machine's name resolves to a loopback address, run.py asks multi-node runs for --interface.
+INTERFACE = ("--interface", "lo")
+
+
 def test_multi_node_static_rendezvous(launcher, inputs):
-    launch(launcher, inputs, "-g", "2", "--node", "2", "-r", "1", "-m", "10.1.2.3", "-p", "29600")
+    launch(launcher, inputs, "-g", "2", "--node", "2", "-r", "1", "-m", "10.1.2.3", "-p", "29600", *INTERFACE)
     opts, _ = split_torchrun(launcher.launched()["argv"])
     assert opts == {"--nnodes": "2", "--nproc-per-node": "2", "--node-rank": "1", "--master-addr": "10.1.2.3",
                     "--master-port": "29600"}
@@ -101,7 +105,7 @@ def test_multi_node_static_rendezvous(launcher, inputs):
 def test_c10d_rendezvous(launcher, inputs, nodes, master):
     port = free_port()
     launch(launcher, inputs, "-g", "2", "--node", nodes, "--rdzv-port", port, "--name", "exp",
-           *(("-m", master) if master else ()))
+           *(("-m", master) if master else ()), *INTERFACE)
     opts, _ = split_torchrun(launcher.launched()["argv"])
     assert opts == {"--nnodes": str(nodes), "--nproc-per-node": "2", "--rdzv-backend": "c10d",
                     "--rdzv-endpoint": f"{master or '127.0.0.1'}:{port}", "--rdzv-id": "exp"}
@@ -121,7 +125,7 @@ SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLUR
 ])
 def test_slurm_environment(launcher, inputs, flags, expected):
     env = launcher.env(gpus=8, **SLURM)
-    result = launch(launcher, inputs, "--slurm-output-name", "logs/exp", *flags, env=env)
+    result = launch(launcher, inputs, "--slurm-output-name", "logs/exp", *flags, *INTERFACE, env=env)
     started = launcher.launched()
     opts, _ = split_torchrun(started["argv"])
     assert opts == expected
