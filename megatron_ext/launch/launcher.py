@@ -15,7 +15,7 @@ from megatron_ext.launch.command import LaunchCommand, build_command
 from megatron_ext.launch.flags import TRAINER_FLAGS, passthrough_options
 from megatron_ext.launch.memory_check import check_memory
 from megatron_ext.launch.slurm import slurm_job
-from megatron_ext.launch.topology import Topology, resolve_topology
+from megatron_ext.launch.topology import JOIN_TIMEOUT_S, Topology, resolve_topology
 from megatron_ext.launch.trainer_args import TrainerSetup, trainer_setup
 from megatron_ext.train import run_lock
 
@@ -102,6 +102,12 @@ def _port_taken(launch: Launch, values: dict, retries_left: int) -> Launch:
     return Launch(topology=topology, trainer=launch.trainer, command=_command(topology, launch.trainer, values))
 
 
+def _peers_missing(t: Topology) -> UserError:
+    where = f"{t.master_addr}:{t.rdzv_port if t.rdzv_port is not None else t.master_port}"
+    return UserError(f"the other nodes did not join within {JOIN_TIMEOUT_S} s (rendezvous {where}): one failed to "
+                     "start (its own output says why) or was not started; start every node's run.py together")
+
+
 def _plans_memory(launch: Launch, values: dict) -> bool:
     """Dry runs and GPU launches get a memory plan (a launch of CPU processes has no GPU to fit),
     unless --no-memory-check: the launcher then imports no torch, as before the plan existed."""
@@ -122,6 +128,8 @@ def main(values: dict, passthrough_argv: list[str]) -> int:
         print(f"+ {launch.command.shell()}", file=sys.stderr, flush=True)
         outcome = runner.run(launch.command.argv, launch.command.env, launch.command.log_file,
                              run_dirs.run_key(launch.trainer.argv))
+        if outcome.peers_missing:
+            raise _peers_missing(launch.topology)
         if not outcome.port_taken:
             return outcome.status
         launch = _port_taken(launch, values, retries_left)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -17,17 +18,21 @@ from megatron_ext.launch.stop_forwarding import StopForwarding
 
 # How torchrun says that its rendezvous port was taken between run.py's check and its own bind.
 PORT_TAKEN = b"EADDRINUSE"
-# torchrun binds its port within seconds; stderr is never held longer (should the ranks be unable to
-# say that they started: a container that does not see the launcher's temporary directory).
-HOLD_S = 30.0
+# How it says that the other nodes did not join in time (topology.JOIN_TIMEOUT_S): as the node that
+# waited for them, as a node that could not reach the first, and through the c10d rendezvous.
+PEERS_MISSING = re.compile(rb"waiting for clients|timed out after \d+ms while trying to connect|RendezvousTimeoutError")
+# torchrun binds its port, or gives up waiting for the other nodes, within this; stderr is never held
+# longer (should the ranks be unable to say that they started: a container that does not see the
+# launcher's temporary directory).
+HOLD_S = 90.0
 
 
 class _Output:
     """The child's stdout and stderr passed through as they come, and all of it into one log file.
 
     stderr is held back until a rank has started: torchrun fails before that mostly when it cannot
-    bind its rendezvous port, and run.py then says so itself (`port_taken`) instead of showing
-    torchrun's traceback. Once a rank has recorded a failure, stderr stops reaching the terminal
+    bind its rendezvous port or the other nodes do not join, and run.py then says so itself
+    (`port_taken`, `peers_missing`) instead of showing torchrun's traceback. Once a rank has recorded a failure, stderr stops reaching the terminal
     (the log keeps it): what follows is torchrun's report of that failure and the other ranks'
     reactions to it."""
 
@@ -35,7 +40,7 @@ class _Output:
         self.log = open(log_path, "ab")
         self.failures_dir = failures_dir
         self.lock = threading.Lock()
-        self.port_taken = False
+        self.port_taken = self.peers_missing = False
 
     def _write(self, chunk: bytes, terminal) -> None:
         with self.lock:
@@ -61,8 +66,9 @@ class _Output:
             muted = muted or rank_failures.has_failed(self.failures_dir)
             self._write(chunk, None if muted else terminal)
         if held:
-            self.port_taken = PORT_TAKEN in b"".join(held)
-            self._write(b"".join(held), None if self.port_taken else terminal)
+            text = b"".join(held)
+            self.port_taken, self.peers_missing = PORT_TAKEN in text, bool(PEERS_MISSING.search(text))
+            self._write(text, None if self.port_taken or self.peers_missing else terminal)
 
 
 def _report(failures_dir: Path, log_path: Path) -> None:
@@ -76,6 +82,7 @@ def _report(failures_dir: Path, log_path: Path) -> None:
 class Outcome:
     status: int
     port_taken: bool  # torchrun could not bind its rendezvous port: no rank started
+    peers_missing: bool  # the other nodes did not join: no rank started
 
 
 def _start_child() -> None:
@@ -122,4 +129,4 @@ def run(argv: list[str], env: dict[str, str], log_file: Path | None = None, key:
     if status != 0:
         _report(failures_dir, log_path)
     run_dirs.finish(failures_dir, keep=log_file is None and status != 0 and rank_failures.has_failed(failures_dir))
-    return Outcome(status, output.port_taken and status != 0)
+    return Outcome(status, output.port_taken and status != 0, output.peers_missing and status != 0)

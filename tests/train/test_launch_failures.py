@@ -1,15 +1,19 @@
 """run.py with the real torchrun and trainer: a failure inside one rank reaches the terminal once (a
-user error as one line, a bug with one traceback), and two runs started together on one node both train."""
+user error as one line, a bug with one traceback), two runs started together on one node both train, and
+a node that fails at start ends the other within a minute."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from megatron_ext.checkpoint import layout
+from megatron_ext.launch.network import free_port
 from tests.helpers import child_env, run, started
 from tests.train.conftest import run_py
 
@@ -67,3 +71,30 @@ def test_two_runs_started_together_on_one_node_both_train(tmp_path, megatron_cli
         statuses = [first.wait(timeout=280), second.wait(timeout=280)]
     assert statuses == [0, 0], [log.read_text()[-3000:] for log in logs]
     assert [layout.find_snapshot(tmp_path / f"run{i}").iteration for i in range(2)] == [2, 2]
+
+
+def _node_command(checkpoint: Path, data: Path, save: Path, rank: int, port: int, *extra: str) -> list[str]:
+    """run.py for node `rank` of a two-node run whose nodes are both this machine (its name, over lo)."""
+    command = run_py(checkpoint, data, save, 4, gpus=1)
+    cut = command.index("--")
+    return [*command[:cut], "--node", "2", "-r", str(rank), "-m", socket.gethostname(), "-p", str(port),
+            "--interface", "lo", *extra, *command[cut:]]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_node_failing_at_start_ends_its_peer_within_a_minute_in_one_line(tmp_path, megatron_clip, train_data,
+                                                                             failing):
+    port = free_port()
+    nodes = {rank: _node_command(megatron_clip, train_data, tmp_path / "run", rank, port,
+                                 *(("--tp", "3") if rank == failing else ())) for rank in (0, 1)}
+    refused = run(nodes[failing], timeout=60, check=False)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --tp 3 x --pp 1 = 3 does not divide")
+    start = time.monotonic()
+    peer = run(nodes[1 - failing], timeout=60, check=False)  # the bound the issue asks for
+    assert time.monotonic() - start < 60
+    assert peer.returncode == 2 and "Traceback" not in peer.stderr, peer.stderr
+    assert peer.stderr.splitlines()[-1] == (
+        f"error: the other nodes did not join within 15 s (rendezvous {socket.gethostname()}:{port}): one failed to "
+        "start (its own output says why) or was not started; start every node's run.py together")
