@@ -32,9 +32,9 @@ class _Output:
 
     stderr is held back until a rank has started: torchrun fails before that mostly when it cannot
     bind its rendezvous port or the other nodes do not join, and run.py then says so itself
-    (`port_taken`, `peers_missing`) instead of showing torchrun's traceback. Once a rank has recorded a failure, stderr stops reaching the terminal
-    (the log keeps it): what follows is torchrun's report of that failure and the other ranks'
-    reactions to it."""
+    (`port_taken`, `peers_missing`) instead of showing torchrun's traceback. Once a rank has recorded
+    a failure, stderr stops reaching the terminal (the log keeps it): what follows is torchrun's
+    report of that failure and the other ranks' reactions to it."""
 
     def __init__(self, log_path: Path, failures_dir: Path):
         self.log = open(log_path, "ab")
