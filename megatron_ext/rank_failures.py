@@ -144,7 +144,14 @@ def first_failure(directory: Path) -> Failure | None:
 
 
 def show(failure: Failure, more: str = "") -> None:
-    """A failure, once, on stderr: a bug's traceback, then `error: <message> (rank R<more>)`."""
+    """A failure, once, on stderr: a bug's traceback, then `error: <message> (rank R<more>)`. A lost
+    connection is one line that says so: the rank that ended first (on several nodes, usually another
+    node's) has the cause, and its traceback here would only mislead."""
+    if failure.peer_loss:
+        print(f"error: rank {failure.rank} lost its connection to a rank that ended first, whose own output says why "
+              f"(on several nodes: its node's run.py): {failure.message.splitlines()[0]} (rank {failure.rank}{more})",
+              file=sys.stderr, flush=True)
+        return
     if failure.traceback:
         sys.stderr.write(failure.traceback)
     print(f"error: {failure.message} (rank {failure.rank}{more})", file=sys.stderr, flush=True)
