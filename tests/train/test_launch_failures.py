@@ -4,6 +4,7 @@ a node that fails at start ends the other within a minute."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -98,3 +99,25 @@ def test_a_node_failing_at_start_ends_its_peer_within_a_minute_in_one_line(tmp_p
     assert peer.stderr.splitlines()[-1] == (
         f"error: the other nodes did not join within 15 s (rendezvous {socket.gethostname()}:{port}): one failed to "
         "start (its own output says why) or was not started; start every node's run.py together")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_rank_failing_on_one_node_ends_the_other_within_a_minute_each_saying_one_line(tmp_path, megatron_clip,
+                                                                                        train_data):
+    port = free_port()
+    path = os.pathsep.join(p for p in (str(DOUBLE), os.environ.get("PYTHONPATH")) if p)
+    env = child_env(PYTHONPATH=path, FAIL_IN_RANK="1", FAILURE="user", TMPDIR=str(tmp_path))
+    logs = {rank: tmp_path / f"node{rank}.err" for rank in (0, 1)}
+    with contextlib.ExitStack() as stack:
+        nodes = {rank: stack.enter_context(started(_node_command(megatron_clip, train_data, tmp_path / "run", rank, port),
+                                                   env=env, stdout=subprocess.DEVNULL,
+                                                   stderr=stack.enter_context(open(logs[rank], "w"))))
+                 for rank in (0, 1)}
+        assert nodes[1].wait(timeout=200) != 0  # rank 1 fails as it builds the trainer
+        assert nodes[0].wait(timeout=60) != 0  # the bound the issue asks for
+    cause, lost = logs[1].read_text(), logs[0].read_text()
+    assert cause.splitlines()[-1].startswith("error: data shard /data/shard_7.tar is corrupt (unexpected end of "
+                                             "archive); rebuild it (rank 1; ")
+    assert "Traceback" not in lost and lost.splitlines()[-1].startswith(
+        "error: rank 0 lost its connection to a rank that ended first, whose own output says why"), lost[-3000:]
