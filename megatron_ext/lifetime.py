@@ -53,7 +53,7 @@ def launcher_marker() -> dict[str, str]:
     return {LAUNCHER_ENV: f"{os.getpid()}:{psutil.Process().create_time()}"}
 
 
-def _running(pid: int, start: float) -> bool:
+def running(pid: int, start: float) -> bool:
     import psutil
 
     try:
@@ -68,13 +68,13 @@ def watch_launcher(interval_s: float = 1.0) -> None:
     if not value:
         return
     pid, start = int(value.split(":")[0]), float(value.split(":")[1])
-    if not _running(pid, start):
+    if not running(pid, start):
         # Not visible from here (a separate PID namespace): nothing to watch.
         log.debug("launcher pid %d not visible: not watching it", pid)
         return
 
     def watch():
-        while _running(pid, start):
+        while running(pid, start):
             threading.Event().wait(interval_s)
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -63,11 +63,32 @@ def is_peer_loss(exc: BaseException) -> bool:
     return type(exc).__name__ in _PEER_ERRORS or bool(_PEER_LOSS.search(str(exc)))
 
 
+def _start_ticks(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, the same in every PID namespace); None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def mark_started() -> None:
-    """Tell run.py that torchrun got as far as starting this rank (its rendezvous port was bound)."""
+    """Tell run.py that torchrun got as far as starting this rank (its rendezvous port was bound), and
+    which process it is (run.py passes stopping signals to it)."""
     directory = os.environ.get(FAILURES_ENV)
     if directory and Path(directory).is_dir():
-        (Path(directory) / f"rank{os.environ.get('RANK', '0')}.started").touch()
+        (Path(directory) / f"rank{os.environ.get('RANK', '0')}.started").write_text(
+            f"{os.getpid()} {_start_ticks(os.getpid())}")
+
+
+def started_ranks(directory: Path) -> set[int]:
+    """The process ids of the ranks that marked themselves started and still run, as seen from here (a
+    rank in a PID namespace of its own names a pid that means another process here, or none)."""
+    pids = set()
+    for path in directory.glob("rank*.started"):
+        pid, _, ticks = path.read_text().partition(" ")
+        if pid.isdigit() and ticks and _start_ticks(int(pid)) == ticks:
+            pids.add(int(pid))
+    return pids
 
 
 def record(message: str, traceback_text: str | None = None, peer_loss: bool = False) -> bool:
@@ -123,7 +144,14 @@ def first_failure(directory: Path) -> Failure | None:
 
 
 def show(failure: Failure, more: str = "") -> None:
-    """A failure, once, on stderr: a bug's traceback, then `error: <message> (rank R<more>)`."""
+    """A failure, once, on stderr: a bug's traceback, then `error: <message> (rank R<more>)`. A lost
+    connection is one line that says so: the rank that ended first (on several nodes, usually another
+    node's) has the cause, and its traceback here would only mislead."""
+    if failure.peer_loss:
+        print(f"error: rank {failure.rank} lost its connection to a rank that ended first, whose own output says why "
+              f"(on several nodes: its node's run.py): {failure.message.splitlines()[0]} (rank {failure.rank}{more})",
+              file=sys.stderr, flush=True)
+        return
     if failure.traceback:
         sys.stderr.write(failure.traceback)
     print(f"error: {failure.message} (rank {failure.rank}{more})", file=sys.stderr, flush=True)

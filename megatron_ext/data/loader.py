@@ -13,6 +13,7 @@ import torch
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset, get_val_dataset
 from megatron.energon.savable_loader import SavableDatasetCheckpoint
 
+from megatron_ext import stop_signals
 from megatron_ext.data.prepared import require_split
 from megatron_ext.data.task_encoder import LlavaTaskEncoder, count_bad_sample
 from megatron_ext.errors import UserError
@@ -53,7 +54,29 @@ def train_loader(path: str | Path, encoder: LlavaTaskEncoder, *, micro_batch_siz
         task_encoder=encoder,
         repeat=repeat,
     )
-    return get_savable_loader(dataset)
+    return _quiet_workers(get_savable_loader(dataset))
+
+
+def _quiet_workers(loader):
+    """The loader's worker processes ignore stopping signals (SLURM signals every process of a job
+    step; torch's workers die of SIGTERM): their rank stops at an iteration boundary and shuts them
+    down (`shutdown_workers`). Read by torch when it starts the workers, after energon's init."""
+    energon_init = loader.worker_init_fn
+
+    def init(worker_id: int) -> None:
+        stop_signals.ignore()
+        energon_init(worker_id)
+
+    loader.worker_init_fn = init
+    return loader
+
+
+def shutdown_workers(loader) -> None:
+    """End `loader`'s worker processes now (energon keeps them for the loader's lifetime), instead of
+    leaving them to notice at exit that their rank is gone."""
+    iterator = getattr(loader, "_iterator", None)  # torch keeps persistent workers' iterator here
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
 
 
 def val_loader(path: str | Path, encoder: LlavaTaskEncoder, *, micro_batch_size: int, num_workers: int = 0,

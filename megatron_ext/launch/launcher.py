@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from megatron_ext.errors import UserError
-from megatron_ext.launch import network, runner
+from megatron_ext.launch import network, run_dirs, runner
 from megatron_ext.launch.command import LaunchCommand, build_command
 from megatron_ext.launch.devices import budget
 from megatron_ext.launch.flags import LaunchOptions, passthrough_options
 from megatron_ext.launch.slurm import slurm_job
-from megatron_ext.launch.topology import Topology, resolve_topology
+from megatron_ext.launch.topology import JOIN_TIMEOUT_S, Topology, resolve_topology
 from megatron_ext.launch.trainer_args import TrainerSetup, trainer_setup
 from megatron_ext.memory.check import check_memory
 from megatron_ext.train import run_lock
@@ -71,6 +71,8 @@ def prepare(options: LaunchOptions, passthrough_argv: list[str], env: Mapping[st
     _check_devices(topology, options)
     if options.interface:
         network.check_interface(options.interface)
+    if topology.nnodes > 1:
+        network.check_reachable(topology.master_addr, options.interface, topology.nnodes)
     setup = trainer_setup(dict(options.trainer), passthrough, topology.world_size,
                           _transformer_engine(topology, options.sif_path), topology.on_gpu)
     _check_save_dir_free(setup.plan.config, topology)
@@ -100,6 +102,12 @@ def _port_taken(launch: Launch, options: LaunchOptions, retries_left: int) -> La
     return Launch(topology=topology, trainer=launch.trainer, command=_command(topology, launch.trainer, options))
 
 
+def _peers_missing(t: Topology) -> UserError:
+    where = f"{t.master_addr}:{t.rdzv_port if t.rdzv_port is not None else t.master_port}"
+    return UserError(f"the other nodes did not join within {JOIN_TIMEOUT_S} s (rendezvous {where}): one failed to "
+                     "start (its own output says why) or was not started; start every node's run.py together")
+
+
 def _plans_memory(launch: Launch, options: LaunchOptions) -> bool:
     """Dry runs and GPU launches get a memory plan (a launch of CPU processes has no GPU to fit),
     unless --no-memory-check: the launcher then imports no torch, as before the plan existed."""
@@ -118,7 +126,10 @@ def main(options: LaunchOptions, passthrough_argv: list[str]) -> int:
         return 0
     for retries_left in reversed(range(PORT_RETRIES + 1)):
         print(f"+ {launch.command.shell()}", file=sys.stderr, flush=True)
-        outcome = runner.run(launch.command.argv, launch.command.env, launch.command.log_file)
+        outcome = runner.run(launch.command.argv, launch.command.env, launch.command.log_file,
+                             run_dirs.run_key(launch.trainer.argv))
+        if outcome.peers_missing:
+            raise _peers_missing(launch.topology)
         if not outcome.port_taken:
             return outcome.status
         launch = _port_taken(launch, options, retries_left)

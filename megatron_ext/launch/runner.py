@@ -1,50 +1,46 @@
-"""Running the launch command: its own process group, signals forwarded, output streamed (and logged),
-the first failure inside the ranks reported once."""
+"""Running the launch command: its own process group, stopping signals passed to the ranks
+(stop_forwarding.py), output streamed (and logged), the first failure inside the ranks reported once."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
+import re
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ext import lifetime, rank_failures
-
-FORWARDED = (signal.SIGINT, signal.SIGTERM)
-
-
-def exit_status(returncode: int) -> int:
-    """A child killed by signal N exits the shell way, 128 + N."""
-    return 128 - returncode if returncode < 0 else returncode
-
+from megatron_ext import lifetime, rank_failures, stop_signals
+from megatron_ext.launch import run_dirs
+from megatron_ext.launch.stop_forwarding import StopForwarding
 
 # How torchrun says that its rendezvous port was taken between run.py's check and its own bind.
 PORT_TAKEN = b"EADDRINUSE"
-# torchrun binds its port within seconds; stderr is never held longer (should the ranks be unable to
-# say that they started: a container that does not see the launcher's temporary directory).
-HOLD_S = 30.0
+# How it says that the other nodes did not join in time (topology.JOIN_TIMEOUT_S): as the node that
+# waited for them, as a node that could not reach the first, and through the c10d rendezvous.
+PEERS_MISSING = re.compile(rb"waiting for clients|timed out after \d+ms while trying to connect|RendezvousTimeoutError")
+# torchrun binds its port, or gives up waiting for the other nodes, within this; stderr is never held
+# longer (should the ranks be unable to say that they started: a container that does not see the
+# launcher's temporary directory).
+HOLD_S = 90.0
 
 
 class _Output:
     """The child's stdout and stderr passed through as they come, and all of it into one log file.
 
     stderr is held back until a rank has started: torchrun fails before that mostly when it cannot
-    bind its rendezvous port, and run.py then says so itself (`port_taken`) instead of showing
-    torchrun's traceback. Once a rank has recorded a failure, stderr stops reaching the terminal
-    (the log keeps it): what follows is torchrun's report of that failure and the other ranks'
-    reactions to it."""
+    bind its rendezvous port or the other nodes do not join, and run.py then says so itself
+    (`port_taken`, `peers_missing`) instead of showing torchrun's traceback. Once a rank has recorded
+    a failure, stderr stops reaching the terminal (the log keeps it): what follows is torchrun's
+    report of that failure and the other ranks' reactions to it."""
 
     def __init__(self, log_path: Path, failures_dir: Path):
         self.log = open(log_path, "ab")
         self.failures_dir = failures_dir
         self.lock = threading.Lock()
-        self.port_taken = False
+        self.port_taken = self.peers_missing = False
 
     def _write(self, chunk: bytes, terminal) -> None:
         with self.lock:
@@ -70,8 +66,9 @@ class _Output:
             muted = muted or rank_failures.has_failed(self.failures_dir)
             self._write(chunk, None if muted else terminal)
         if held:
-            self.port_taken = PORT_TAKEN in b"".join(held)
-            self._write(b"".join(held), None if self.port_taken else terminal)
+            text = b"".join(held)
+            self.port_taken, self.peers_missing = PORT_TAKEN in text, bool(PEERS_MISSING.search(text))
+            self._write(text, None if self.port_taken or self.peers_missing else terminal)
 
 
 def _report(failures_dir: Path, log_path: Path) -> None:
@@ -85,34 +82,35 @@ def _report(failures_dir: Path, log_path: Path) -> None:
 class Outcome:
     status: int
     port_taken: bool  # torchrun could not bind its rendezvous port: no rank started
+    peers_missing: bool  # the other nodes did not join: no rank started
 
 
-def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> Outcome:
-    """Run `argv` with `env` added to this environment.
+def _start_child() -> None:
+    """In the child before it execs torchrun: it dies with run.py, and it and its descendants ignore
+    stopping signals until a rank installs its own handlers."""
+    lifetime.die_with_parent()
+    stop_signals.ignore()
 
-    The child gets a process group of its own, so Ctrl-C reaches it only through the launcher:
-    SIGINT and SIGTERM (scancel) are passed to the whole group, torchrun and every rank. If this
-    process dies without forwarding anything (SIGKILL), the child dies with it (`lifetime`). A rank
-    that fails leaves its reason in a directory of failures (`rank_failures`), printed here once; the
-    run's whole output is in `log_file` or, when none is given, kept in that directory when a rank failed.
+
+def run(argv: list[str], env: dict[str, str], log_file: Path | None = None, key: str = "") -> Outcome:
+    """Run `argv` with `env` added to this environment; `key` names the run (run_dirs.run_key).
+
+    The child gets a process group of its own, so Ctrl-C reaches it only through the launcher, which
+    passes stopping signals to the ranks (`StopForwarding`). If this process dies without passing
+    anything on (SIGKILL), the child dies with it (`lifetime`). A rank that fails leaves its reason in
+    the launch's temporary folder (`run_dirs`, `rank_failures`), printed here once; the run's whole
+    output is in `log_file` or, when none is given, kept in that folder when a rank failed.
     """
-    failures_dir = Path(tempfile.mkdtemp(prefix="megatron-ext-run-"))
+    failures_dir = run_dirs.create(key)
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
     log_path = log_file or failures_dir / "output.log"
     # Unbuffered: the ranks write into a pipe now, and their output should still appear as it comes.
     child_env = {"PYTHONUNBUFFERED": "1", **os.environ, **env, **lifetime.launcher_marker(),
-                 rank_failures.FAILURES_ENV: str(failures_dir)}
-    proc = subprocess.Popen(argv, env=child_env, process_group=0, preexec_fn=lifetime.die_with_parent,
+                 **stop_signals.TORCHRUN_SIGNALS, rank_failures.FAILURES_ENV: str(failures_dir)}
+    proc = subprocess.Popen(argv, env=child_env, process_group=0, preexec_fn=_start_child,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-    def forward(signum, _frame):
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            pass
-
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    stopping = StopForwarding(proc, failures_dir)
     output = _Output(log_path, failures_dir)
     pumps = [threading.Thread(target=output.pump, args=(proc.stdout, sys.stdout.buffer), daemon=True),
              threading.Thread(target=output.pump_stderr, args=(proc.stderr, sys.stderr.buffer), daemon=True)]
@@ -123,13 +121,12 @@ def run(argv: list[str], env: dict[str, str], log_file: Path | None = None) -> O
         while any(pump.is_alive() for pump in pumps):
             for pump in pumps:
                 pump.join(0.2)
-        status = exit_status(proc.wait())
+            stopping.pass_on()
+        status = stopping.status(proc.wait())
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        stopping.restore()
         output.log.close()
     if status != 0:
         _report(failures_dir, log_path)
-    if log_file is not None or status == 0 or not rank_failures.has_failed(failures_dir):
-        shutil.rmtree(failures_dir, ignore_errors=True)
-    return Outcome(status, output.port_taken and status != 0)
+    run_dirs.finish(failures_dir, keep=log_file is None and status != 0 and rank_failures.has_failed(failures_dir))
+    return Outcome(status, output.port_taken and status != 0, output.peers_missing and status != 0)

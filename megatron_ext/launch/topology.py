@@ -19,6 +19,13 @@ from megatron_ext.launch.slurm import SlurmJob
 LOCALHOST = "127.0.0.1"
 
 
+# How long torchrun waits for the other nodes to join (its default: 10 minutes). A node that failed
+# at start never joins; its peers then end within a minute (a connecting node tries twice, plus a
+# pause) instead of holding the allocation. Every node's run.py must start within this many seconds
+# of the first (srun starts them together).
+JOIN_TIMEOUT_S = 15
+
+
 @dataclass(frozen=True)
 class Topology:
     nnodes: int
@@ -40,10 +47,14 @@ class Topology:
     def torchrun_args(self) -> list[str]:
         args = ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc_per_node)]
         if self.rdzv_port is not None:
-            return args + ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.master_addr}:{self.rdzv_port}",
-                           "--rdzv-id", self.rdzv_id]
-        return args + ["--node-rank", str(self.node_rank), "--master-addr", self.master_addr,
-                       "--master-port", str(self.master_port)]
+            args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.master_addr}:{self.rdzv_port}",
+                     "--rdzv-id", self.rdzv_id]
+        else:
+            args += ["--node-rank", str(self.node_rank), "--master-addr", self.master_addr,
+                     "--master-port", str(self.master_port)]
+        if self.nnodes > 1:
+            args += ["--rdzv-conf", f"{'join_timeout' if self.rdzv_port is not None else 'timeout'}={JOIN_TIMEOUT_S}"]
+        return args
 
 
 def _processes(gpus: int, gpu_ids: str, physical: int, visible: int, slurm: SlurmJob | None) -> tuple[int, str | None]:

@@ -12,7 +12,13 @@ from pathlib import Path
 
 from megatron_ext.config.options import TrainConfig
 from megatron_ext.config.run_plan import RunPlan
-from megatron_ext.data.loader import restore_loader_state, save_loader_state, train_loader, val_loader
+from megatron_ext.data.loader import (
+    restore_loader_state,
+    save_loader_state,
+    shutdown_workers,
+    train_loader,
+    val_loader,
+)
 from megatron_ext.data.pairs import PairTaskEncoder
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
 from megatron_ext.model.arch import LlavaArch
@@ -77,6 +83,7 @@ class TrainData:
 
     def close(self) -> None:
         self._batches = None
+        shutdown_workers(self.loader)
 
 
 def split_pass(plan: RunPlan, split: str):

@@ -10,7 +10,7 @@ megatron_ext/config/options.py (see --help).
 
 import click
 
-from megatron_ext import lifetime, rank_failures
+from megatron_ext import lifetime, rank_failures, stop_signals
 from megatron_ext.errors import run_command
 from megatron_ext.logs import setup_logging
 from megatron_ext.train.cli import trainer_options
@@ -30,5 +30,7 @@ def main(config):
 
 
 if __name__ == "__main__":
+    # Before run.py learns that this rank started: from then on it passes stopping signals to it.
+    stop_signals.stop_request()
     rank_failures.mark_started()
     run_command(main)  # which leaves a failure for run.py (rank_failures.recorded)

@@ -2,8 +2,9 @@
 
 Each iteration takes `num_microbatches` micro batches from this rank's data loader, runs
 megatron-core's forward/backward schedule and the optimizer step, then logs, evaluates and saves
-as configured. Faults: a non-finite loss skips the update (N in a row stop the run); SIGTERM
-(what SLURM sends before the time limit) saves a checkpoint and exits cleanly.
+as configured. Faults: a non-finite loss skips the update (N in a row stop the run); a stopping
+signal (SIGTERM, SIGINT, SIGUSR1: megatron_ext/stop_signals.py) on any rank stops every rank at the
+next iteration boundary, with a checkpoint saved, and the run exits 0.
 """
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ import json
 import logging
 import math
 import os
-import signal
 import time
 from pathlib import Path
 
 import torch
 
-from megatron_ext import lifetime
+from megatron_ext import lifetime, stop_signals
 from megatron_ext.config.options import TrainConfig
 from megatron_ext.config.run_plan import RunPlan, make_plan
 from megatron_ext.distributed import device
@@ -50,18 +50,6 @@ PREDICTIONS_DIR = "predictions"
 
 class TrainingStopped(Exception):
     """The run cannot continue (e.g. repeated non-finite losses); the message says what to do."""
-
-
-class _StopSignal:
-    """Remembers a SIGTERM/SIGUSR1 so the loop can save and exit between iterations."""
-
-    def __init__(self):
-        self.received = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.received = True
 
 
 def _memory_gb() -> float:
@@ -146,7 +134,7 @@ class Trainer:
             self.dpo = DpoObjective(plan, self.trained, self.inputs)
             if self.cfg.reference_logprobs == "precompute":
                 self._precompute_reference()
-        self.stop = _StopSignal()
+        self.stop = stop_signals.stop_request()
         self.dp_group = parallel_state.get_data_parallel_group()
         # The rank of its data-parallel replica that adds the batch statistics to the step's all-reduce.
         self.counts_batch = (parallel_state.get_tensor_model_parallel_rank() == 0
@@ -379,8 +367,18 @@ class Trainer:
             if cfg.save and (self._due(cfg.save_interval) or exiting or last):
                 self.save()
             if exiting:
-                log.info("%s at iteration %d: exiting", "signal received" if stop else "--exit-interval", self.iteration)
+                self._say_why_exiting(stop)
                 return
+
+    def _say_why_exiting(self, stop: bool) -> None:
+        """One line, from rank 0: why the run ends before its last iteration, and what it kept."""
+        if torch.distributed.get_rank() != 0:
+            return
+        why = "--exit-interval"
+        if stop:  # rank 0 may not be the rank that was signalled (another node's)
+            why = f"stopped by {self.stop.name}" if self.stop.received else "stopped by a signal to another rank"
+        kept = f"saved {self.last_saved}; the same command resumes from it" if self.cfg.save else "nothing saved (no --save)"
+        log.info("%s at iteration %d: %s", why, self.iteration, kept)
 
     def close(self) -> None:
         self.metrics.close()

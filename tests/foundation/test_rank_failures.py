@@ -47,6 +47,16 @@ def test_out_of_memory_is_one_line_and_a_bug_keeps_its_traceback(under_run_py):
     assert later.traceback.startswith("Traceback (most recent call last)") and 'raise KeyError("loss")' in later.traceback
 
 
+def test_a_lost_connection_is_shown_as_one_line_pointing_at_the_rank_that_ended_first(capsys):
+    lost = rank_failures.Failure(rank=2, time=0.0, message="RuntimeError: Connection closed by peer [10.0.0.1]:27282",
+                                 traceback="Traceback (most recent call last):\n  ...\n", peer_loss=True)
+    rank_failures.show(lost, "; the run's whole output: LOG")
+    assert capsys.readouterr().err.splitlines() == [
+        "error: rank 2 lost its connection to a rank that ended first, whose own output says why (on several nodes: "
+        "its node's run.py): RuntimeError: Connection closed by peer [10.0.0.1]:27282 (rank 2; the run's whole output: "
+        "LOG)"]
+
+
 def test_without_run_py_everything_is_as_before(monkeypatch, capsys):
     monkeypatch.delenv(rank_failures.FAILURES_ENV, raising=False)
     monkeypatch.setenv("RANK", "0")

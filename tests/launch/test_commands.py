@@ -90,21 +90,26 @@ def test_passthrough_options_and_original_skip_range_syntax(launcher, inputs):
     assert (config.epochs, config.train_iters) == (2.5, None)  # the trainer turns epochs into iterations
 
 
+# Where this machine's name resolves to a loopback address, run.py asks multi-node runs for --interface.
+INTERFACE = ("--interface", "lo")
+
+
 def test_multi_node_static_rendezvous(launcher, inputs):
-    launch(launcher, inputs, "-g", "2", "--node", "2", "-r", "1", "-m", "10.1.2.3", "-p", "29600")
+    launch(launcher, inputs, "-g", "2", "--node", "2", "-r", "1", "-m", "10.1.2.3", "-p", "29600", *INTERFACE)
     opts, _ = split_torchrun(launcher.launched()["argv"])
     assert opts == {"--nnodes": "2", "--nproc-per-node": "2", "--node-rank": "1", "--master-addr": "10.1.2.3",
-                    "--master-port": "29600"}
+                    "--master-port": "29600", "--rdzv-conf": "timeout=15"}  # a node that never joins ends the others
 
 
 @pytest.mark.parametrize("nodes,master", [(2, "10.1.2.3"), (1, None)])
 def test_c10d_rendezvous(launcher, inputs, nodes, master):
     port = free_port()
     launch(launcher, inputs, "-g", "2", "--node", nodes, "--rdzv-port", port, "--name", "exp",
-           *(("-m", master) if master else ()))
+           *(("-m", master) if master else ()), *INTERFACE)
     opts, _ = split_torchrun(launcher.launched()["argv"])
     assert opts == {"--nnodes": str(nodes), "--nproc-per-node": "2", "--rdzv-backend": "c10d",
-                    "--rdzv-endpoint": f"{master or '127.0.0.1'}:{port}", "--rdzv-id": "exp"}
+                    "--rdzv-endpoint": f"{master or '127.0.0.1'}:{port}", "--rdzv-id": "exp",
+                    **({"--rdzv-conf": "join_timeout=15"} if nodes > 1 else {})}
 
 
 SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08],cpu1",
@@ -112,16 +117,18 @@ SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLUR
 
 
 @pytest.mark.parametrize("flags,expected", [
-    ((), {"--nnodes": "2", "--nproc-per-node": "4", "--node-rank": "1", "--master-addr": "gpu07", "--master-port": "29500"}),
+    ((), {"--nnodes": "2", "--nproc-per-node": "4", "--node-rank": "1", "--master-addr": "gpu07", "--master-port": "29500",
+          "--rdzv-conf": "timeout=15"}),
     # flags given on the command line win over SLURM's values
     (("-g", "2", "-m", "10.9.9.9", "-p", "29700", "--slurm-job-id", "77"),
-     {"--nnodes": "2", "--nproc-per-node": "2", "--node-rank": "1", "--master-addr": "10.9.9.9", "--master-port": "29700"}),
+     {"--nnodes": "2", "--nproc-per-node": "2", "--node-rank": "1", "--master-addr": "10.9.9.9", "--master-port": "29700",
+      "--rdzv-conf": "timeout=15"}),
     (("--rdzv-port", "29400"), {"--nnodes": "2", "--nproc-per-node": "4", "--rdzv-backend": "c10d",
-                                "--rdzv-endpoint": "gpu07:29400", "--rdzv-id": "4242"}),
+                                "--rdzv-endpoint": "gpu07:29400", "--rdzv-id": "4242", "--rdzv-conf": "join_timeout=15"}),
 ])
 def test_slurm_environment(launcher, inputs, flags, expected):
     env = launcher.env(gpus=8, **SLURM)
-    result = launch(launcher, inputs, "--slurm-output-name", "logs/exp", *flags, env=env)
+    result = launch(launcher, inputs, "--slurm-output-name", "logs/exp", *flags, *INTERFACE, env=env)
     started = launcher.launched()
     opts, _ = split_torchrun(started["argv"])
     assert opts == expected

@@ -9,6 +9,7 @@ import pytest
 from megatron_ext.config.tokenizer_files import IMAGE_TOKEN, TokenizerFiles
 from megatron_ext.errors import UserError
 from megatron_ext.launch.flags import FLAGS, LaunchOptions, split_argv
+from megatron_ext.launch.network import check_reachable
 from megatron_ext.launch.slurm import hostnames, slurm_job
 from tests.support.helpers import REPO_ROOT
 from tests.support.launcher import write_tokenizer
@@ -29,6 +30,15 @@ def test_slurm_nodelist_unparsable_without_scontrol(monkeypatch):
     monkeypatch.setenv("PATH", "")
     with pytest.raises(UserError, match="-m/--master-addr"):
         hostnames("node[1-2")
+
+
+def test_a_node_whose_name_is_a_loopback_address_needs_interface_on_several_nodes():
+    with pytest.raises(UserError) as refused:
+        check_reachable("10.0.0.1", None, 2, node_name="localhost")
+    assert str(refused.value) == ("this node's name localhost resolves to 127.0.0.1, a loopback address the other "
+                                  "nodes cannot reach; name the network interface they share with --interface (e.g. eth0)")
+    check_reachable("10.0.0.1", "eth0", 2, node_name="localhost")
+    check_reachable("localhost", "eth0", 2, node_name="localhost")  # the master is this node
 
 
 def test_slurm_job_from_environment():

@@ -1,7 +1,9 @@
-"""A real (non-dry) run: output streamed, exit status passed on, Ctrl-C / SIGTERM reach the whole process group."""
+"""A real (non-dry) run: output streamed, exit status passed on, stopping signals (Ctrl-C, SIGTERM, SIGUSR1) passed
+to the ranks alone."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -60,21 +62,66 @@ def _wait_ready(launcher, proc, count, timeout=30.0):
     raise AssertionError(f"stand-ins not ready: {launcher.records()}")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
 @pytest.mark.parametrize("tee", [False, True])
-def test_signal_reaches_the_whole_group_and_sets_the_status(launcher, inputs, sig, tee):
+def test_a_stopping_signal_reaches_the_ranks_once_and_not_torchrun(launcher, inputs, sig, tee):
+    """To run.py alone, as a terminal's Ctrl-C reaches only the foreground group; then, while the rank
+    saves, to run.py again and to torchrun, as slurmstepd signals every process: the rank hears it once,
+    from run.py, and torchrun ends with the rank's status."""
     extra = ["--slurm-output-name", "logs/run"] if tee else []
     proc = launcher.popen(*_args(inputs), *extra, env=launcher.env(STANDIN_WAIT="1"),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        ready = _wait_ready(launcher, proc, 2)
-        assert ready[0]["pgid"] == ready[1]["pgid"] != proc.pid  # torchrun's group, not run.py's
-        proc.send_signal(sig)  # to run.py alone, as a terminal's Ctrl-C reaches only the foreground group
+        torchrun, rank = _wait_ready(launcher, proc, 2)
+        assert torchrun["pgid"] == rank["pgid"] != proc.pid  # torchrun's group, not run.py's
+        proc.send_signal(sig)
+        _wait_signalled(launcher, proc)
+        proc.send_signal(sig)
+        os.kill(torchrun["pgid"], sig)  # torchrun leads its group
         _, err = proc.communicate(timeout=30)
     finally:
         launcher.stop(proc)
-    assert proc.returncode == 128 + sig, err
-    got = {r["name"]: r["signal"] for r in launcher.records() if "signal" in r}
-    assert got == {"torchrun": sig, "child": sig}
+    assert proc.returncode == 0, err
+    assert [(r["name"], r["signal"]) for r in launcher.records() if "signal" in r] == [("child", sig)]
     if tee:
         assert "torchrun says hello on stdout" in (launcher.cwd / "logs" / "run.log").read_text()
+
+
+def test_a_stopping_signal_before_any_rank_started_ends_the_launch(launcher, inputs):
+    proc = launcher.popen(*_args(inputs), env=launcher.env(STANDIN_WAIT="1", STANDIN_NO_RANK="1"),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_ready(launcher, proc, 2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        launcher.stop(proc)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert not [r for r in launcher.records() if "signal" in r]
+
+
+def _wait_signalled(launcher, proc, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not [r for r in launcher.records() if "signal" in r]:
+        assert proc.poll() is None and time.monotonic() < deadline, launcher.records()
+        time.sleep(0.05)
+
+
+def test_a_killed_launch_leaves_its_temporary_folder_to_the_next_start_of_the_same_run(launcher, inputs, tmp_path):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    proc = launcher.popen(*_args(inputs), env=launcher.env(TMPDIR=str(temp), STANDIN_WAIT="1"),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_ready(launcher, proc, 2)
+        os.kill(proc.pid, signal.SIGKILL)  # run.py alone: nothing cleans up
+        proc.wait()
+    finally:
+        launcher.stop(proc)
+    left = list(temp.glob("megatron-ext-run-*"))
+    assert len(left) == 1 and (left[0] / "output.log").is_file()
+
+    other = launcher.run(*_args(inputs), "--name", "another-run", env=launcher.env(TMPDIR=str(temp)))
+    assert other.returncode == 0 and list(temp.glob("megatron-ext-run-*")) == left  # not its own: left alone
+    same = launcher.run(*_args(inputs), env=launcher.env(TMPDIR=str(temp)))
+    assert same.returncode == 0 and not list(temp.glob("megatron-ext-run-*"))

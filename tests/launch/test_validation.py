@@ -48,6 +48,9 @@ CASES = {
     "gpu id out of range": (["--gpu-ids", "0,9"], 8, "--gpu-ids 0,9: GPU 9 does not exist"),
     "gpu ids without gpus": (["--gpu-ids", "0"], 0, "--gpu-ids 0: no CUDA GPU"),
     "zero gpus": (["-g", "0"], 0, "-g/--gpus 0"),
+    "loopback master": (["--node", "2", "-r", "1", "-m", "localhost", "--interface", "lo"], 0,
+                        "-m/--master-addr localhost (127.0.0.1) is a loopback address, on a run of 2 nodes; give the "
+                        "address at which the other nodes reach the rank-0 node"),
     "multi-node master": (["--node", "2", "-r", "1"], 0, "-m/--master-addr is required with --node 2"),
     "multi-node rank": (["--node", "2", "-m", "10.0.0.1"], 0, "-r/--rank is required with --node 2"),
     "rank range": (["--node", "2", "-r", "2", "-m", "10.0.0.1"], 0, "-r/--rank 2 must be in 0..1"),

@@ -249,8 +249,8 @@ def test_a_preference_dataset_shows_each_pair_once_with_its_chosen_and_rejected_
 def test_japanese_and_emoji_split_over_byte_level_tokens_render_as_characters_with_their_record_id(tmp_path, llava_clip):
     """The tiny models' byte-level BPE tokenizer has no merges for these characters: each is several
     byte tokens, which the page joins into one box per character instead of U+FFFD per token."""
-    from tests.support.samples import jpeg
     from tests.pages.browser import opened
+    from tests.support.samples import jpeg
 
     question, answer = "この画像の動物は何ですか？", "猫です🐱。"
     (tmp_path / "cat.jpg").write_bytes(jpeg())

@@ -52,13 +52,23 @@ if role == "torchrun" and os.environ.get("STANDIN_PORT_TAKEN"):
 print(f"{{role}} says hello on stdout", flush=True)
 print(f"{{role}} says hello on stderr", file=sys.stderr, flush=True)
 if os.environ.get("STANDIN_WAIT"):
+    # torchrun handles what PET_SIGNALS_TO_HANDLE names (else its default); the child, a rank, saves (2 s) and
+    # exits 0 on a stopping signal. With STANDIN_NO_RANK the child never says that it started.
     def stop(signum, frame):
         record(signal=signum)
-        sys.exit(128 + signum)
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+        if role == "child":
+            time.sleep(2)  # saving: a second signal would be recorded too
+        sys.exit(0 if role == "child" else 128 + signum)
+    handled = os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT") if role == "torchrun" else "SIGTERM,SIGINT,SIGUSR1"
+    for name in handled.split(","):
+        signal.signal(getattr(signal, name), stop)
     if role != "child":
-        subprocess.Popen([sys.executable, __file__], env={{**os.environ, "STANDIN_ROLE": "child"}})
+        child = subprocess.Popen([sys.executable, __file__], env={{**os.environ, "STANDIN_ROLE": "child"}})
+        record(ready=True, pgid=os.getpgid(0))
+        sys.exit(child.wait())
+    if not os.environ.get("STANDIN_NO_RANK"):
+        with open(os.path.join(os.environ["MEGATRON_EXT_FAILURES"], "rank0.started"), "w") as f:
+            f.write(f"{{os.getpid()}} {{open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19]}}")
     record(ready=True, pgid=os.getpgid(0))
     time.sleep(120)
 code = int(os.environ.get("STANDIN_EXIT", "0"))

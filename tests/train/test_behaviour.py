@@ -60,7 +60,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, megatron_clip, t
     last = max(metrics(save))
     snapshot = layout.find_snapshot(save)
     assert snapshot.iteration == last >= 3
-    assert "signal received at iteration" in (tmp_path / "log").read_text()
+    assert f"stopped by SIGTERM at iteration {last}: saved {snapshot.path}" in (tmp_path / "log").read_text()
 
 
 @pytest.mark.multiprocess

@@ -1,0 +1,134 @@
+"""A run stopped by a signal keeps its work: SIGTERM or SIGUSR1 to run.py (a user's kill, srun
+passing on scancel) or to every process of the run at once (slurmstepd) saves a snapshot at the
+next iteration boundary (also when it comes during a save), exits 0 without a traceback, and the same
+command resumes as if the run had never stopped; at TP2, PP2, TP2 x DP2 with --dist-optim, LoRA, DPO."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from megatron_ext.checkpoint import layout
+from tests.support.helpers import REPO_ROOT, run, started
+from tests.support.training import launcher_args, metrics
+
+ITERS = 8
+# Options of every run here: two loader workers per rank (the default), optimizer state saved, no periodic saves.
+RUN = dict(num_workers=2, train_iters=ITERS, save_optim=True)
+
+
+def _command(checkpoint, data, save, gpus: int = 2, **options):
+    return [sys.executable, str(REPO_ROOT / "scripts/train/run.py"),
+            *launcher_args(gpus, checkpoint, data, save, **{**RUN, **options})]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, megatron_clip, train_data):
+    save = tmp_path_factory.mktemp("uninterrupted") / "run"
+    run(_command(megatron_clip, train_data, save, tp=2), timeout=300)
+    return metrics(save)
+
+
+def _every_process(proc: subprocess.Popen) -> list[psutil.Process]:
+    """run.py, torchrun, the ranks and their loader workers: what slurmstepd signals."""
+    top = psutil.Process(proc.pid)
+    return [top, *top.children(recursive=True)]
+
+
+def _signal(proc: subprocess.Popen, sig: int, whole_job: bool) -> None:
+    for member in _every_process(proc) if whole_job else [psutil.Process(proc.pid)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.send_signal(sig)
+
+
+def _logged_two(save):
+    return lambda: (save / "metrics.jsonl").is_file() and len(metrics(save)) >= 2
+
+
+def _saving(save):
+    """While a snapshot is being written (under its temporary name), after the first one."""
+    return lambda: layout.latest_complete_snapshot(save) is not None and any(save.glob(".tmp-iter_*"))
+
+
+def _stopped_run(command, save, log, gpus: int, sig: int, whole_job: bool, ready) -> int:
+    """The run signalled once `ready()`; returns run.py's exit status."""
+    with open(log, "w") as out, started(command, stdout=out, stderr=subprocess.STDOUT) as proc:
+        deadline = time.monotonic() + 240
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.01)
+        # torchrun, the ranks and each rank's two loader workers (forks of it)
+        assert sum("megatron_ext.train.pretrain_llava" in p.cmdline() for p in _every_process(proc)) == 1 + 3 * gpus
+        _signal(proc, sig, whole_job)
+        return proc.wait(timeout=120)
+
+
+def _stopped_cleanly(status: int, save, log, sig: int) -> int:
+    """The checks of a stopped run: status 0, its last iteration saved and said so, no traceback. Returns
+    that iteration."""
+    output = log.read_text()
+    assert status == 0, output[-3000:]
+    stopped_at = max(metrics(save))
+    assert stopped_at < ITERS and layout.latest_complete_snapshot(save).iteration == stopped_at
+    assert f"stopped by {signal.Signals(sig).name} at iteration {stopped_at}: saved " \
+           f"{save / layout.snapshot_name(stopped_at)}; the same command resumes from it" in output
+    for sign in ("Traceback", "SignalException", "killed by signal", "error"):
+        assert sign not in output, output[-3000:]
+    return stopped_at
+
+
+def _resumed_as_if_never_stopped(command, save, stopped_at: int, expected: dict) -> None:
+    resumed = run(command, timeout=300)
+    assert f"resumed from {save / layout.snapshot_name(stopped_at)}" in resumed.stdout + resumed.stderr
+    got = metrics(save)
+    assert sorted(got) == list(range(1, ITERS + 1))
+    for iteration, record in got.items():
+        for key in ("samples_digest", "loss", "grad_norm"):
+            assert record[key] == expected[iteration][key], (iteration, key)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("sig,whole_job", [(signal.SIGTERM, False), (signal.SIGUSR1, True)],
+                         ids=["sigterm-to-run.py", "sigusr1-to-every-process"])
+def test_a_stopped_tp2_run_saves_exits_0_and_resumes_as_if_never_stopped(tmp_path, megatron_clip, train_data,
+                                                                         uninterrupted, sig, whole_job):
+    save, log = tmp_path / "run", tmp_path / "stopped.log"
+    command = _command(megatron_clip, train_data, save, tp=2)
+    status = _stopped_run(command, save, log, 2, sig, whole_job, _logged_two(save))
+    stopped_at = _stopped_cleanly(status, save, log, sig)
+    _resumed_as_if_never_stopped(command, save, stopped_at, uninterrupted)
+
+
+# (processes, options, data fixture, whether to resume and compare with an uninterrupted run). Resuming
+# from a snapshot at these layouts is tested in test_resume.py, test_lora.py and test_dpo_training.py;
+# a snapshot a signal asked for is written by the same code: resumed here where the signal came mid-save.
+LAYOUTS = {
+    "pp2-signalled-while-saving": (2, dict(pp=2, save_interval=1), "train_data", True),
+    "tp2xdp2-dist-optim": (4, dict(tp=2, dist_optim=True), "train_data", False),
+    "lora-tp2": (2, dict(tp=2, lora_rank=4, lora_alpha=8.0), "train_data", False),
+    "dpo-tp2": (2, dict(tp=2, stage="dpo", seq_length=192), "preference_data", False),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_run_of_any_layout_signalled_as_slurm_does_saves_and_exits_0(tmp_path, request, megatron_clip, name):
+    gpus, options, data_fixture, resume = LAYOUTS[name]
+    data = request.getfixturevalue(data_fixture)
+    save, log = tmp_path / "run", tmp_path / "stopped.log"
+    command = _command(megatron_clip, data, save, gpus, **options)
+    ready = _saving(save) if options.get("save_interval") else _logged_two(save)
+    status = _stopped_run(command, save, log, gpus, signal.SIGTERM, True, ready)
+    stopped_at = _stopped_cleanly(status, save, log, signal.SIGTERM)
+    if resume:
+        reference = tmp_path / "uninterrupted"
+        run(_command(megatron_clip, data, reference, gpus, **options), timeout=300)
+        _resumed_as_if_never_stopped(command, save, stopped_at, metrics(reference))
