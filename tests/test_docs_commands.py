@@ -32,7 +32,8 @@ def _lines(text: str) -> list[str]:
     lines = []
     for block in _BLOCK.findall(text):
         for line in block.replace("\\\n", " ").splitlines():
-            line = line.strip().removeprefix("$ ")
+            # A trailing `&` runs the command in the background: the command is the same.
+            line = line.strip().removeprefix("$ ").removesuffix("&").strip()
             lines += [part.strip() for part in line.split("&&") if part.strip()]
     return lines
 
