@@ -25,6 +25,7 @@ LAYERS = [
     ("convert", {"convert"}),
     ("eval", {"eval"}),
     ("config", {"config"}),
+    ("objectives", {"objectives"}),
     ("train", {"train"}),
     ("memory", {"memory"}),
     ("verify", {"verify"}),

@@ -53,7 +53,7 @@ def token_loss(batch: dict, inputs: dict, loss_mask: torch.Tensor):
 
 def make_forward_step(inputs: ModelInputs, loss_of=token_loss):
     """megatron's forward_step_func over micro-batch dicts, laid out for the model by `inputs`;
-    `loss_of(batch, model_inputs, loss_mask)` gives the loss function of its output (DPO's: `train.dpo`)."""
+    `loss_of(batch, model_inputs, loss_mask)` gives the loss function of its output (DPO's: `objectives.dpo`)."""
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
