@@ -87,6 +87,11 @@ def reduce_loss(losses: list[dict]) -> tuple[float, int]:
     return (total / tokens if tokens else float("nan")), int(tokens)
 
 
+def token_objective(losses: list[dict]) -> tuple[float, int, dict]:
+    """The language-model loss of a step's loss-function outputs, with no further metrics."""
+    return (*reduce_loss(losses), {})
+
+
 def run_schedule(model, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
               forward_only: bool) -> list[dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 import time
@@ -25,11 +24,9 @@ from megatron_ext.distributed import device
 from megatron_ext.errors import UserError, report
 from megatron_ext.eval.evaluation import AnswerEvaluation
 from megatron_ext.fsutil import write_jsonl
-from megatron_ext.model.forward_step import eval_loss, make_forward_step
 from megatron_ext.model.inputs import ModelInputs
 from megatron_ext.model.packed_sequences import sample_lengths
 from megatron_ext.objectives import for_run
-from megatron_ext.objectives.base import NOTHING_EVALUATED
 from megatron_ext.train import checkpointing
 from megatron_ext.train.batches import samples_digest
 from megatron_ext.train.flops import iteration_flops
@@ -137,10 +134,8 @@ class Trainer:
                                      wandb=self.cfg.wandb, project=self.cfg.wandb_project, name=self.cfg.name,
                                      resumed_at=self.iteration if plan.resume is not None else None)
         self.inputs = ModelInputs.for_model(plan.arch, self.trained.model, device())
-        self.forward_step = make_forward_step(self.inputs)
         self.objective = for_run(plan, self.trained, self.inputs)
-        if self.objective is not None:
-            self.objective.start(self._one_pass)
+        self.objective.start(self._one_pass)
         self.stop = _StopSignal()
         self.dp_group = parallel_state.get_data_parallel_group()
         # The rank of its data-parallel replica that adds the batch statistics to the step's all-reduce.
@@ -183,15 +178,11 @@ class Trainer:
             self.trained.scheduler.step(increment=increment)
             self.counters["skipped_iterations"] += 1
             result = None
-        elif self.objective is not None:
+        else:
             self.objective.prepare(micro_batches)
             result = train_step(self.trained, self.objective.forward_step, micro_batches, self.plan.seq_length,
                                 self.cfg.micro_batch_size, reduce=self.objective.reduce,
                                 before_update=self.before_optimizer_step, schedule_increment=increment)
-        else:
-            result = train_step(self.trained, self.forward_step, micro_batches, self.plan.seq_length,
-                                self.cfg.micro_batch_size, before_update=self.before_optimizer_step,
-                                schedule_increment=increment)
         batch, stop = self._shared(stats)
         if by_samples and (result is None or result.updated):
             self.trained.scheduler.step(increment=int(batch["samples"]))
@@ -288,18 +279,7 @@ class Trainer:
             return self._evaluate()
 
     def _evaluate(self) -> dict:
-        if self.objective is not None:
-            return {"iteration": self.iteration, **self.objective.evaluate(self.val_data.global_batches())}
-        total, tokens = 0.0, 0
-        for micro_batches in self.val_data.global_batches():
-            loss, n = eval_loss(self.trained.ddp, self.forward_step, micro_batches, self.plan.seq_length,
-                                self.cfg.micro_batch_size)
-            total, tokens = total + loss * n, tokens + n
-        if not tokens:
-            log.warning(NOTHING_EVALUATED)
-        loss = total / tokens if tokens else float("nan")
-        result = {"iteration": self.iteration, "loss": loss, "perplexity": math.exp(loss) if tokens else float("nan"),
-                  "loss_tokens": tokens}
+        result = {"iteration": self.iteration, **self.objective.evaluate(self.val_data.global_batches())}
         if self.answer_eval is not None:
             scores, records = self.answer_eval.run(self.trained.model)
             result.update(scores)
