@@ -4,6 +4,7 @@ below, imports inside functions included, and no two parts import each other in 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ LAYERS = [
     ("convert", {"convert"}),
     ("eval", {"eval"}),
     ("config", {"config"}),
+    ("objectives", {"objectives"}),
     ("train", {"train"}),
     ("memory", {"memory"}),
     ("verify", {"verify"}),
@@ -144,3 +146,56 @@ def test_the_library_imports_no_test_code_and_an_extras_dependency_only_lazily_w
 def test_outside_imports_are_seen_at_module_level_and_inside_functions():
     text = "import peft.tuners\nfrom tests.support import helpers\ndef f():\n    from trl import DPOTrainer\n"
     assert _outside_imports(text) == [("peft", False), ("tests", False), ("trl", True)]
+
+
+# Where the run's objective is chosen: the package of objectives, and their torch-free description.
+CHOOSES_OBJECTIVES = ("objectives/", "config/objective_specs.py")
+# A value compared with an objective's name: `stage == "dpo"`, `"dpo" != x`, `stage in (2, "dpo")`.
+_OBJECTIVE_TEST = re.compile(r"""(==|!=)\s*["']dpo["']|["']dpo["']\s*(==|!=)|\bin\s*[(\[{][^)\]}]*["']dpo["']""")
+_ONE_OBJECTIVE = ("megatron_ext.objectives.dpo", "megatron_ext.objectives.sft")
+
+
+def _objective_tests(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if _OBJECTIVE_TEST.search(line)]
+
+
+def _objectives_imported_by_name(text: str) -> list[str]:
+    """The modules of one objective that `text` imports (`objectives.for_run` is the way in)."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found += [m for m in modules if m.startswith(_ONE_OBJECTIVE)]
+    return found
+
+
+def _outside_the_objectives() -> list[tuple[Path, str]]:
+    return [(path, path.read_text()) for path in PACKAGE.rglob("*.py")
+            if not path.relative_to(PACKAGE).as_posix().startswith(CHOOSES_OBJECTIVES)]
+
+
+def test_only_the_objectives_compare_a_stage_with_an_objective():
+    wrong = [f"{path.relative_to(PACKAGE)}: {line}" for path, text in _outside_the_objectives()
+             for line in _objective_tests(text)]
+    assert not wrong, wrong
+
+
+def test_no_module_outside_the_objectives_imports_one_by_name():
+    wrong = [f"{path.relative_to(PACKAGE)} imports {name}" for path, text in _outside_the_objectives()
+             for name in _objectives_imported_by_name(text)]
+    assert not wrong, wrong
+
+
+def test_objective_tests_and_imports_are_seen_in_every_form():
+    text = ('if cfg.stage == "dpo" or "dpo" != x:\n    pass\nok = stage not in (2, "dpo")\n'
+            "from megatron_ext.objectives.dpo.loss import METRICS\nimport megatron_ext.objectives.sft\n"
+            "from megatron_ext.objectives import sft, for_run\n")
+    assert len(_objective_tests(text)) == 2
+    assert _objectives_imported_by_name(text) == [
+        "megatron_ext.objectives.dpo.loss", "megatron_ext.objectives.dpo.loss.METRICS", "megatron_ext.objectives.sft",
+        "megatron_ext.objectives.sft"]
+    assert _objective_tests('choices = ["1", "2", "dpo"]\nstage = "dpo" if pairs else 2\n') == []

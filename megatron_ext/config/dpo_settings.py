@@ -1,5 +1,5 @@
 """DPO's options checked and gathered (`--dpo-*`, `--rpo-alpha`): the run plan checks them before
-anything starts, the loss (train/dpo/loss.py) computes with them."""
+anything starts, the loss (objectives/dpo/loss.py) computes with them."""
 
 from __future__ import annotations
 

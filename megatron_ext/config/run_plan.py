@@ -17,8 +17,8 @@ from pathlib import Path
 
 from megatron_ext import families
 from megatron_ext.checkpoint import layout
-from megatron_ext.config.dpo_settings import DpoSettings
 from megatron_ext.config.execution_choices import Execution, resolve_execution
+from megatron_ext.config.objective_specs import objective_of
 from megatron_ext.config.options import TrainConfig
 from megatron_ext.config.tokenizer_files import TokenizerFiles
 from megatron_ext.data.prepared import SplitCount, UncountedSamples, holds_pairs, split_counts
@@ -264,23 +264,13 @@ def _check_same_lora(config: TrainConfig, resume: layout.Snapshot) -> None:
 def _check_data_kind(config: TrainConfig, train: SplitCount) -> None:
     """Preference pairs train with --stage dpo and only with it: otherwise every sample would be skipped."""
     pairs = [member for member, _, _ in train.members if holds_pairs(member)]
-    if config.stage == "dpo" and len(pairs) < len(train.members):
+    trains_on_pairs = objective_of(config).pairs
+    if trains_on_pairs and len(pairs) < len(train.members):
         other = next(member for member, _, _ in train.members if member not in pairs)
         raise UserError(f"--stage dpo trains on preference pairs; --data-path {other} holds conversations: build "
                         "pairs with megatron-ext-data build --task preference")
-    if config.stage != "dpo" and pairs:
+    if not trains_on_pairs and pairs:
         raise UserError(f"--data-path {pairs[0]} holds preference pairs: train on them with --stage dpo")
-
-
-def _check_dpo(config: TrainConfig, start: layout.Snapshot | None) -> None:
-    DpoSettings.of(config)
-    if start is None:
-        raise UserError("--stage dpo needs --megatron-load-dir: the checkpoint to tune, which is also the reference policy")
-    if config.cp > 1:
-        raise UserError("--stage dpo does not support --cp: a pair's sequences are summed whole on one rank")
-    if config.eval_generate_samples or config.eval_benchmarks:
-        raise UserError("--stage dpo evaluates the DPO loss and rewards on the val pairs; generate answers or score "
-                        "benchmarks with scripts/eval on the saved checkpoint")
 
 
 def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | None = None) -> RunPlan:
@@ -326,8 +316,7 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
             raise UserError(f"--save-dir {config.save_dir}: its optimizer state was saved "
                             f"{'with' if saved else 'without'} --dist-optim; resume with the same setting "
                             "or give --no-load-optim (Adam's moments then start afresh)")
-    if config.stage == "dpo":
-        _check_dpo(config, start)
+    objective_of(config).check(config, start)
     if lora is not None and start is None and resume is None:
         raise UserError("--lora-rank needs --megatron-load-dir: the base checkpoint the adapters are trained on")
     if resume is not None:

@@ -34,7 +34,7 @@ def lora_settings(config) -> LoraSettings | None:
         return None
     if config.lora_rank < 0:
         raise UserError(f"--lora-rank {config.lora_rank} must be >= 1 (or 0 for full fine-tuning)")
-    if config.stage not in (2, "dpo"):
+    if config.stage == 1:  # the projector alone trains
         raise UserError("--lora-rank trains adapters on the language model: use it with --stage 2 or --stage dpo")
     if config.unfreeze_vit:
         raise UserError("--lora-rank with --unfreeze-vit is not supported: LoRA adapts the language model only")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megatron_ext.config.objective_specs import objective_of
 from megatron_ext.config.run_plan import RunPlan
 from megatron_ext.errors import UserError
 from megatron_ext.memory.activation_bytes import (
@@ -35,7 +36,7 @@ class FitChoices:
     dist_optim: bool
     recompute: Recompute
     sequence_parallel: bool
-    # --stage dpo with the live reference and no LoRA: a second, frozen model of the same parameters.
+    # The objective's second, frozen model of the same parameters (DPO's live reference without LoRA).
     reference_copy: bool = False
 
     @classmethod
@@ -44,7 +45,7 @@ class FitChoices:
         return cls(tp=cfg.tp, pp=cfg.pp, dist_optim=cfg.dist_optim,
                    recompute=Recompute(ex.recompute_granularity, ex.recompute_method, ex.recompute_num_layers),
                    sequence_parallel=ex.sequence_parallel,
-                   reference_copy=cfg.stage == "dpo" and cfg.reference_logprobs == "live" and not cfg.lora_rank)
+                   reference_copy=objective_of(cfg).reference_copy(cfg))
 
     def with_layout(self, plan: RunPlan, tp: int, pp: int) -> "FitChoices":
         """At another layout, with sequence parallelism as the run decides it (on with TE from --tp 2)."""

@@ -53,7 +53,7 @@ def token_loss(batch: dict, inputs: dict, loss_mask: torch.Tensor):
 
 def make_forward_step(inputs: ModelInputs, loss_of=token_loss):
     """megatron's forward_step_func over micro-batch dicts, laid out for the model by `inputs`;
-    `loss_of(batch, model_inputs, loss_mask)` gives the loss function of its output (DPO's: `train.dpo`)."""
+    `loss_of(batch, model_inputs, loss_mask)` gives the loss function of its output (DPO's: `objectives.dpo`)."""
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -85,6 +85,11 @@ def reduce_loss(losses: list[dict]) -> tuple[float, int]:
     """Token-weighted loss over the global batch, known on every rank."""
     total, tokens = reduce_sums(losses, "loss", 2)
     return (total / tokens if tokens else float("nan")), int(tokens)
+
+
+def token_objective(losses: list[dict]) -> tuple[float, int, dict]:
+    """The language-model loss of a step's loss-function outputs, with no further metrics."""
+    return (*reduce_loss(losses), {})
 
 
 def run_schedule(model, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int,

@@ -10,6 +10,7 @@ import hashlib
 import math
 from pathlib import Path
 
+from megatron_ext.config.objective_specs import objective_of
 from megatron_ext.config.options import TrainConfig
 from megatron_ext.config.run_plan import RunPlan
 from megatron_ext.data.loader import (
@@ -34,7 +35,7 @@ def task_encoder(tokenizer_dir: str | Path, arch: LlavaArch, cfg: TrainConfig, s
                  alignment: SequenceAlignment) -> LlavaTaskEncoder:
     """The encoder the trainer feeds a model of `arch` with under the options `cfg` (the sample
     inspector builds its own with it): preference pairs for --stage dpo, conversations otherwise."""
-    encoder_class = PairTaskEncoder if cfg.stage == "dpo" else LlavaTaskEncoder
+    encoder_class = PairTaskEncoder if objective_of(cfg).pairs else LlavaTaskEncoder
     return encoder_class.for_model(
         str(tokenizer_dir), arch, seq_length=seq_length, pad_token_id=arch.pad_token_id,
         chat_template=cfg.chat_template, lang=cfg.lang, image_aspect=cfg.image_aspect, packing_seq_length=cfg.packing_seq_length,

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from megatron_ext.model.forward_step import reduce_loss, run_schedule
+from megatron_ext.model.forward_step import run_schedule, token_objective
 
 
 @dataclass
@@ -20,11 +20,6 @@ class StepResult:
     @property
     def finite(self) -> bool:
         return math.isfinite(self.loss)
-
-
-def token_objective(losses: list[dict]) -> tuple[float, int, dict]:
-    """The language-model loss of a step's loss-function outputs, with no further metrics."""
-    return (*reduce_loss(losses), {})
 
 
 def train_step(trained, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from pathlib import Path
@@ -25,9 +24,9 @@ from megatron_ext.distributed import device
 from megatron_ext.errors import UserError, report
 from megatron_ext.eval.evaluation import AnswerEvaluation
 from megatron_ext.fsutil import write_jsonl
-from megatron_ext.model.forward_step import eval_loss, make_forward_step
 from megatron_ext.model.inputs import ModelInputs
 from megatron_ext.model.packed_sequences import sample_lengths
+from megatron_ext.objectives import for_run
 from megatron_ext.train import checkpointing
 from megatron_ext.train.batches import samples_digest
 from megatron_ext.train.flops import iteration_flops
@@ -37,9 +36,6 @@ from megatron_ext.train.run_lock import RunLock
 from megatron_ext.train.step import StepResult, train_step
 
 log = logging.getLogger(__name__)
-
-_NOTHING_EVALUATED = ("evaluation scored nothing (loss nan): every val sample was skipped or has no trained "
-                      "tokens (too long for --seq-length? see the skipped counts); the val split needs usable samples")
 
 # metrics.jsonl's "state" record: one row per rank.
 STATE_COLUMNS = ["pp_rank", "tp_rank", "dp_rank", "param_bytes", "grad_bytes", "optimizer_bytes"]
@@ -126,14 +122,8 @@ class Trainer:
                                      wandb=self.cfg.wandb, project=self.cfg.wandb_project, name=self.cfg.name,
                                      resumed_at=self.iteration if plan.resume is not None else None)
         self.inputs = ModelInputs.for_model(plan.arch, self.trained.model, device())
-        self.forward_step = make_forward_step(self.inputs)
-        self.dpo = None
-        if self.cfg.stage == "dpo":
-            from megatron_ext.train.dpo.objective import DpoObjective
-
-            self.dpo = DpoObjective(plan, self.trained, self.inputs)
-            if self.cfg.reference_logprobs == "precompute":
-                self._precompute_reference()
+        self.objective = for_run(plan, self.trained, self.inputs)
+        self.objective.start(self._one_pass)
         self.stop = stop_signals.stop_request()
         self.dp_group = parallel_state.get_data_parallel_group()
         # The rank of its data-parallel replica that adds the batch statistics to the step's all-reduce.
@@ -143,21 +133,17 @@ class Trainer:
         self.last_saved = plan.resume.path if plan.resume else None
         self.held_state_recorded = False
 
-    def _precompute_reference(self) -> None:
-        """A fresh run computes its reference log-probabilities with the starting weights, in one pass over
-        the train split (and the val batches it evaluates); a resumed run reads what it stored."""
+    def _one_pass(self):
+        """Global batches of one pass over the train split, then the val batches evaluations use (an
+        objective that looks at the data before training asks: DPO's precomputed reference)."""
         from itertools import chain, islice
 
         from megatron_ext.train.batches import split_pass
 
-        if self.plan.resume is not None:
-            self.dpo.reference.load()
-            return
-        log.info("computing the reference log-probabilities of the %d training pairs", self.plan.train_split.samples)
         val = [group for group in self.val_data.global_batches() if group] if self.val_data is not None else []
         train = split_pass(self.plan, "train")
         groups = iter(lambda: list(islice(train, self.plan.num_microbatches)), [])
-        self.dpo.reference.precompute(chain(groups, val))
+        return chain(groups, val)
 
     # --- one iteration ------------------------------------------------------------------------
     def _lr(self) -> float:
@@ -180,12 +166,11 @@ class Trainer:
             self.trained.scheduler.step(increment=increment)
             self.counters["skipped_iterations"] += 1
             result = None
-        elif self.dpo is not None:
-            result = self.dpo.train_step(micro_batches, self.before_optimizer_step, schedule_increment=increment)
         else:
-            result = train_step(self.trained, self.forward_step, micro_batches, self.plan.seq_length,
-                                self.cfg.micro_batch_size, before_update=self.before_optimizer_step,
-                                schedule_increment=increment)
+            self.objective.prepare(micro_batches)
+            result = train_step(self.trained, self.objective.forward_step, micro_batches, self.plan.seq_length,
+                                self.cfg.micro_batch_size, reduce=self.objective.reduce,
+                                before_update=self.before_optimizer_step, schedule_increment=increment)
         batch, stop = self._shared(stats)
         if by_samples and (result is None or result.updated):
             self.trained.scheduler.step(increment=int(batch["samples"]))
@@ -282,18 +267,7 @@ class Trainer:
             return self._evaluate()
 
     def _evaluate(self) -> dict:
-        if self.dpo is not None:
-            return self._evaluate_pairs()
-        total, tokens = 0.0, 0
-        for micro_batches in self.val_data.global_batches():
-            loss, n = eval_loss(self.trained.ddp, self.forward_step, micro_batches, self.plan.seq_length,
-                                self.cfg.micro_batch_size)
-            total, tokens = total + loss * n, tokens + n
-        if not tokens:
-            log.warning(_NOTHING_EVALUATED)
-        loss = total / tokens if tokens else float("nan")
-        result = {"iteration": self.iteration, "loss": loss, "perplexity": math.exp(loss) if tokens else float("nan"),
-                  "loss_tokens": tokens}
+        result = {"iteration": self.iteration, **self.objective.evaluate(self.val_data.global_batches())}
         if self.answer_eval is not None:
             scores, records = self.answer_eval.run(self.trained.model)
             result.update(scores)
@@ -302,19 +276,6 @@ class Trainer:
         if self.benchmark_eval is not None:
             result.update(self.benchmark_eval.run(self.trained.model))
         return result
-
-    def _evaluate_pairs(self) -> dict:
-        """The DPO loss and TRL's metrics over the val pairs (means over pairs)."""
-        sums, pairs = {}, 0
-        for micro_batches in self.val_data.global_batches():
-            loss, n, metrics = self.dpo.evaluate(micro_batches)
-            for name, value in {"loss": loss, **metrics}.items():
-                sums[name] = sums.get(name, 0.0) + value * n
-            pairs += n
-        if not pairs:
-            log.warning(_NOTHING_EVALUATED)
-        return {"iteration": self.iteration, "pairs": pairs,
-                **{name: value / pairs if pairs else float("nan") for name, value in sums.items()}}
 
     def save(self) -> None:
         self.counters["data_passes"] = self.train_data.passes

@@ -79,9 +79,10 @@ def main():
     from megatron_ext.data.pairs import PairTaskEncoder
     from megatron_ext.distributed import device, init_parallel, shutdown
     from megatron_ext.model.inputs import ModelInputs
+    from megatron_ext.objectives import for_run
     from megatron_ext.train import checkpointing
-    from megatron_ext.train.dpo.objective import DpoObjective
     from megatron_ext.train.model_setup import build_training_model
+    from megatron_ext.train.step import train_step
 
     config = TrainConfig(megatron_load_dir=checkpoint, data_path=data, stage="dpo", lr=1e-3, global_batch_size=GLOBAL_BATCH,
                          train_iters=1, num_workers=0, lr_warmup_fraction=0.0, lr_decay_style="constant", clip_grad=0.0,
@@ -91,7 +92,7 @@ def main():
     init_parallel(cfg.tp, cfg.pp, seed=cfg.seed, cp=cfg.cp)
     trained = build_training_model(plan)
     checkpointing.load_weights(trained, plan.start, with_optimizer=False)
-    objective = DpoObjective(plan, trained, ModelInputs.for_model(plan.arch, trained.model, device()))
+    objective = for_run(plan, trained, ModelInputs.for_model(plan.arch, trained.model, device()))
     encoder = PairTaskEncoder.for_model(str(plan.tokenizer_dir), plan.arch, seq_length=plan.seq_length,
                                         packing_seq_length=cfg.packing_seq_length, alignment=plan.execution.alignment,
                                         video_frames=VIDEO_FRAMES)
@@ -102,10 +103,12 @@ def main():
     tower_batches = []
     hook = trained.model.vision_model.register_forward_hook(
         lambda module, args, output: tower_batches.append(args[0].shape[0])) if trained.model.add_encoder else None
-    first = objective.train_step(mine)
+    objective.prepare(mine)
+    first = train_step(trained, objective.forward_step, mine, plan.seq_length, cfg.micro_batch_size,
+                       reduce=objective.reduce)
     if hook is not None:
         hook.remove()
-    loss, _, metrics = objective.evaluate(mine)
+    loss, _, metrics = objective.evaluate_batch(mine)
     if torch.distributed.get_rank() == 0:
         result = {"first": {"loss": first.loss, "pairs": first.loss_tokens, **first.metrics},
                   "after": {"loss": loss, **metrics}, "tower_batches": tower_batches, "img_seq_len": plan.arch.img_seq_len,

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from megatron_ext.train.dpo.loss import METRICS
+from megatron_ext.objectives.dpo.loss import METRICS
 from tests.support.training import metrics, train, trainer_args
 
 DPO = {"stage": "dpo", "lr": 1e-3, "seq_length": 192, "global_batch_size": 4, "micro_batch_size": 2, "train_iters": 4,

@@ -29,16 +29,18 @@ from megatron_ext.lora.checkpoint import load_snapshot_weights
 from megatron_ext.lora.layers import adapters_off, has_lora
 from megatron_ext.model.forward_step import make_forward_step, run_schedule
 from megatron_ext.model.inputs import ModelInputs
-from megatron_ext.train.dpo.sequences import PairPositions
-from megatron_ext.train.model_setup import TrainingModel, model_options
+from megatron_ext.objectives.dpo.sequences import PairPositions
 
 
 def _frozen_copy(plan: RunPlan):
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_ext.model.provider import build_model
+    from megatron_ext.model.provider import ModelOptions, build_model
 
-    model = build_model(plan.arch, plan.families, model_options(plan, init_weights=False))
+    # The trained model's options (train.model_setup.model_options), without its random initialisation.
+    options = ModelOptions(seq_length=plan.seq_length, dtype=plan.dtype, init_weights=False, parallel_output=True,
+                           execution=plan.execution.model)
+    model = build_model(plan.arch, plan.families, options)
     load_snapshot_weights(model, plan.start)
     model.requires_grad_(False)
     # The loss functions' outputs are sums with their counts, as for the trained model.
@@ -65,7 +67,7 @@ def pair_keys(batch: dict) -> list[str]:
 class Reference:
     """Computes reference log-probabilities with `model` (the trained model's adapters off under LoRA)."""
 
-    def __init__(self, model, plan: RunPlan, trained: TrainingModel, inputs: ModelInputs):
+    def __init__(self, model, plan: RunPlan, trained, inputs: ModelInputs):
         self.model = model
         self.trained = trained
         self.lora = has_lora(trained.model)
@@ -73,7 +75,7 @@ class Reference:
         self.seq_length, self.micro_batch_size = plan.seq_length, plan.config.micro_batch_size
 
     @classmethod
-    def live(cls, plan: RunPlan, trained: TrainingModel, inputs: ModelInputs) -> "Reference":
+    def live(cls, plan: RunPlan, trained, inputs: ModelInputs) -> "Reference":
         return cls(trained.ddp if has_lora(trained.model) else _frozen_copy(plan), plan, trained, inputs)
 
     def attach(self, micro_batches: list[dict]) -> None:
@@ -88,7 +90,7 @@ class Reference:
 class PrecomputedReference:
     FILE = "reference_logps.json"
 
-    def __init__(self, plan: RunPlan, trained: TrainingModel, inputs: ModelInputs):
+    def __init__(self, plan: RunPlan, trained, inputs: ModelInputs):
         # Before the first update the trained model is the starting checkpoint: it is the reference.
         self.reference = Reference(trained.ddp, plan, trained, inputs)
         self.device = inputs.device

@@ -5,38 +5,39 @@ with a pair as the unit), so every layout gives the same number.
 
 from __future__ import annotations
 
+import logging
 from functools import partial
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
 from megatron_ext.config.dpo_settings import DpoSettings
 from megatron_ext.config.run_plan import RunPlan
 from megatron_ext.distributed import device
-from megatron_ext.model.forward_step import make_forward_step, reduce_sums, run_schedule
+from megatron_ext.model.forward_step import reduce_sums
 from megatron_ext.model.inputs import ModelInputs
-from megatron_ext.train.dpo.loss import METRICS, metric_sums, pair_losses
-from megatron_ext.train.dpo.reference import PrecomputedReference, Reference
-from megatron_ext.train.dpo.sequences import PairPositions
-from megatron_ext.train.model_setup import TrainingModel
-from megatron_ext.train.step import StepResult, train_step
+from megatron_ext.objectives.base import Objective
+from megatron_ext.objectives.dpo.loss import METRICS, metric_sums, pair_losses
+from megatron_ext.objectives.dpo.reference import PrecomputedReference, Reference
+from megatron_ext.objectives.dpo.sequences import PairPositions
+
+log = logging.getLogger(__name__)
 
 # The loss functions' report: loss sum, pairs, then METRICS' sums.
 REPORT = 2 + len(METRICS)
 
 
-class DpoObjective:
-    def __init__(self, plan: RunPlan, trained: TrainingModel, inputs: ModelInputs):
+class DpoObjective(Objective):
+    def __init__(self, plan: RunPlan, trained, inputs: ModelInputs):
+        super().__init__(plan, trained, inputs)
         self.settings = DpoSettings.of(plan.config)
-        self.inputs = inputs
-        self.trained = trained
+        self.resumed = plan.resume is not None
+        self.train_pairs = plan.train_split.samples
         self.reference = (PrecomputedReference(plan, trained, inputs) if plan.config.reference_logprobs == "precompute"
                           else Reference.live(plan, trained, inputs))
-        self.forward_step = make_forward_step(inputs, loss_of=self._loss_of)
-        self.seq_length, self.micro_batch_size = plan.seq_length, plan.config.micro_batch_size
         self._rpo_scale: torch.Tensor | None = None
 
-    def _loss_of(self, batch: dict, kwargs: dict, loss_mask: torch.Tensor):
+    def loss_of(self, batch: dict, kwargs: dict, loss_mask: torch.Tensor):
         pairs = PairPositions.of(batch)
         return partial(self._loss, pairs, batch, kwargs, loss_mask)
 
@@ -51,7 +52,18 @@ class DpoObjective:
         report = torch.cat([total.detach()[None], count.float()[None], metric_sums(self.settings, logps, ref)])
         return total, count, {"dpo": report}
 
-    def _prepare(self, micro_batches: list[dict]) -> None:
+    def start(self, passes: Callable[[], Iterable[list[dict]]]) -> None:
+        """The precomputed reference: a fresh run computes its log-probabilities with the starting
+        weights; a resumed run reads what it stored."""
+        if not isinstance(self.reference, PrecomputedReference):
+            return
+        if self.resumed:
+            self.reference.load()
+        else:
+            log.info("computing the reference log-probabilities of the %d training pairs", self.train_pairs)
+            self.reference.precompute(passes())
+
+    def prepare(self, micro_batches: list[dict]) -> None:
         self.reference.attach(micro_batches)
         if self.settings.rpo_alpha:
             from megatron.core import parallel_state
@@ -65,23 +77,11 @@ class DpoObjective:
             torch.distributed.all_reduce(counts, group=parallel_state.get_data_parallel_group())
             self._rpo_scale = (counts[0] / counts[1]).float()
 
-    @staticmethod
-    def _reduce(outputs: list[dict]) -> tuple[float, int, dict]:
+    def reduce(self, outputs: list[dict]) -> tuple[float, int, dict]:
         total, pairs, *sums = reduce_sums(outputs, "dpo", REPORT)
         metrics = {name: value / pairs if pairs else float("nan") for name, value in zip(METRICS, sums)}
         return (total / pairs if pairs else float("nan")), int(pairs), metrics
 
-    def train_step(self, micro_batches: list[dict], before_update: Callable[[], None] = lambda: None,
-                   schedule_increment: int = 1) -> StepResult:
-        self._prepare(micro_batches)
-        return train_step(self.trained, self.forward_step, micro_batches, self.seq_length, self.micro_batch_size,
-                          reduce=self._reduce, before_update=before_update, schedule_increment=schedule_increment)
-
-    def evaluate(self, micro_batches: list[dict]) -> tuple[float, int, dict]:
-        """(loss, pairs, metrics) of one global batch, forward only."""
-        self._prepare(micro_batches)
-        if not micro_batches:  # as model.forward_step.eval_loss: this rank adds nothing
-            return self._reduce([])
-        with torch.no_grad():
-            return self._reduce(run_schedule(self.trained.ddp, self.forward_step, micro_batches, self.seq_length,
-                                             self.micro_batch_size, True))
+    def summary(self, loss: float, count: int, metrics: dict) -> dict:
+        """The DPO loss and TRL's metrics over the val pairs (means over pairs)."""
+        return {"pairs": count, "loss": loss, **metrics}
