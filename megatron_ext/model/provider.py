@@ -38,6 +38,12 @@ class ModelOptions:
     parallel_output: bool = True  # False gathers full-vocab logits (inference, comparisons)
     execution: ModelExecution = ModelExecution()
 
+    @classmethod
+    def for_run(cls, plan, init_weights: bool) -> "ModelOptions":
+        """A training run's options from its `RunPlan` (the trained model's and DPO's frozen reference's)."""
+        return cls(seq_length=plan.seq_length, dtype=plan.dtype, init_weights=init_weights, parallel_output=True,
+                   execution=plan.execution.model)
+
     def resolved_backend(self) -> str:
         return resolve_backend(self.execution.attention_backend, te_available())
 

@@ -81,15 +81,11 @@ def warmup_steps(plan: RunPlan) -> int:
     return int(plan.config.lr_warmup_fraction * schedule_steps(plan))
 
 
-def model_options(plan: RunPlan, init_weights: bool) -> ModelOptions:
-    return ModelOptions(seq_length=plan.seq_length, dtype=plan.dtype, init_weights=init_weights, parallel_output=True,
-                        execution=plan.execution.model)
-
-
 def trained_model(plan: RunPlan):
     """This rank's LLaVAModel as the run trains it, before megatron's wrappers: initialised where the
     run starts from no checkpoint, frozen for its stage."""
-    model = build_model(plan.arch, plan.families, model_options(plan, init_weights=plan.start is None and plan.resume is None))
+    model = build_model(plan.arch, plan.families,
+                        ModelOptions.for_run(plan, init_weights=plan.start is None and plan.resume is None))
     freeze_for_stage(model, plan)
     return model
 

@@ -37,10 +37,8 @@ def _frozen_copy(plan: RunPlan):
 
     from megatron_ext.model.provider import ModelOptions, build_model
 
-    # The trained model's options (train.model_setup.model_options), without its random initialisation.
-    options = ModelOptions(seq_length=plan.seq_length, dtype=plan.dtype, init_weights=False, parallel_output=True,
-                           execution=plan.execution.model)
-    model = build_model(plan.arch, plan.families, options)
+    # The trained model's options, without its random initialisation.
+    model = build_model(plan.arch, plan.families, ModelOptions.for_run(plan, init_weights=False))
     load_snapshot_weights(model, plan.start)
     model.requires_grad_(False)
     # The loss functions' outputs are sums with their counts, as for the trained model.
