@@ -27,10 +27,10 @@ def local_store():
 
 
 def device() -> torch.device:
-    """Where this process computes: its GPU, else the CPU (`cpu_support.named_device`)."""
+    """Where this process computes: its GPU, else the CPU (`cpu_support.NAMED_DEVICE`)."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    return cpu_support.named_device()
+    return cpu_support.NAMED_DEVICE
 
 
 def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str | None = None, timeout_min: int = 30,

@@ -13,8 +13,8 @@ from pathlib import Path
 import click
 
 from megatron_ext.demo.pipeline import DemoSettings
+from megatron_ext.demo.tiny_presets import DEFAULT_TEXT_ARCH, TEXT_PRESETS
 from megatron_ext.errors import run_command
-from megatron_ext.families import TINY_TEXT_DEFAULT, text_families
 
 
 @click.command("run")
@@ -66,7 +66,7 @@ def demo(output_dir, stage1_iters, stage2_iters, dpo_iters):
 
 @click.command("tiny-models")
 @click.option("--save-dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
-@click.option("--text-arch", type=click.Choice(sorted(text_families())), default=TINY_TEXT_DEFAULT, show_default=True,
+@click.option("--text-arch", type=click.Choice(sorted(TEXT_PRESETS)), default=DEFAULT_TEXT_ARCH, show_default=True,
               help="Text family (HF model_type) of the tiny text model.")
 @click.option("--tie-word-embeddings", is_flag=True, help="Share the input embedding with the LM head.")
 @click.option("--seed", type=int, default=0, show_default=True)

@@ -46,9 +46,10 @@ log = logging.getLogger(__name__)
 
 _APPLIED = False
 _MODE: TorchFunctionMode | None = None
-# What `megatron_ext.distributed.device()` names: the CPU, or in the GPU rehearsal the GPU a real
-# run would name (tensors still land on the CPU; tests/train/gpu_rehearsal.py tracks where they "are").
-_DEVICE = torch.device("cpu")
+# What `megatron_ext.distributed.device()` names without CUDA. A harness rehearsing a GPU run on the
+# CPU (tests/train/gpu_rehearsal.py) sets it to the GPU a real run names; the requests for that
+# device land on the CPU like every other CUDA request, and the harness tracks where tensors "are".
+NAMED_DEVICE = torch.device("cpu")
 
 _CUDA_TYPE_NAMES = {
     torch.float32: "torch.cuda.FloatTensor",
@@ -245,27 +246,18 @@ def cpu_mode_active() -> bool:
     return _APPLIED
 
 
-def named_device() -> torch.device:
-    """The device a process computes on, as its code names it (`distributed.device()`)."""
-    return _DEVICE
-
-
-def apply(rehearsal: bool = False) -> bool:
+def apply() -> bool:
     """Make megatron-core usable without CUDA. Returns True when the patches are active.
 
-    `rehearsal=True` (the GPU rehearsal): the process names `cuda:0` as its device, as on a GPU,
-    and the requests for it land on the CPU like every other CUDA request. Idempotent; does
-    nothing (and returns False) when CUDA is available. Raises UserError, with nothing patched, when
+    Idempotent; does nothing (and returns False) when CUDA is available. Raises UserError, with nothing patched, when
     the installed megatron-core lacks a name the patches need (`check_megatron_core`).
     """
-    global _APPLIED, _MODE, _DEVICE
+    global _APPLIED, _MODE
     if _APPLIED:
         return True
     if torch.cuda.is_available():
         return False
     check_megatron_core()
-    if rehearsal:
-        _DEVICE = torch.device("cuda", 0)
     # One intra-op thread per process: two threads on a 2-core machine gave erratic 40x slower steps.
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)

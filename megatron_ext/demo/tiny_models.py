@@ -7,12 +7,13 @@ load with the ordinary `from_pretrained` calls, so the code under test is the re
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megatron_ext.families import TINY_TEXT_DEFAULT
+from megatron_ext.demo.tiny_presets import DEFAULT_TEXT_ARCH, TEXT_PRESETS, TOWER_PRESETS
 
 # Role markers and end-of-turn are single special tokens, as in current chat models.
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -67,7 +68,7 @@ def _corpus() -> list[str]:
 class TinyTextSpec:
     """Shape of the tiny text model. Defaults give GQA (4 query heads, 2 KV heads)."""
 
-    arch: str = TINY_TEXT_DEFAULT  # a text family's model_type (megatron_ext.families)
+    arch: str = DEFAULT_TEXT_ARCH  # a text family's model_type, a key of TEXT_PRESETS
     vocab_size: int = 1000
     hidden_size: int = 64
     num_layers: int = 2
@@ -87,7 +88,7 @@ class TinyVisionSpec:
     num_layers: int = 3
     num_heads: int = 4
     intermediate_size: int = 64
-    image_size: int | None = None  # None: the tower family's `tiny_image_size`
+    image_size: int | None = None  # None: the tower preset's
     patch_size: int = 14
 
 
@@ -125,12 +126,25 @@ def _seeded(seed: int):
     torch.manual_seed(seed)
 
 
-def make_text_model(save_dir: Path, spec: TinyTextSpec = TinyTextSpec(), seed: int = 0) -> Path:
-    """Write a random causal LM of family `spec.arch` and its tokenizer to `save_dir`."""
+def tiny_text_config(arch: str, **fields):
+    """A transformers config of the text family `arch` with `fields` (sizes, vocab, special tokens)
+    and the family's tiny preset over them."""
+    import transformers
+
     from megatron_ext.families import text_family
 
+    preset = TEXT_PRESETS[arch]
+    derived = preset.fields_of(fields) if preset.fields_of else {}
+    # A copy: transformers may change the nested dicts it is given, and the preset is shared.
+    fields = {**fields, **copy.deepcopy(preset.fields), **derived, "rms_norm_eps": preset.norm_eps}
+    return getattr(transformers, text_family(arch).config_class)(**fields)
+
+
+def make_text_model(save_dir: Path, spec: TinyTextSpec = TinyTextSpec(), seed: int = 0) -> Path:
+    """Write a random causal LM of family `spec.arch` and its tokenizer to `save_dir`."""
     tokenizer = train_tokenizer(spec.vocab_size)
-    config = text_family(spec.arch).tiny_config(
+    config = tiny_text_config(
+        spec.arch,
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -162,11 +176,11 @@ def make_text_model_like(save_dir: Path, text_config: dict, seed: int = 0,
 def _save_text_model(save_dir: Path, config, tokenizer, seed: int) -> Path:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from megatron_ext.families import text_family
-
     _seeded(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    text_family(config.model_type).tiny_weights(model)
+    weights = TEXT_PRESETS[config.model_type].weights
+    if weights:
+        weights(model)
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     model.save_pretrained(save_dir)
     tokenizer.save_pretrained(save_dir)
@@ -189,7 +203,7 @@ def make_vision_model(save_dir: Path, kind: str, spec: TinyVisionSpec = TinyVisi
         num_attention_heads=spec.num_heads,
         patch_size=spec.patch_size,
     )
-    return _save_tower(save_dir, tower, fields, spec.image_size or tower.tiny_image_size, seed)
+    return _save_tower(save_dir, tower, fields, spec.image_size or TOWER_PRESETS[kind].image_size, seed)
 
 
 def make_vision_model_like(save_dir: Path, vision_config: dict, seed: int = 0) -> Path:
@@ -203,9 +217,23 @@ def make_vision_model_like(save_dir: Path, vision_config: dict, seed: int = 0) -
                        size[0] if isinstance(size, (list, tuple)) else size, seed)
 
 
+def tiny_tower(tower, fields: dict, image_size: int):
+    """(random tower of the family `tower` with config `fields` and its tiny preset (the preset's
+    activation unless `fields` name one), its image processor)."""
+    import transformers
+
+    preset = TOWER_PRESETS[tower.full_model_type]
+    config = getattr(transformers, tower.config_class)(
+        **{"hidden_act": preset.hidden_act, **fields, **copy.deepcopy(preset.fields)}, image_size=image_size)
+    model = getattr(transformers, tower.model_class)(config)
+    if preset.weights:
+        preset.weights(model)
+    return model, tower.image_processor(image_size)
+
+
 def _save_tower(save_dir: Path, tower, fields: dict, image_size: int, seed: int) -> Path:
     _seeded(seed)
-    model, processor = tower.tiny_tower(fields, image_size)
+    model, processor = tiny_tower(tower, fields, image_size)
     model.save_pretrained(save_dir)
     processor.save_pretrained(save_dir)
     return save_dir

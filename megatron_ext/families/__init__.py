@@ -25,9 +25,6 @@ from megatron_ext.families.llama_like import LlamaLikeFamily
 from megatron_ext.families.vit import ViTFamily
 from megatron_ext.model.arch import LlavaArch
 
-# The text family of the tiny models the demo and most tests build.
-TINY_TEXT_DEFAULT = "llama"
-
 
 @cache
 def _modules() -> tuple:

@@ -13,6 +13,6 @@ def _processor(image_size: int):
 FAMILY = ViTFamily(
     model_type="clip_vision_model", full_model_type="clip", subtype="clip",
     class_token=True, pre_norm=True, patch_bias=False, feature_layer=-2, select_strategy="default",
-    model_class="CLIPVisionModel", config_class="CLIPVisionConfig", tiny_hidden_act="quick_gelu",
-    tiny_processor=_processor,
+    model_class="CLIPVisionModel", config_class="CLIPVisionConfig",
+    image_processor=_processor,
 )

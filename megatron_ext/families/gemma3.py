@@ -141,27 +141,5 @@ class Gemma3Family(LlamaLikeFamily):
         ]
         return once, layer
 
-    def tiny_config(self, **fields):
-        import transformers
-
-        layers = fields["num_hidden_layers"]
-        fields.pop("rope_parameters", None)
-        # A window shorter than the test prompts, sliding and full layers on every pipeline stage of
-        # two, RoPE bases that differ, and an attention scale that is not 1 / sqrt(head_dim).
-        return transformers.Gemma3TextConfig(
-            **fields, head_dim=32, query_pre_attn_scalar=24, sliding_window=5, rms_norm_eps=self.tiny_norm_eps,
-            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
-
-    def tiny_weights(self, model) -> None:
-        import torch
-
-        # transformers starts every (1 + w) norm at w = 0; random ones show each is mapped and computed.
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(0.0, 0.5)
-
 
 FAMILY = Gemma3Family(model_type="gemma3_text", config_class="Gemma3TextConfig", chat_template="gemma")

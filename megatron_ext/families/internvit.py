@@ -72,22 +72,11 @@ class InternViTFamily(ViTFamily):
         ]
         return once, layer
 
-    def tiny_tower(self, fields: dict, image_size: int):
-        import torch
-
-        model, processor = super().tiny_tower({**fields, "attention_bias": True}, image_size)
-        # transformers starts every layer scale at one constant; random ones show each is mapped.
-        with torch.no_grad():
-            for layer in model.encoder.layer:
-                layer.lambda_1.uniform_(0.5, 1.5)
-                layer.lambda_2.uniform_(0.5, 1.5)
-        return model, processor
-
 
 FAMILY = InternViTFamily(
     model_type="internvl_vision", full_model_type="internvl", subtype="internvit300M",
     class_token=True, pre_norm=False, patch_bias=True, feature_layer=-1, select_strategy="default",
-    model_class="InternVLVisionModel", config_class="InternVLVisionConfig", tiny_hidden_act="gelu",
-    tiny_processor=_processor, hf_layers="vision_tower.encoder.layer.", hf_unused=("layernorm",),
+    model_class="InternVLVisionModel", config_class="InternVLVisionConfig",
+    image_processor=_processor, hf_layers="vision_tower.encoder.layer.", hf_unused=("layernorm",),
     tower_prefix="vision_tower.",
 )

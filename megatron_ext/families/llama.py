@@ -2,4 +2,4 @@
 
 from megatron_ext.families.llama_like import LlamaLikeFamily
 
-FAMILY = LlamaLikeFamily(model_type="llama", config_class="LlamaConfig", tiny_norm_eps=1e-5)
+FAMILY = LlamaLikeFamily(model_type="llama", config_class="LlamaConfig")

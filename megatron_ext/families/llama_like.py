@@ -40,7 +40,7 @@ def rope(cfg: Any) -> tuple[float, float | None]:
 @dataclass(frozen=True)
 class LlamaLikeFamily:
     model_type: str  # HF config's model_type
-    config_class: str  # transformers config class the tiny test model is built from
+    config_class: str  # transformers config class of the family's models
     qkv_bias: bool = False  # bias on q/k/v (not on o_proj) whatever the config says (Qwen2)
     qk_layernorm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
     # Whether `sliding_window` applies when the config has no `use_sliding_window` (Mistral).
@@ -49,9 +49,6 @@ class LlamaLikeFamily:
     # has none; only where every tokenizer of the family holds that format's tokens (not Llama's: a
     # Llama-2 or llm-jp tokenizer has no Llama-3 headers), so elsewhere the language's default.
     chat_template: str | None = None
-    tiny_norm_eps: float = 1e-6
-    tiny_head_dim: int | None = None  # None: hidden_size / heads
-    tiny_sliding_window: int | None = None  # shorter than the test prompts, so the window matters
 
     def read(self, cfg: Any) -> TextArch:
         """The TextArch of an HF text config of this family, refusing what megatron-core cannot compute."""
@@ -157,17 +154,3 @@ class LlamaLikeFamily:
                 vocab, tied=t.tie_word_embeddings),
         ]
         return once, layer
-
-    def tiny_weights(self, model) -> None:
-        """Adjust a freshly initialised tiny model where transformers' initial values would leave
-        a mapping untested (none here)."""
-
-    def tiny_config(self, **fields):
-        """A transformers config of this family with `fields` (sizes, vocab, special tokens)."""
-        import transformers
-
-        if self.tiny_head_dim is not None:
-            fields = {**fields, "head_dim": self.tiny_head_dim}
-        if self.tiny_sliding_window is not None:
-            fields = {**fields, "sliding_window": self.tiny_sliding_window}
-        return getattr(transformers, self.config_class)(**fields, rms_norm_eps=self.tiny_norm_eps)

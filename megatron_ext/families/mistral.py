@@ -3,5 +3,4 @@ applies to every layer (Mistral-7B-v0.1's 4096; later versions set none)."""
 
 from megatron_ext.families.llama_like import LlamaLikeFamily
 
-FAMILY = LlamaLikeFamily(model_type="mistral", config_class="MistralConfig", sliding_window_by_default=True,
-                         tiny_norm_eps=1e-5, tiny_sliding_window=6)
+FAMILY = LlamaLikeFamily(model_type="mistral", config_class="MistralConfig", sliding_window_by_default=True)

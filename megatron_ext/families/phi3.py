@@ -59,10 +59,5 @@ class Phi3Family(LlamaLikeFamily):
         )}
         return once, [fused.get(r.megatron, r) for r in layer]
 
-    def tiny_config(self, **fields):
-        # Phi-3's default pad token (32000) lies beyond a tiny vocabulary.
-        return super().tiny_config(**fields, pad_token_id=fields.get("eos_token_id"))
 
-
-FAMILY = Phi3Family(model_type="phi3", config_class="Phi3Config", sliding_window_by_default=True,
-                    tiny_norm_eps=1e-5, tiny_sliding_window=6)
+FAMILY = Phi3Family(model_type="phi3", config_class="Phi3Config", sliding_window_by_default=True)

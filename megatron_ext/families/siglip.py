@@ -14,11 +14,8 @@ def _processor(image_size: int):
 FAMILY = ViTFamily(
     model_type="siglip_vision_model", full_model_type="siglip", subtype="siglip",
     class_token=False, pre_norm=False, patch_bias=True, feature_layer=-1, select_strategy="full",
-    model_class="SiglipVisionModel", config_class="SiglipVisionConfig", tiny_hidden_act="gelu_pytorch_tanh",
-    tiny_processor=_processor,
-    # Off the patch grid as so400m-patch14-384 is (27 patches per side, 6 pixels never seen): 4 patches
-    # and 6 pixels, so every test of a SigLIP model checks what such towers need.
-    tiny_image_size=62,
+    model_class="SiglipVisionModel", config_class="SiglipVisionConfig",
+    image_processor=_processor,
 )
 
 REFUSED = {

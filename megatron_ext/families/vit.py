@@ -61,10 +61,8 @@ class ViTFamily:
     feature_layer: int
     select_strategy: str
     model_class: str  # transformers class of the tower alone
-    config_class: str  # transformers config class the tiny test tower is built from
-    tiny_hidden_act: str
-    tiny_processor: Callable[[int], Any]  # image size -> the tower's HF image processor
-    tiny_image_size: int = 56  # the tiny test tower's, in pixels (4 x 4 patches of 14)
+    config_class: str  # transformers config class of the tower
+    image_processor: Callable[[int], Any]  # image size -> the tower's HF image processor
     hf_layers: str = "vision_tower.encoder.layers."  # HF name prefix of layer i's tensors (then "i.")
     hf_unused: tuple[str, ...] = ("post_layernorm", "head")  # tower modules LLaVA never runs
     # Where whole checkpoints of `full_model_type` keep the tower, when transformers does not load
@@ -149,11 +147,3 @@ class ViTFamily:
     def extra_tokens(self) -> int:
         """Positions the tower puts in front of the patches."""
         return int(self.class_token)
-
-    def tiny_tower(self, fields: dict, image_size: int):
-        """(random tower of this family with config `fields` (the family's tiny activation unless they
-        name one), its image processor)."""
-        import transformers
-
-        config = getattr(transformers, self.config_class)(**{"hidden_act": self.tiny_hidden_act, **fields}, image_size=image_size)
-        return getattr(transformers, self.model_class)(config), self.tiny_processor(image_size)

@@ -1,5 +1,5 @@
 """The family registry: one place knows each family, lookups name what is supported, and no module
-outside megatron_ext/families/ names a family."""
+outside megatron_ext/families/ names a family but the demo's tiny presets, which have one per family."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ from pathlib import Path
 import pytest
 
 from megatron_ext import families
+from megatron_ext.demo import tiny_presets
 from megatron_ext.errors import UserError
 
 PACKAGE = Path(families.__file__).resolve().parent.parent
+# What each family's tiny test model sets, keyed by the family's name: the one module outside
+# families/ that names them.
+PRESETS = Path(tiny_presets.__file__).resolve()
 
 
 def _family_patterns() -> list[re.Pattern]:
@@ -32,7 +36,7 @@ def test_no_module_outside_the_families_package_names_a_family():
     patterns = _family_patterns()
     hits = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.parent.name == "families":
+        if path.parent.name == "families" or path == PRESETS:
             continue
         for number, line in enumerate(path.read_text().splitlines(), start=1):
             if any(p.search(line) for p in patterns):
@@ -50,6 +54,11 @@ def test_the_grep_would_see_a_family_name():
 def test_every_supported_family_is_registered():
     assert sorted(families.text_families()) == ["gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3"]
     assert sorted(families.vision_families()) == ["clip_vision_model", "internvl_vision", "siglip_vision_model"]
+
+
+def test_every_family_has_a_tiny_preset_and_every_preset_a_family():
+    assert sorted(tiny_presets.TEXT_PRESETS) == sorted(families.text_families())
+    assert sorted(tiny_presets.TOWER_PRESETS) == sorted(f.full_model_type for f in families.vision_families().values())
 
 
 def test_unknown_model_types_name_the_supported_ones():

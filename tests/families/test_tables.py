@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron_ext import families
-from megatron_ext.demo.tiny_models import TinyTextSpec, TinyVisionSpec
+from megatron_ext.demo.tiny_models import TinyTextSpec, TinyVisionSpec, tiny_text_config, tiny_tower
+from megatron_ext.demo.tiny_presets import TOWER_PRESETS
 
 
 def _used(once, layer, num_layers) -> list[str]:
@@ -22,10 +23,10 @@ def test_text_rows_use_every_tensor_of_the_hf_model_once(model_type, tied):
 
     spec = TinyTextSpec(vocab_size=64, num_layers=2)
     family = families.text_family(model_type)
-    config = family.tiny_config(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                                intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
-                                num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-                                max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=tied)
+    config = tiny_text_config(model_type, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                              intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                              num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                              max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=tied)
     names = AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict().keys()
     if tied:
         names = [n for n in names if n != "lm_head.weight"]
@@ -40,7 +41,7 @@ def test_vision_rows_and_the_unused_tensors_cover_the_hf_tower(kind):
     spec = TinyVisionSpec()
     fields = dict(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
                   num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, patch_size=spec.patch_size)
-    tower, _ = family.tiny_tower(fields, family.tiny_image_size)
+    tower, _ = tiny_tower(family, fields, TOWER_PRESETS[kind].image_size)
     vision = family.read(tower.config, family.feature_layer)
     once, layer = family.rows(vision)
     names = [f"vision_tower.{n}" for n in tower.state_dict()]

@@ -88,7 +88,7 @@ def _write_tokenizer_side(vision_config, out: Path) -> None:
 
     size = vision_config.image_size
     train_tokenizer(TinyTextSpec.vocab_size).save_pretrained(out)
-    processor = vision_family(vision_config.model_type).tiny_processor(size[0] if isinstance(size, (list, tuple)) else size)
+    processor = vision_family(vision_config.model_type).image_processor(size[0] if isinstance(size, (list, tuple)) else size)
     processor.save_pretrained(out)
 
 

@@ -554,7 +554,9 @@ def start() -> DeviceLedger:
     from megatron_ext.compat import cpu_support
     from megatron_ext.train.batches import TrainData
 
-    cpu_support.apply(rehearsal=True)
+    cpu_support.apply()
+    # The device a real run's code names; cpu_support lands its tensors on the CPU.
+    cpu_support.NAMED_DEVICE = torch.device("cuda", 0)
     _patch_distributed()
     _keep_marks_in_parameters()
     from megatron_ext.model import attention
