@@ -23,6 +23,7 @@ included, padding not). The last line printed is a JSON object with `tokens_per_
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -72,6 +73,10 @@ PRESETS = {
 # --sweep: the variants BENCHMARKS.md reports (TE ones only where Transformer Engine is present).
 SWEEP = {
     "sdpa, packed": [],
+    "sdpa, packed, logits at every position": ["--no-logits-where-loss"],
+    # The same samples in fewer micro batches: fewer kernel launches and main-grad additions per token.
+    "sdpa, packed 8192": ["--seq-length", "8192"],
+    "sdpa, packed 16384": ["--seq-length", "16384"],
     "sdpa, unpacked": ["--no-packing"],
     "sdpa, packed, full recompute": ["--recompute-granularity", "full"],
     # Its S x S scores need the selective recompute (its default): without, ~48 GiB at 4096.
@@ -82,6 +87,12 @@ TE_SWEEP = {
     "te, packed": ["--attention-backend", "te"],
     "te, packed, fp8": ["--attention-backend", "te", "--fp8"],
 }
+
+
+def with_seq_length(preset: Preset, seq_length: int | None) -> Preset:
+    """The preset packing to `seq_length` positions instead of its own (the same samples per step, in
+    fewer, longer micro batches)."""
+    return dataclasses.replace(preset, seq_length=seq_length) if seq_length else preset
 
 
 def llava_config(preset: Preset) -> dict:
@@ -235,8 +246,6 @@ def run_hf(preset_name: str, iters: int, warmup: int, peak_tflops: float, micro_
 def _with_host_reads(inputs):
     """The step as it was before it stopped reading device values back: megatron-core's own LLaVA
     preprocessing and its per-tensor gradient norm (the A/B of BENCHMARKS.md)."""
-    import dataclasses
-
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
 
@@ -260,7 +269,7 @@ def _peak_memory_gib() -> float:
 
 
 def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: int, peak_tflops: float,
-            host_reads: bool = False) -> dict:
+            host_reads: bool = False, seq_length: int | None = None) -> dict:
 
     from megatron_ext.distributed import device, init_parallel, shutdown
     from megatron_ext.model.forward_step import make_forward_step
@@ -270,7 +279,7 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
     from megatron_ext.train.step import train_step
     from megatron_ext.train.trainer import BATCH_STATS, batch_stats
 
-    preset = PRESETS[preset_name]
+    preset = with_seq_length(PRESETS[preset_name], seq_length)
     plan = make_plan(preset, options, warmup + iters)
     init_parallel(1, 1, seed=1234)
     trained = build_training_model(plan)
@@ -358,6 +367,8 @@ def sweep(argv: list[str]) -> dict:
 @click.option("--recompute-granularity", type=click.Choice(["auto", "none", "selective", "full"]), default="auto",
               show_default=True, help="auto: the trainer's default (selective for the local backend, whose S x S "
               "scores would not fit, else none).")
+@click.option("--seq-length", type=int, default=None,
+              help="Pack to this many positions instead of the preset's (4096 for 1b).")
 @click.option("--fp8", is_flag=True, help="FP8 through Transformer Engine (--attention-backend te).")
 @click.option("--iters", type=int, default=10, show_default=True, help="Timed optimizer steps.")
 @click.option("--warmup", type=int, default=3, show_default=True, help="Untimed steps first.")
@@ -371,7 +382,7 @@ def sweep(argv: list[str]) -> dict:
 @click.option("--hf-micro-batch-size", type=int, default=4, show_default=True)
 @click.option("--host-reads", is_flag=True, help="The step before it stopped reading the device back: megatron-core's "
               "LLaVA preprocessing and per-tensor gradient norm (for an A/B).")
-def main(preset, attention_backend, packing, recompute_granularity, fp8, iters, warmup, peak_tflops, run_sweep,
+def main(preset, attention_backend, packing, recompute_granularity, seq_length, fp8, iters, warmup, peak_tflops, run_sweep,
          logits_where_loss, hf, hf_micro_batch_size, host_reads):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if run_sweep:
@@ -382,9 +393,9 @@ def main(preset, attention_backend, packing, recompute_granularity, fp8, iters, 
         print(json.dumps({"device": _device_name(), **run_hf(preset, iters, warmup, peak_tflops, hf_micro_batch_size)}))
         return
     options = {"attention_backend": attention_backend, "recompute_granularity": recompute_granularity, "fp8": fp8,
-               "packing_seq_length": PRESETS[preset].seq_length if packing else None,
+               "packing_seq_length": with_seq_length(PRESETS[preset], seq_length).seq_length if packing else None,
                "logits_where_loss": logits_where_loss}
-    result = run_one(preset, options, packing, iters, warmup, peak_tflops, host_reads)
+    result = run_one(preset, options, packing, iters, warmup, peak_tflops, host_reads, seq_length)
     print(json.dumps({"device": _device_name(), **result}))
 
 

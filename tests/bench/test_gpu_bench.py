@@ -50,6 +50,17 @@ def test_the_host_reads_variant_trains_the_same_losses():
     assert (ours["loss_first"], ours["loss_last"]) == (theirs["loss_first"], theirs["loss_last"])
 
 
+def test_a_longer_pack_trains_the_same_samples_in_fewer_micro_batches():
+    """--seq-length packs the step's samples into longer sequences: the same positions, fewer micro
+    batches, and (fp32, CPU) the same first loss, since a pack's samples never attend to each other."""
+    default, longer = _bench(), _bench("--seq-length", "1024")
+    assert (default["seq_length"], longer["seq_length"]) == (256, 1024)
+    assert longer["micro_batches_per_step"] < default["micro_batches_per_step"]
+    assert longer["tokens_per_s"] * longer["step_time_s"] == pytest.approx(
+        default["tokens_per_s"] * default["step_time_s"])
+    assert longer["loss_first"] == pytest.approx(default["loss_first"], rel=1e-6)
+
+
 @pytest.mark.timeout(200)
 def test_the_profile_charges_every_kernel_to_a_category_and_phase():
     proc = run_python("bench/gpu_profile.py", "--preset", "tiny", timeout=180)
