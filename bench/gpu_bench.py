@@ -74,6 +74,7 @@ PRESETS = {
 SWEEP = {
     "sdpa, packed": [],
     "sdpa, packed, logits at every position": ["--no-logits-where-loss"],
+    "sdpa, packed, vision tower per micro batch": ["--vision-per-micro-batch"],
     # The same samples in fewer micro batches: fewer kernel launches and main-grad additions per token.
     "sdpa, packed 8192": ["--seq-length", "8192"],
     "sdpa, packed 16384": ["--seq-length", "16384"],
@@ -250,7 +251,7 @@ def _with_host_reads(inputs):
     from megatron.core.optimizer import clip_grads
 
     clip_grads.l2_norm_impl = utils.local_multi_tensor_l2_norm
-    return dataclasses.replace(inputs, host_layout=False, logits_where_loss=False)
+    return dataclasses.replace(inputs, host_layout=False, logits_where_loss=False, vision_once_per_step=False)
 
 
 def _synchronize():
@@ -269,7 +270,7 @@ def _peak_memory_gib() -> float:
 
 
 def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: int, peak_tflops: float,
-            host_reads: bool = False, seq_length: int | None = None) -> dict:
+            host_reads: bool = False, seq_length: int | None = None, vision_per_micro_batch: bool = False) -> dict:
 
     from megatron_ext.distributed import device, init_parallel, shutdown
     from megatron_ext.model.forward_step import make_forward_step
@@ -286,15 +287,21 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
     inputs = ModelInputs.for_model(plan.arch, trained.model, device())
     if host_reads:
         inputs = _with_host_reads(inputs)
+    if vision_per_micro_batch:
+        inputs = dataclasses.replace(inputs, vision_once_per_step=False)
     forward_step = make_forward_step(inputs)
     rng = np.random.default_rng(0)
     steps = [synthetic_micro_batches(plan, preset, packing, rng) for _ in range(warmup + iters)]
     timed = dict(zip(BATCH_STATS, sum(batch_stats(step, inputs) for step in steps[warmup:]).tolist()))
-    losses = []
+    losses, tower_calls = [], []
+    # On the tower's first part (its patch embedding): the tower's own call is shadowed where its output
+    # was computed once per step, and hooks would count that call too.
+    next(trained.model.vision_model.children()).register_forward_hook(lambda *_: tower_calls.append(1))
     for step, micro_batches in enumerate(steps):
         if step == warmup:
             _synchronize()
             start = time.perf_counter()
+            tower_calls.clear()
         losses.append(train_step(trained, forward_step, micro_batches, plan.seq_length, micro_batch_size=1).loss)
     _synchronize()
     seconds = time.perf_counter() - start
@@ -309,6 +316,7 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
         "logits_where_loss": inputs.logits_where_loss,
         "dtype": plan.dtype, "seq_length": plan.seq_length, "iterations": iters,
         "micro_batches_per_step": round(sum(len(s) for s in steps[warmup:]) / iters, 2),
+        "vision_tower_forwards_per_step": round(len(tower_calls) / iters, 2),
         "parameters": sum(p.numel() for p in trained.model.parameters()),
         "loss_first": losses[0], "loss_last": losses[-1],
         "padding_share": 1 - timed["positions"] / timed["model_positions"],
@@ -382,8 +390,10 @@ def sweep(argv: list[str]) -> dict:
 @click.option("--hf-micro-batch-size", type=int, default=4, show_default=True)
 @click.option("--host-reads", is_flag=True, help="The step before it stopped reading the device back: megatron-core's "
               "LLaVA preprocessing and per-tensor gradient norm (for an A/B).")
+@click.option("--vision-per-micro-batch", is_flag=True, help="Run the frozen vision tower per micro batch, as "
+              "before it ran once per step over all the step's images (for an A/B).")
 def main(preset, attention_backend, packing, recompute_granularity, seq_length, fp8, iters, warmup, peak_tflops, run_sweep,
-         logits_where_loss, hf, hf_micro_batch_size, host_reads):
+         logits_where_loss, hf, hf_micro_batch_size, host_reads, vision_per_micro_batch):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if run_sweep:
         argv = ["--preset", preset, "--iters", str(iters), "--warmup", str(warmup), "--peak-tflops", str(peak_tflops)]
@@ -395,7 +405,8 @@ def main(preset, attention_backend, packing, recompute_granularity, seq_length, 
     options = {"attention_backend": attention_backend, "recompute_granularity": recompute_granularity, "fp8": fp8,
                "packing_seq_length": with_seq_length(PRESETS[preset], seq_length).seq_length if packing else None,
                "logits_where_loss": logits_where_loss}
-    result = run_one(preset, options, packing, iters, warmup, peak_tflops, host_reads, seq_length)
+    result = run_one(preset, options, packing, iters, warmup, peak_tflops, host_reads, seq_length,
+                     vision_per_micro_batch)
     print(json.dumps({"device": _device_name(), **result}))
 
 

@@ -120,14 +120,22 @@ class LaidOutLLaVAModel(LLaVAModel):
 
             self._loss_positions = loss_positions.attach(self.language_model)
 
-    def forward(self, *args, layout: CombinedLayout | None = None, **kwargs):
+    def forward(self, *args, layout: CombinedLayout | None = None, vision_features: torch.Tensor | None = None,
+                **kwargs):
+        """`vision_features`: the vision tower's output for this micro batch's images, computed once
+        per step (`step_vision`); megatron-core's forward takes it where it would call the tower."""
         self._combined = layout
         if self._loss_positions is not None and layout is not None and kwargs.get("labels") is not None:
             self._loss_positions.positions = layout.loss_positions
+        if vision_features is not None:
+            # An instance attribute shadows the tower's forward for this call only (removed below).
+            self.vision_model.forward = lambda images: vision_features
         try:
             return super().forward(*args, **kwargs)
         finally:
             self._combined = None
+            if self.vision_model is not None:
+                self.vision_model.__dict__.pop("forward", None)
             if self._loss_positions is not None:
                 self._loss_positions.positions = None
 

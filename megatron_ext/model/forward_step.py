@@ -51,20 +51,31 @@ def token_loss(batch: dict, inputs: dict, loss_mask: torch.Tensor):
     return partial(_loss_func, loss_mask)
 
 
-def make_forward_step(inputs: ModelInputs, loss_of=token_loss):
+class ForwardStep:
     """megatron's forward_step_func over micro-batch dicts, laid out for the model by `inputs`;
     `loss_of(batch, model_inputs, loss_mask)` gives the loss function of its output (DPO's: `objectives.dpo`)."""
 
-    def forward_step(data_iterator, model):
+    def __init__(self, inputs: ModelInputs, loss_of=token_loss):
+        self.inputs, self.loss_of = inputs, loss_of
+
+    def __call__(self, data_iterator, model):
         batch = next(data_iterator)
-        kwargs = inputs(batch)
+        kwargs = self.inputs(batch)
         output, loss_mask = model(**kwargs)
         llava = _llava(model)
         if llava.add_encoder and kwargs["images"].shape[0] == 0 and torch.is_grad_enabled():
             output = output + _zero_from_trained_encoder(llava).to(output)
-        return output, loss_of(batch, kwargs, loss_mask)
+        return output, self.loss_of(batch, kwargs, loss_mask)
 
-    return forward_step
+    def step_batches(self, model, micro_batches: list[dict]) -> list[dict]:
+        """The step's micro batches with what is computed once for all of them (a frozen tower's output)."""
+        from megatron_ext.model.step_vision import with_tower_features
+
+        return with_tower_features(_llava(model), self.inputs, micro_batches)
+
+
+def make_forward_step(inputs: ModelInputs, loss_of=token_loss) -> ForwardStep:
+    return ForwardStep(inputs, loss_of)
 
 
 def reduce_sums(items: list[dict], key: str, size: int) -> list[float]:
@@ -92,10 +103,11 @@ def token_objective(losses: list[dict]) -> tuple[float, int, dict]:
     return (*reduce_loss(losses), {})
 
 
-def run_schedule(model, forward_step, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
+def run_schedule(model, forward_step: ForwardStep, micro_batches: list[dict], seq_length: int, micro_batch_size: int,
               forward_only: bool) -> list[dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    micro_batches = forward_step.step_batches(model, micro_batches)
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter(micro_batches),

@@ -41,6 +41,8 @@ class ModelInputs:
     host_layout: bool = True
     # With host_layout: the last stage computes logits and loss only where the loss mask is set.
     logits_where_loss: bool = False
+    # With host_layout: a frozen vision tower runs once per step over all its images (`step_vision`).
+    vision_once_per_step: bool = True
 
     @classmethod
     def for_model(cls, arch, model, device: torch.device) -> "ModelInputs":
@@ -82,6 +84,8 @@ class ModelInputs:
             kwargs["image_tokens"] = int(media.sum())
         if self.host_layout:
             kwargs["layout"] = self.layout(batch).to(self.to_device)
+            if batch.get("vision_features") is not None:
+                kwargs["vision_features"] = batch["vision_features"]
         packed = int(segment_ids.max()) > 1
         length = self.combined_length(input_ids)
         if self.backend != "local" and input_ids.shape[0] == 1:

@@ -50,6 +50,15 @@ def test_the_host_reads_variant_trains_the_same_losses():
     assert (ours["loss_first"], ours["loss_last"]) == (theirs["loss_first"], theirs["loss_last"])
 
 
+def test_a_frozen_vision_tower_runs_once_per_step_with_the_same_losses():
+    """The stage-2 tower is frozen: one forward over the step's 16 images instead of one per micro
+    batch (`model/step_vision.py`), and the model takes those features instead of calling it again."""
+    once, per_micro_batch = _bench(), _bench("--vision-per-micro-batch")
+    assert once["vision_tower_forwards_per_step"] == 1
+    assert per_micro_batch["vision_tower_forwards_per_step"] == per_micro_batch["micro_batches_per_step"] > 1
+    assert (once["loss_first"], once["loss_last"]) == (per_micro_batch["loss_first"], per_micro_batch["loss_last"])
+
+
 def test_a_longer_pack_trains_the_same_samples_in_fewer_micro_batches():
     """--seq-length packs the step's samples into longer sequences: the same positions, fewer micro
     batches, and (fp32, CPU) the same first loss, since a pack's samples never attend to each other."""
