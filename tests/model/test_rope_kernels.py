@@ -30,6 +30,26 @@ def test_equals_megatron_cores_thd_rope(rows):
     assert torch.equal(rotary_thd(t, CU, _freqs(rows)), expected)
 
 
+def test_every_layer_of_a_micro_batch_reuses_one_rotation_and_a_new_micro_batch_gets_its_own(monkeypatch):
+    """The positions, gather and cos/sin run once per micro batch (the same cu_seqlens and freqs
+    tensors for every layer); another micro batch of the same length but other sequences gets
+    megatron-core's numbers for its own boundaries, never the last one's."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
+
+    from megatron_ext.model import rope_kernels
+
+    found = []
+    monkeypatch.setattr(rope_kernels, "positions_in_sequences",
+                        lambda cu, tokens: found.append(cu) or positions_in_sequences(cu, tokens))
+    freqs, gen = _freqs(6), torch.Generator().manual_seed(0)
+    for cu in (CU, torch.tensor([0, 2, 7, 11], dtype=torch.int32)):
+        for _layer in range(3):
+            for t in (torch.randn(11, 3, 8, generator=gen), torch.randn(11, 1, 8, generator=gen)):
+                expected = _apply_rotary_pos_emb_thd(t, cu, freqs, cp_group=_single_group())
+                assert torch.equal(rotary_thd(t, cu, freqs), expected)
+    assert len(found) == 2
+
+
 def test_reads_nothing_back_to_the_host():
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
 
