@@ -24,18 +24,12 @@ def positions_in_sequences(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tenso
     return index - cu_seqlens.to(index.dtype)[sequence]
 
 
-def rotary_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """RoPE on [s, b, h, d] with freqs [s, 1, 1, rot_dim], as megatron-core's unfused bshd path."""
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-
-    return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
-
-
-class _TokenRotation:
-    """The cos and sin of every token's angles for the last (cu_seqlens, freqs, dtype) asked for.
+class _Rotation:
+    """The cos and sin of the last angles asked for: `freqs` itself, or with `cu_seqlens` each packed
+    token's row of it.
 
     Every layer's query and key of a micro batch rotate by the same angles: megatron-core hands them
-    the same `cu_seqlens` and `freqs` tensors, so the positions, the gather and cos/sin run once per
+    the same `freqs` (and `cu_seqlens`) tensors, so the positions, the gather and cos/sin run once per
     micro batch instead of twice per layer (about 10 kernel launches per call: the step is host-bound
     without TE). Tensors are compared by identity and held, so a new micro batch recomputes."""
 
@@ -43,21 +37,35 @@ class _TokenRotation:
         self.key: tuple = ()
         self.cos = self.sin = None
 
-    def __call__(self, cu_seqlens: torch.Tensor, freqs: torch.Tensor, tokens: int, dtype: torch.dtype):
-        key = (cu_seqlens, freqs, tokens, dtype)
-        if len(self.key) != len(key) or any(a is not b for a, b in zip(self.key, key)):
-            if freqs.shape[0] == tokens:
-                positions = torch.arange(tokens, device=freqs.device)
-            else:
-                positions = positions_in_sequences(cu_seqlens, tokens)
-            angles = freqs[positions]
+    def __call__(self, freqs: torch.Tensor, dtype: torch.dtype, cu_seqlens: torch.Tensor | None = None,
+                 tokens: int | None = None):
+        key = (freqs, cu_seqlens, dtype, tokens)
+        if not (self.key and self.key[0] is freqs and self.key[1] is cu_seqlens and self.key[2:] == key[2:]):
+            angles = freqs
+            if cu_seqlens is not None and freqs.shape[0] == tokens:
+                angles = freqs[torch.arange(tokens, device=freqs.device)]
+            elif cu_seqlens is not None:
+                angles = freqs[positions_in_sequences(cu_seqlens, tokens)]
             # As megatron-core's bshd path computes them (mscale 1).
             self.cos, self.sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
             self.key = key
         return self.cos, self.sin
 
 
-_token_rotation = _TokenRotation()
+_rotation = _Rotation()
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """megatron-core's `_apply_rotary_pos_emb_bshd` with cos and sin given."""
+    from megatron.core.models.common.embeddings.rope_utils import _rotate_half
+
+    rotated, passed = t[..., :cos.shape[-1]], t[..., cos.shape[-1]:]
+    return torch.cat((rotated * cos + _rotate_half(rotated, interleaved) * sin, passed), dim=-1)
+
+
+def rotary_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """RoPE on [s, b, h, d] with freqs [s, 1, 1, rot_dim], as megatron-core's unfused bshd path."""
+    return _rotate(t, *_rotation(freqs, t.dtype), interleaved)
 
 
 def rotary_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1,
@@ -65,15 +73,11 @@ def rotary_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, c
     """RoPE on THD [t, h, d] whose sequences `cu_seqlens` delimits; freqs [max_s, 1, 1, rot_dim]. As
     megatron-core: freqs covering every token (as many rows as tokens) give each its position in the
     packed row, else each sequence starts at position 0. `interleaved`: megatron-core passes it from 0.19."""
-    from megatron.core.models.common.embeddings.rope_utils import _rotate_half
-
     if cp_size != 1:
         raise ValueError("RoPE over THD without Transformer Engine does not split sequences over context-parallel "
                          "ranks; use --cp 1 or --attention-backend te")
-    cos, sin = _token_rotation(cu_seqlens, freqs, t.shape[0], t.dtype)
-    rotated, passed = t[..., :cos.shape[-1]].unsqueeze(1), t[..., cos.shape[-1]:]
-    rotated = rotated * cos + _rotate_half(rotated, interleaved) * sin
-    return torch.cat((rotated.squeeze(1), passed), dim=-1)
+    cos, sin = _rotation(freqs, t.dtype, cu_seqlens, t.shape[0])
+    return _rotate(t.unsqueeze(1), cos, sin, interleaved).squeeze(1)
 
 
 def install() -> None:

@@ -39,6 +39,7 @@ def test_every_layer_of_a_micro_batch_reuses_one_rotation_and_a_new_micro_batch_
     from megatron_ext.model import rope_kernels
 
     found = []
+    monkeypatch.setattr(rope_kernels, "_rotation", rope_kernels._Rotation())
     monkeypatch.setattr(rope_kernels, "positions_in_sequences",
                         lambda cu, tokens: found.append(cu) or positions_in_sequences(cu, tokens))
     freqs, gen = _freqs(6), torch.Generator().manual_seed(0)
@@ -48,6 +49,18 @@ def test_every_layer_of_a_micro_batch_reuses_one_rotation_and_a_new_micro_batch_
                 expected = _apply_rotary_pos_emb_thd(t, cu, freqs, cp_group=_single_group())
                 assert torch.equal(rotary_thd(t, cu, freqs), expected)
     assert len(found) == 2
+
+
+def test_unpacked_rows_reuse_one_rotation_with_megatron_cores_numbers():
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from megatron_ext.model.rope_kernels import rotary_bshd
+
+    gen = torch.Generator().manual_seed(1)
+    for freqs in (_freqs(7), _freqs(7, dim=4)):  # the second rotates half of each head
+        for _layer in range(2):
+            t = torch.randn(7, 2, 3, 8, generator=gen)
+            assert torch.equal(rotary_bshd(t, freqs), _apply_rotary_pos_emb_bshd(t, freqs))
 
 
 def test_reads_nothing_back_to_the_host():
