@@ -245,7 +245,8 @@ def _time(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def profile_step(preset_name: str, options: dict, warmup: int, gaps: int, find_syncs: bool = False) -> dict:
+def profile_step(preset_name: str, options: dict, warmup: int, gaps: int, find_syncs: bool = False,
+                 host_functions: int = 0) -> dict:
     import torch
 
     from megatron_ext.distributed import init_parallel, shutdown
@@ -271,6 +272,9 @@ def profile_step(preset_name: str, options: dict, warmup: int, gaps: int, find_s
     if find_syncs:
         return {"sync_sites": sync_sites(
             lambda: train_step(trained, forward_step, steps[-1], plan.seq_length, micro_batch_size=1), top=30)}
+    if host_functions:
+        return {"host_functions": host_time(
+            lambda: train_step(trained, forward_step, steps[-1], plan.seq_length, micro_batch_size=1), host_functions)}
     step_us = _optimizer_phase(trained)
     gpu_bench._synchronize()
     with torch.profiler.profile(activities=activities) as prof, _phase_hooks(trained.model):
@@ -325,6 +329,35 @@ def sync_sites(run_step, top: int) -> list[dict]:
     return [{"count": n, "site": site} for site, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
 
 
+def host_time(run_step, top: int) -> dict:
+    """Where the host spends one step (the step is host-bound without TE): cProfile's own time per
+    Python function, the `top` largest, and the step's wall time under it. C calls made by operator
+    syntax (`a * b`) count in their caller's own time."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    gpu_bench._synchronize()
+    start = time.perf_counter()
+    profiler.runcall(run_step)
+    gpu_bench._synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {"wall_ms": round(wall_ms, 1), "functions": [
+        {"function": f"{_short(file)}:{line}({name})", "calls": calls, "own_ms": round(own * 1e3, 2),
+         "cumulative_ms": round(cumulative * 1e3, 2)} for (file, line, name), (_, calls, own, cumulative, _) in rows]}
+
+
+def _short(path: str) -> str:
+    """A source path from its package on (megatron/..., torch/..., megatron_ext/...)."""
+    parts = Path(path).parts
+    for root in ("megatron_ext", "megatron", "torch", "transformers", "bench"):
+        if root in parts:
+            return "/".join(parts[parts.index(root):])
+    return path
+
+
 def _optimizer_phase(trained):
     """Names the optimizer step's range while profiling; returns the undo."""
     import torch
@@ -369,7 +402,9 @@ def render(result: dict) -> str:
 @click.option("--gaps", type=int, default=8, show_default=True, help="How many of the longest idle gaps to list.")
 @click.option("--find-syncs", is_flag=True, help="Instead of profiling, run the step under CUDA's sync debug mode "
               "and list where the host waited for the device (GPU only).")
-def main(preset, attention_backend, warmup, gaps, find_syncs):
+@click.option("--host-functions", type=int, default=0, help="Instead of profiling the device, list the N Python "
+              "functions where the host spends the most of one step (cProfile's own time).")
+def main(preset, attention_backend, warmup, gaps, find_syncs, host_functions):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -377,9 +412,14 @@ def main(preset, attention_backend, warmup, gaps, find_syncs):
         raise click.UsageError("--find-syncs needs a CUDA GPU (it uses CUDA's sync debug mode)")
     options = {"attention_backend": attention_backend, "recompute_granularity": "auto", "fp8": False,
                "packing_seq_length": gpu_bench.PRESETS[preset].seq_length}
-    result = profile_step(preset, options, warmup, gaps, find_syncs)
+    result = profile_step(preset, options, warmup, gaps, find_syncs, host_functions)
     if find_syncs:
         print("\n".join(f"x{s['count']}: {s['site']}" for s in result["sync_sites"]))
+    elif host_functions:
+        host = result["host_functions"]
+        print(f"one step under cProfile: {host['wall_ms']} ms\n| function | calls | own ms | cumulative ms |\n|---|---:|---:|---:|")
+        print("\n".join(f"| {f['function']} | {f['calls']} | {f['own_ms']} | {f['cumulative_ms']} |"
+                        for f in host["functions"]))
     else:
         print(render(result))
     print(json.dumps(result))

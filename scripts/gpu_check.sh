@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Verify the GPU path on a machine with a GPU, in about 14 minutes: the GPU tests (packed attention
 # against the reference, TE against SDPA, bf16/FP8 training steps), the parity check against
-# transformers in bf16 and fp32 (docs/training.md), one profiled step (where the device time goes),
+# transformers in bf16 and fp32 (docs/training.md), one profiled step (where the device and host time go),
 # then the throughput rows of BENCHMARKS.md as one table. Run it from a checkout, in an environment with this package
 # installed (pip install -e ".[dev,gpu]"), or inside the image:
 #   singularity exec --nv llava.sif bash scripts/gpu_check.sh
@@ -13,4 +13,5 @@ python=${PYTHON:-python3}
 "$python" -m pytest -q -m gpu tests/gpu
 "$python" bench/parity_bench.py
 "$python" bench/gpu_profile.py
+"$python" bench/gpu_profile.py --host-functions 25
 "$python" bench/gpu_bench.py --sweep --iters 5 --warmup 2

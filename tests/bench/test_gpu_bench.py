@@ -88,6 +88,18 @@ def test_the_profile_charges_every_kernel_to_a_category_and_phase():
     assert "| **total** |" in proc.stdout
 
 
+@pytest.mark.timeout(200)
+def test_the_host_profile_lists_where_one_step_spends_its_host_time():
+    proc = run_python("bench/gpu_profile.py", "--preset", "tiny", "--host-functions", "15", timeout=180)
+    host = json.loads(proc.stdout.strip().splitlines()[-1])["host_functions"]
+    own = [f["own_ms"] for f in host["functions"]]
+    assert len(own) == 15 and own == sorted(own, reverse=True) and sum(own) <= host["wall_ms"]
+    assert all(f["calls"] > 0 and f["cumulative_ms"] >= f["own_ms"] for f in host["functions"])
+    # The backward pass is one C call whose own time holds all of autograd's kernels.
+    assert any("run_backward" in f["function"] for f in host["functions"])
+    assert proc.stdout.count("\n| ") == 15 + 1
+
+
 def test_transformers_runs_on_the_same_samples_for_a_side_by_side_ratio():
     ours, theirs = _bench(), _bench("--hf")
     assert theirs["implementation"] == "transformers" and theirs["tokens_per_s"] > 0
