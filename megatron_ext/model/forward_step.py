@@ -7,6 +7,7 @@ loss mode), so TP/PP/DP layouts and packed or unpacked batches give the same num
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
 
 import torch
@@ -67,8 +68,9 @@ class ForwardStep:
             output = output + _zero_from_trained_encoder(llava).to(output)
         return output, self.loss_of(batch, kwargs, loss_mask)
 
-    def step_batches(self, model, micro_batches: list[dict]) -> list[dict]:
-        """The step's micro batches with what is computed once for all of them (a frozen tower's output)."""
+    def step_batches(self, model, micro_batches: list[dict]) -> Iterator[dict]:
+        """The step's micro batches, in order, with what is computed once for many of them (a frozen
+        tower's output), each computed when the schedule reaches it."""
         from megatron_ext.model.step_vision import with_tower_features
 
         return with_tower_features(_llava(model), self.inputs, micro_batches)
@@ -107,10 +109,9 @@ def run_schedule(model, forward_step: ForwardStep, micro_batches: list[dict], se
               forward_only: bool) -> list[dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    micro_batches = forward_step.step_batches(model, micro_batches)
     return get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
+        data_iterator=forward_step.step_batches(model, micro_batches),
         model=[model],
         num_microbatches=len(micro_batches),
         seq_length=seq_length,
