@@ -56,6 +56,27 @@ def test_one_val_pair_is_evaluated_by_dpo(tmp_path, megatron_clip):
     assert val["pairs"] == 1 and val["loss"] == val["loss"]
 
 
+@pytest.mark.parametrize("name, counted", [("sft", "loss_tokens"), ("dpo", "pairs")])
+def test_an_evaluation_that_scores_nothing_says_why_beside_its_nan(monkeypatch, caplog, name, counted):
+    """Every val sample skipped (too long for --seq-length) or a rank's share used up: the objective's
+    sums are all zero, and the nan in the val record comes with the one line saying why."""
+    import math
+
+    from megatron_ext.model import forward_step
+    from megatron_ext.objectives.base import NOTHING_EVALUATED
+    from megatron_ext.objectives.dpo import objective as dpo
+    from megatron_ext.objectives.sft import SftObjective
+
+    # A world of one whose loss functions returned nothing: every sum is zero, no all-reduce needed.
+    for module in (forward_step, dpo):
+        monkeypatch.setattr(module, "reduce_sums", lambda items, key, size: [0.0] * size)
+    scored = object.__new__({"sft": SftObjective, "dpo": dpo.DpoObjective}[name])
+    scored.evaluate_batch = lambda micro_batches: scored.reduce([])
+    record = scored.evaluate([[], []])
+    assert math.isnan(record["loss"]) and record[counted] == 0
+    assert caplog.messages == [NOTHING_EVALUATED]
+
+
 def _packed_epoch(tmp_path, megatron_clip, small_data, seq: int, runs: dict) -> tuple[dict, list[str]]:
     """One epoch with packing through the parity check's recording trainer (the real trainer, saving
     each global batch it trains on), once per entry of `runs` (extra options): its metrics records
