@@ -204,6 +204,16 @@ def _run(command: Command, work: Path) -> str | None:
     return None
 
 
+_LOOKS_RUN = re.compile(r"^\s*(\$ |python |torchrun |bash |pip |srun |sbatch |megatron-ext-|energon |singularity ).*", re.M)
+
+
+def test_a_block_of_commands_is_marked_as_shell_so_that_it_runs():
+    """A block of commands tagged otherwise (or not at all) would be neither run nor excluded."""
+    unmarked = [f"{doc.name}: {match.group().strip()}" for doc in DOCS for language, block in _FENCE.findall(doc.read_text())
+                if language not in _SHELL and (match := _LOOKS_RUN.search(block))]
+    assert not unmarked, f"tag these blocks ```shell: {unmarked}"
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     from tests.support.docs_workdir import artifacts
