@@ -76,7 +76,7 @@ def _write(path: Path, text: str) -> None:
 
 def cluster_paths(text: str, work: Path) -> str:
     """`text` with the docs' /data/... paths moved into `work`."""
-    return re.sub(r"(?<![\w./-])/data/", f"{work}/data/", text)
+    return re.sub(rf"(?<![\w./-]){re.escape(CLUSTER_DATA)}", f"{work}/data/", text)
 
 
 def _blends(work: Path, made: Artifacts) -> None:
