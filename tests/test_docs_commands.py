@@ -151,12 +151,18 @@ def _filled(text: str) -> str:
     text = re.sub(r"(?<= )\.\.\.(?= |$)", elided, text)
 
     def value(match: re.Match) -> str:
-        flag = text[:match.start()].split()[-1] if text[:match.start()].split() else ""
-        found = FILL.get(f"{flag} {match.group()}", FILL.get(match.group()))
-        assert found is not None, f"placeholder {match.group()} has no value: add it to FILL"
-        return found
+        return FILL[_fill_key(text, match)]
 
     return _PLACEHOLDER.sub(value, text)
+
+
+def _fill_key(text: str, placeholder: re.Match) -> str:
+    """FILL's key for a placeholder of `text`: "FLAG <placeholder>" where there is one, else the placeholder."""
+    before = text[:placeholder.start()].split()
+    for key in (f"{before[-1] if before else ''} {placeholder.group()}", placeholder.group()):
+        if key in FILL:
+            return key
+    raise AssertionError(f"placeholder {placeholder.group()} has no value: add it to FILL")
 
 
 def _words(part: str, work: Path) -> tuple[list[str], dict[str, str]]:
@@ -221,9 +227,12 @@ def made(tmp_path_factory):
     return artifacts(tmp_path_factory.mktemp("docs_artifacts"))
 
 
-def test_every_command_is_run_or_excluded_with_a_reason_and_no_exclusion_is_stale():
+def test_every_command_is_run_or_excluded_with_a_reason_and_no_exclusion_or_value_is_stale():
     excluded = {command.exclusion for command in COMMANDS} - {None}
     assert excluded == set(EXCLUDED), f"exclusions no command uses: {set(EXCLUDED) - excluded}"
+    run_here = [_OPTIONAL.sub("", c.text) for c in COMMANDS if c.exclusion is None]
+    used = {_fill_key(text, match) for text in run_here for match in _PLACEHOLDER.finditer(text)}
+    assert used == set(FILL), f"placeholder values no command uses: {set(FILL) - used}"
     assert {c.doc for c in COMMANDS if c.exclusion is None} >= {"README.md", "data.md", "eval.md", "launcher.md"}
 
 
