@@ -61,6 +61,15 @@ def pytest_collection_modifyitems(items):
     items.sort(key=rank)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """What a test recorded as its `summary` property (`record_property("summary", line)`), printed at
+    the end of the run, also from pytest-xdist's workers (a passing test's own output is not shown)."""
+    for report in terminalreporter.getreports("passed") + terminalreporter.getreports("failed"):
+        for name, line in report.user_properties:
+            if name == "summary" and report.when == "call":
+                terminalreporter.write_line(f"{report.nodeid}: {line}")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     with _in_process_only(item):

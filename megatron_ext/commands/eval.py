@@ -12,6 +12,7 @@ Hugging Face LLaVA checkpoint answers prompts, chats, is scored on a dataset spl
 """
 
 import functools
+import sys
 
 import click
 
@@ -125,12 +126,20 @@ def benchmark(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, 
               force, tensorboard_dir, wandb_project, video_frames):
     """Score a checkpoint on lmms-eval tasks (its prompts and scorers): lmms-eval's result files and
     per-sample logs plus OUT/summary.json, and a table. HF checkpoints run in lmms-eval's llava_hf model;
-    Megatron ones directly, under torchrun at any TP x PP."""
+    Megatron ones directly at any TP x PP: --tp/--pp above 1 start their ranks here (or run under torchrun)."""
     from megatron_ext.distributed import shutdown
     from megatron_ext.eval.benchmark import run_benchmark
     from megatron_ext.eval.checkpoints import open_checkpoint
+    from megatron_ext.launch import own_ranks
     from megatron_ext.logs import setup_logging
 
+    ranks = (tp or 1) * (pp or 1)
+    if megatron_dir and ranks > 1 and not own_ranks.under_torchrun():
+        # This command's own arguments: what follows the program (benchmark.py, megatron-ext-benchmark) or the group's
+        # command name (python -m megatron_ext.commands.eval benchmark).
+        args = sys.argv[2:] if sys.argv[1:2] == ["benchmark"] else sys.argv[1:]
+        return own_ranks.start(ranks, "megatron_ext.commands.eval", ["benchmark", *args])
+    own_ranks.rank_started()
     setup_logging()
     source = functools.partial(open_checkpoint, megatron_dir, hf_dir, chat_template, dtype, image_aspect)
     try:

@@ -195,12 +195,21 @@ def _epoch_iters(epochs: float, train_samples: int, global_batch_size: int) -> i
     return max(1, math.ceil(epochs * train_samples / global_batch_size))
 
 
-def _train_length(config: TrainConfig, train_samples: int) -> tuple[dict, list[str]]:
+def _train_length(config: TrainConfig, train_split: SplitCount) -> tuple[dict, list[str]]:
     """One epoch when neither --train-iters nor --epochs is given (in iterations; in samples with
-    packing, whose global batches hold an unknown number of them), and the note saying what the
+    packing, whose global batches hold an unknown number of them), and the notes saying what the
     length is."""
     if config.train_iters is not None:
         return {}, []
+    length, notes = _epoch_length(config, train_split.samples)
+    if train_split.by_weight:
+        notes.append(f"--data-path {config.data_path} blends by weight: an epoch there is {train_split.samples} samples "
+                     "drawn at random by weight, not each sample once (blend_epochized with repetitions reads exact "
+                     "passes)")
+    return length, notes
+
+
+def _epoch_length(config: TrainConfig, train_samples: int) -> tuple[dict, list[str]]:
     epochs = 1.0 if config.epochs is None else config.epochs
     change = "(change with -- --train-iters N or -- --epochs E)"
     if config.packing_seq_length is not None:
@@ -328,7 +337,7 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
         raise UserError("; ".join(problems))
     tokenizer = _tokenizer(config, resume or start)
     token_ids, token_notes = _token_ids(config, arch, tokenizer, resume or start)
-    length, length_notes = _train_length(config, train_split.samples)
+    length, length_notes = _train_length(config, train_split)
     if config.train_iters is not None and config.train_iters < 1:
         raise UserError(f"--train-iters must be >= 1, got {config.train_iters}")
 

@@ -29,10 +29,13 @@ class UncountedSamples(UserError):
 
 @dataclass(frozen=True)
 class SplitCount:
-    """Samples of one split; `members` lists (dataset directory, weight or repetitions, samples)."""
+    """Samples of one split; `members` lists (dataset directory, weight or repetitions, samples).
+    `by_weight`: somewhere a weighted `blend` draws its samples at random, so the split has no passes
+    (energon reads a directory, a subset or a `blend_epochized` split in passes, a weighted one only endlessly)."""
 
     samples: int
     members: list[tuple[str, float, int]] = field(default_factory=list)
+    by_weight: bool = False
 
 
 def is_prepared_dir(path: str | Path) -> bool:
@@ -148,7 +151,22 @@ def _metadataset_split(path: Path, split: str, flag: str, fraction: tuple[float,
     # its own, so one pass over every member is what counts.
     epochized = isinstance(entry, dict) and "blend_epochized" in entry
     total = sum(n * factor if epochized else n for _, factor, n in members)
-    return SplitCount(int(round(total)), members)
+    return SplitCount(int(round(total)), members, _draws_by_weight(entry, path.parent, split, flag))
+
+
+def _draws_by_weight(entry: dict, base: Path, split: str, flag: str) -> bool:
+    """Whether a weighted `blend` is in `entry` or in the metadatasets it names (checked by
+    `_entry_members` already: every entry is a mapping)."""
+    if "blend" in entry:
+        return True
+    if "blend_epochized" in entry:
+        return any(_draws_by_weight(item, base, split, flag) for item in entry["blend_epochized"])
+    target = Path(entry["path"]).expanduser()
+    target = target if target.is_absolute() else base / target
+    if target.suffix not in (".yaml", ".yml"):
+        return False
+    nested = _load_yaml(target, flag)["splits"].get(entry.get("split_part", split))
+    return nested is not None and _draws_by_weight(nested, target.parent, split, flag)
 
 
 def split_counts(path: str | Path, flag: str = "--data-path") -> dict[str, SplitCount]:

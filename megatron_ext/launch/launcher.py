@@ -69,10 +69,12 @@ def prepare(options: LaunchOptions, passthrough_argv: list[str], env: Mapping[st
     slurm = slurm_job(env)
     topology = resolve_topology(options, env, slurm, options.trainer["name"])
     _check_devices(topology, options)
-    if options.interface:
+    # A dry run may print the command for another machine (a cluster's node), as it does for singularity:
+    # this machine's interfaces and name are checked only where the run starts.
+    if options.interface and not options.dry_run:
         network.check_interface(options.interface)
     if topology.nnodes > 1:
-        network.check_reachable(topology.master_addr, options.interface, topology.nnodes)
+        network.check_reachable(topology.master_addr, options.interface, topology.nnodes, this_node=not options.dry_run)
     setup = trainer_setup(dict(options.trainer), passthrough, topology.world_size,
                           _transformer_engine(topology, options.sif_path), topology.on_gpu)
     _check_save_dir_free(setup.plan.config, topology)

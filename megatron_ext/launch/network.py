@@ -93,16 +93,18 @@ def _loopback(host: str) -> str | None:
     return address if ipaddress.ip_address(address).is_loopback else None
 
 
-def check_reachable(master: str, interface: str | None, nnodes: int, node_name: str | None = None) -> None:
+def check_reachable(master: str, interface: str | None, nnodes: int, node_name: str | None = None,
+                    this_node: bool = True) -> None:
     """On several nodes, no address the other nodes are given may be a loopback one: the master address
     (unless it names this node), nor, without --interface, this node's name (`node_name`, default the
-    host name), which gloo advertises to its peers (Debian's /etc/hosts maps it to 127.0.1.1)."""
+    host name), which gloo advertises to its peers (Debian's /etc/hosts maps it to 127.0.1.1).
+    `this_node` False: the command is for another machine (a dry run), whose name is not checked here."""
     name = node_name or socket.gethostname()
     if master not in (name, name.split(".")[0]) and (address := _loopback(master)):
         shown = master if master == address else f"{master} ({address})"
         raise UserError(f"-m/--master-addr {shown} is a loopback address, on a run of {nnodes} nodes; give the "
                         "address at which the other nodes reach the rank-0 node")
-    if interface is None and (address := _loopback(name)):
+    if this_node and interface is None and (address := _loopback(name)):
         raise UserError(f"this node's name {name} resolves to {address}, a loopback address the other nodes cannot "
                         "reach; name the network interface they share with --interface (e.g. eth0)")
 

@@ -75,15 +75,17 @@ def _processes(gpus: int, gpu_ids: str, physical: int, visible: int, slurm: Slur
     return gpus, None
 
 
-def _master_port(port: int | None, nnodes: int, notes: list[str]) -> int:
+def _master_port(port: int | None, nnodes: int, notes: list[str], dry_run: bool) -> int:
     """Checked and claimed on the master node: the port must be free, except that a single node replaces a
-    busy default."""
+    busy default. A dry run of several nodes may print the command for another machine: its port is that
+    machine's to check."""
     if port is None and nnodes == 1 and not network.take_port(network.DEFAULT_MASTER_PORT):
         port = network.take_free_port()
         notes.append(f"port {network.DEFAULT_MASTER_PORT} is in use; using free port {port} (set one with -p/--master-port)")
         return port
     port = network.DEFAULT_MASTER_PORT if port is None else port
-    network.check_port(port, "-p/--master-port")
+    if not (dry_run and nnodes > 1):
+        network.check_port(port, "-p/--master-port")
     return port
 
 
@@ -110,12 +112,13 @@ def resolve_topology(options: LaunchOptions, env: Mapping[str, str], slurm: Slur
 
     rdzv_port, master_port = options.rdzv_port, None
     if rdzv_port is not None:
-        if nnodes == 1 or network.is_this_host(master):  # the rendezvous server starts here
+        # The rendezvous server starts here (a dry run of several nodes: on the machine it is for).
+        if nnodes == 1 or (network.is_this_host(master) and not options.dry_run):
             network.check_port(rdzv_port, "--rdzv-port")
     elif rank is None:
         raise UserError(f"-r/--rank is required with --node {nnodes} (or use --rdzv-port for c10d rendezvous)")
     elif rank == 0:
-        master_port = _master_port(options.master_port, nnodes, notes)
+        master_port = _master_port(options.master_port, nnodes, notes, options.dry_run)
     else:
         master_port = network.DEFAULT_MASTER_PORT if options.master_port is None else options.master_port
 

@@ -49,13 +49,14 @@ def _encoder(plan: RunPlan) -> LlavaTaskEncoder:
 
 class TrainData:
     """Training micro batches whose position is saved with every checkpoint: endless, or for a run
-    measured in samples (`RunPlan.epoch_samples`) --epochs whole passes over a dataset directory.
+    measured in samples (`RunPlan.epoch_samples`) --epochs whole passes over a dataset directory or a
+    metadataset without weights (a `blend_epochized` pass repeats each member as it says).
     energon's endless loader mixes the next pass into its shuffle and packing buffers, so an epoch
-    would not be every sample once; a blend has no passes of its own and stays endless."""
+    would not be every sample once; a weighted blend has no passes of its own and stays endless."""
 
     def __init__(self, plan: RunPlan):
         cfg = plan.config
-        by_pass = plan.epoch_samples is not None and Path(cfg.data_path).is_dir()
+        by_pass = plan.epoch_samples is not None and not plan.train_split.by_weight
         self.epochs = math.ceil(cfg.epochs) if by_pass else None
         self.passes = 0  # passes read to their end (the trainer keeps it with its counters)
         self.loader = train_loader(cfg.data_path, _encoder(plan), micro_batch_size=cfg.micro_batch_size,

@@ -52,6 +52,17 @@ def test_metadataset_blends_count_their_members(prepared, tmp_path):
     assert blend["val"].samples == 12 and blend["test"].samples == 0
     # blend.yaml's train split (24 samples) twice, plus the dataset's train split once.
     assert split_counts(tmp_path / "epochs.yaml")["train"].samples == 2 * 24 + 12
+    # Drawn by weight, so read endlessly: the weighted blend, and the epochized one holding it; not a
+    # directory, a plain path or an epochized blend of directories, which energon reads in passes.
+    (tmp_path / "passes.yaml").write_text(yaml.safe_dump({
+        "__module__": "megatron.energon", "__class__": "MetadatasetV2",
+        "splits": {"train": {"blend_epochized": [{"repetitions": 2, "path": str(prepared)}]},
+                   "val": {"path": "blend.yaml"}},
+    }))
+    assert blend["train"].by_weight and split_counts(tmp_path / "epochs.yaml")["train"].by_weight
+    assert not blend["val"].by_weight and not split_counts(prepared)["train"].by_weight
+    assert not split_counts(tmp_path / "passes.yaml")["train"].by_weight
+    assert not split_counts(tmp_path / "passes.yaml")["val"].by_weight  # blend.yaml's val split is a plain path
 
 
 def test_not_a_prepared_dataset_is_one_clear_error(tmp_path):

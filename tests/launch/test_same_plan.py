@@ -94,3 +94,12 @@ def test_with_packing_one_epoch_is_every_training_sample_once_not_iterations(lau
             "several samples, so the run ends when they are trained (at most 125 iterations) and the LR schedule "
             "counts samples (change with -- --train-iters N or -- --epochs E)")
     assert f"run.py: {note}" in dry.stderr.splitlines()
+
+
+def test_an_epoch_of_a_weighted_blend_is_said_to_be_samples_drawn_by_weight(launcher, inputs):
+    dry = launcher.run("--dry-run", "--no-memory-check", "--megatron-load-dir", str(inputs.checkpoint), "--data-path",
+                       str(inputs.blend), "--stage", "2", "--", "--packing-seq-length", "512", "--epochs", "1")
+    assert dry.returncode == 0, dry.stderr
+    # 1000 + 300 training samples (one pass over each member), drawn at random by the weights 3 and 1.
+    assert (f"run.py: --data-path {inputs.blend} blends by weight: an epoch there is 1300 samples drawn at random by "
+            "weight, not each sample once (blend_epochized with repetitions reads exact passes)") in dry.stderr.splitlines()

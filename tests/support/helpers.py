@@ -64,29 +64,36 @@ def started(cmd: list[str], **popen):
         kill_tree(proc)
 
 
-def _launch(cmd: list[str], env: dict, cwd, stdout, stderr, fresh: bool):
+def _launch(cmd: list[str], env: dict, cwd, stdout, stderr, fresh: bool, stdin=None):
     """`cmd`'s process in a session of its own: forked from the prestarted server where that runs it
-    as a fresh process would (tests/support/prestarted.py), else started. `fresh`: always started."""
+    as a fresh process would (tests/support/prestarted.py), else started. `fresh` (or input on
+    `stdin`, a file): always started."""
     from tests.support import prestarted
 
-    if not fresh:
+    if not fresh and stdin is None:
         server = prestarted.server()
         if server.serves(cmd, env):
             return server.start(cmd, env=env, cwd=cwd, stdout=stdout, stderr=stderr)
-    return subprocess.Popen(cmd, start_new_session=True, env=env, cwd=cwd, stdout=stdout, stderr=stderr)
+    return subprocess.Popen(cmd, start_new_session=True, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr)
 
 
-def _run_job(cmd: list[str], envs: list[dict], *, timeout: float, cwd: Path, fresh: bool) -> subprocess.CompletedProcess:
+def _run_job(cmd: list[str], envs: list[dict], *, timeout: float, cwd: Path, fresh: bool,
+             stdin: str | None = None) -> subprocess.CompletedProcess:
     """`cmd` once per environment of `envs`, together, their output merged. As under torchrun, the
     first process to fail stops the others and its status is the job's; a hang fails the test after
-    `timeout` s; nothing the job started outlives it."""
+    `timeout` s; nothing the job started outlives it. `stdin`: the input of a single process."""
     import tempfile
     import time
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, contextlib.ExitStack() as stack:
+        source = None
+        if stdin is not None:
+            source = stack.enter_context(tempfile.TemporaryFile("w+"))
+            source.write(stdin)
+            source.seek(0)
         procs = []
         for env in envs:
-            proc = _launch(cmd, env, cwd, out, err, fresh)
+            proc = _launch(cmd, env, cwd, out, err, fresh, source)
             stack.callback(kill_tree, proc)
             procs.append(proc)
         deadline, status = time.monotonic() + timeout, None
@@ -113,11 +120,12 @@ def _checked(result: subprocess.CompletedProcess, check: bool, where: str = "") 
 
 
 def run(cmd: list[str], *, timeout: float, env: dict | None = None, check: bool = True,
-        cwd: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+        cwd: Path | None = None, fresh: bool = False, stdin: str | None = None) -> subprocess.CompletedProcess:
     """`cmd` with output captured; a hang fails the test after `timeout` s, its process group killed.
     `fresh`: a new interpreter even where the prestarted server could run it (for tests of what a
-    command prints as it starts)."""
-    result = _run_job(list(map(str, cmd)), [env or child_env()], timeout=timeout, cwd=cwd or REPO_ROOT, fresh=fresh)
+    command prints as it starts); `stdin`: its input (then always a new interpreter)."""
+    result = _run_job(list(map(str, cmd)), [env or child_env()], timeout=timeout, cwd=cwd or REPO_ROOT, fresh=fresh,
+                      stdin=stdin)
     return _checked(result, check)
 
 
@@ -146,7 +154,7 @@ def _target(target: str) -> list[str]:
 
 
 def run_ranks(nproc: int, target: str, *args, timeout: float = 300, env: dict | None = None,
-              check: bool = True) -> subprocess.CompletedProcess:
+              check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`target args...` (a .py path or `-m module`) on `nproc` ranks, as torchrun starts them (env://
     variables, a free port on this machine), without torchrun's own process. As under torchrun, the
     first rank to fail stops the others and the job fails. The ranks' output is merged; the exit
@@ -158,7 +166,7 @@ def run_ranks(nproc: int, target: str, *args, timeout: float = 300, env: dict | 
     base, port = env or child_env(), str(take_free_port())
     envs = [{**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
              "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for rank in range(nproc)]
-    result = _run_job(cmd, envs, timeout=timeout, cwd=REPO_ROOT, fresh=False)
+    result = _run_job(cmd, envs, timeout=timeout, cwd=cwd or REPO_ROOT, fresh=False)
     return _checked(result, check, f" on {nproc} ranks")
 
 

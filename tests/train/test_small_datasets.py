@@ -56,6 +56,27 @@ def test_one_val_pair_is_evaluated_by_dpo(tmp_path, megatron_clip):
     assert val["pairs"] == 1 and val["loss"] == val["loss"]
 
 
+@pytest.mark.parametrize("name, counted", [("sft", "loss_tokens"), ("dpo", "pairs")])
+def test_an_evaluation_that_scores_nothing_says_why_beside_its_nan(monkeypatch, caplog, name, counted):
+    """Every val sample skipped (too long for --seq-length) or a rank's share used up: the objective's
+    sums are all zero, and the nan in the val record comes with the one line saying why."""
+    import math
+
+    from megatron_ext.model import forward_step
+    from megatron_ext.objectives.base import NOTHING_EVALUATED
+    from megatron_ext.objectives.dpo import objective as dpo
+    from megatron_ext.objectives.sft import SftObjective
+
+    # A world of one whose loss functions returned nothing: every sum is zero, no all-reduce needed.
+    for module in (forward_step, dpo):
+        monkeypatch.setattr(module, "reduce_sums", lambda items, key, size: [0.0] * size)
+    scored = object.__new__({"sft": SftObjective, "dpo": dpo.DpoObjective}[name])
+    scored.evaluate_batch = lambda micro_batches: scored.reduce([])
+    record = scored.evaluate([[], []])
+    assert math.isnan(record["loss"]) and record[counted] == 0
+    assert caplog.messages == [NOTHING_EVALUATED]
+
+
 def _packed_epoch(tmp_path, megatron_clip, small_data, seq: int, runs: dict) -> tuple[dict, list[str]]:
     """One epoch with packing through the parity check's recording trainer (the real trainer, saving
     each global batch it trains on), once per entry of `runs` (extra options): its metrics records
@@ -94,3 +115,25 @@ def test_a_packed_epoch_stopped_and_resumed_still_trains_each_sample_once(tmp_pa
                                                                                "resumed": {}})
     # The first run stopped after iteration 1; the resumed one trained the rest of the pass.
     assert min(records) == 1 and max(records) > 2 and sorted(keys) == [f"{i:09d}" for i in range(33)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_half_an_epoch_with_packing_trains_half_the_samples_once(tmp_path, megatron_clip, small_data):
+    records, keys = _packed_epoch(tmp_path, megatron_clip, small_data, 256, {"half": {"epochs": 0.5}})
+    # ceil(0.5 x 33) = 17 samples: the run ends at the first iteration that completes them, none twice.
+    trained = [records[i]["samples"] for i in sorted(records)]
+    assert len(set(keys)) == len(keys) == sum(trained) and sum(trained) >= 17 > sum(trained[:-1])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_one_epoch_of_an_epochized_blend_with_packing_trains_each_sample_as_often_as_it_says(tmp_path, megatron_clip,
+                                                                                              small_data):
+    import yaml
+
+    blend = tmp_path / "twice.yaml"
+    blend.write_text(yaml.safe_dump({"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {
+        "train": {"blend_epochized": [{"repetitions": 2, "path": str(small_data)}]}, "val": {"path": str(small_data)}}}))
+    records, keys = _packed_epoch(tmp_path, megatron_clip, small_data, 256, {"blend": {"data_path": str(blend)}})
+    assert sorted(keys) == sorted([f"{i:09d}" for i in range(33)] * 2)
