@@ -29,6 +29,15 @@ def video_processor(settings: dict, videos: list, cpu_capability: str | None = N
         torch.backends.cpu.get_cpu_capability = real_capability
 
 
+def qwen_video_processor(family: str, settings: dict, videos: list) -> dict:
+    """Qwen2.5-VL's (`family` "qwen2_vl") or Qwen3-VL's ("qwen3_vl") video processor of `settings`
+    on uint8 [n, H, W, 3] videos, each processed alone."""
+    classes = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen3_vl": "Qwen3VLVideoProcessor"}
+    processor = getattr(transformers, classes[family])(**settings)
+    outputs = [processor(videos=[torch.from_numpy(v).permute(0, 3, 1, 2)], return_tensors="pt") for v in videos]
+    return {key: [o[key] for o in outputs] for key in ("pixel_values_videos", "video_grid_thw")}
+
+
 def saved_processor(hf_dir: str, messages: list, images: list, videos: list) -> dict:
     """What `AutoProcessor.from_pretrained(hf_dir)` is and gives for a chat about images and videos,
     with the images through the PIL-backend image processor, as this project's images are (with
@@ -80,7 +89,7 @@ def video_rates(settings: dict, frames, rounds: int, repeats: int) -> dict[str, 
 
 
 if __name__ == "__main__":
-    tasks = {"video_processor": video_processor, "saved_processor": saved_processor, "build_llava": build_llava,
+    tasks = {"video_processor": video_processor, "qwen_video_processor": qwen_video_processor, "saved_processor": saved_processor, "build_llava": build_llava,
              "our_processor": our_processor, "video_rates": video_rates}
     requests = torch.load(sys.argv[1], weights_only=False)
     torch.save([tasks[request.pop("task")](**request) for request in requests], sys.argv[2])
