@@ -12,22 +12,24 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_ext.launch.network import free_port
+from megatron_ext.launch.network import CLAIMS_DIR, free_port
 
 NODES = ("node0", "node1")
-DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scancel", "scontrol", "ip", "nsenter", "unshare")
+TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scancel", "scontrol", "sinfo", "ip", "nsenter",
+         "unshare")
 INSTALL = "apt-get install -y slurmctld slurmd slurm-client munge"
 
 
 def unavailable() -> str | None:
     """Why this machine cannot start the cluster, in one line (None: it can)."""
-    missing = [name for name in DAEMONS if not shutil.which(name)]
+    missing = [name for name in TOOLS if not shutil.which(name)]
     if missing:
         return f"{', '.join(missing)} not found; install SLURM and munge as root: {INSTALL}"
     if os.geteuid() != 0:
@@ -83,8 +85,9 @@ class Cluster:
         return job
 
     def logs(self) -> str:
-        """The daemons' logs, for a failed assertion."""
-        return "\n".join(f"== {log.name}\n{log.read_text()[-3000:]}" for log in sorted(self.root.glob("*.[lo][ou][gt]")))
+        """The daemons' logs and output, for a failed assertion."""
+        logs = sorted([*self.root.glob("*.log"), *self.root.glob("*.out")])
+        return "\n".join(f"== {log.name}\n{log.read_text()[-3000:]}" for log in logs)
 
     # -- starting and stopping
 
@@ -95,11 +98,7 @@ class Cluster:
         (self.root / "state").mkdir()
         self._daemon(["slurmctld", "-D", "-i", "-f", self.env["SLURM_CONF"]])
         for index, node in enumerate(NODES):
-            # Not `ip netns exec`: it mounts a fresh /sys, without the cgroup file systems slurmd needs.
-            (self.root / f"spool-{node}").mkdir()
-            self._daemon(["nsenter", f"--net=/run/netns/{self.namespace(index)}", "unshare", "--mount", "--uts",
-                          "sh", "-c", f'mount --bind "$1" /etc/hosts && hostname {node} && exec slurmd -D -f "$0" -N {node}',
-                          self.env["SLURM_CONF"], str(self.root / "hosts")])
+            self._slurmd(index, node)
         self._wait_idle(60)
 
     def stop(self) -> None:
@@ -109,13 +108,30 @@ class Cluster:
             for pid in subprocess.run(["ip", "netns", "pids", self.namespace(index)], capture_output=True,
                                       text=True).stdout.split():
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), 9)
+                    os.kill(int(pid), signal.SIGKILL)
         for proc in reversed(self.procs):
             proc.kill()
             proc.wait()
         for index in range(len(NODES)):
             subprocess.run(["ip", "netns", "del", self.namespace(index)], capture_output=True)
         subprocess.run(["ip", "link", "del", f"{self.tag}br"], capture_output=True)
+
+    def _slurmd(self, index: int, node: str) -> None:
+        """Node `node`'s slurmd, in its network namespace and mount and host-name namespaces of its own:
+        there /etc/hosts names every node, and run.py's port claims (flocks in /tmp, which real nodes
+        share with no other machine) are the node's own. Not `ip netns exec`: it mounts a fresh /sys,
+        without the cgroup file systems slurmd needs."""
+        spool, claims = self.root / f"spool-{node}", self.root / f"port-claims-{node}"
+        spool.mkdir()
+        claims.mkdir()
+        claims.chmod(0o1777)
+        with contextlib.suppress(FileExistsError):  # the mount point, as run.py makes it
+            CLAIMS_DIR.mkdir()
+            CLAIMS_DIR.chmod(0o1777)
+        mounts = f'mount --bind "$1" /etc/hosts && mount --bind "$2" {CLAIMS_DIR}'
+        self._daemon(["nsenter", f"--net=/run/netns/{self.namespace(index)}", "unshare", "--mount", "--uts", "sh", "-c",
+                      f'{mounts} && hostname {node} && exec slurmd -D -f "$0" -N {node}',
+                      self.env["SLURM_CONF"], str(self.root / "hosts"), str(claims)])
 
     def _network(self) -> None:
         bridge = f"{self.tag}br"

@@ -26,6 +26,7 @@ from tests.support.stopping import (
 )
 from tests.support.training import launcher_args, metrics
 
+FAILING_RANK = Path(__file__).with_name("rank_failure")  # its sitecustomize makes rank FAIL_IN_RANK fail
 # CI sets it (.ci/run): there the test must run, never skip.
 REQUIRED = "MEGATRON_EXT_REQUIRE_SLURM"
 # After the first iterations one takes some 40 ms here, while scancel's signal passes through slurmctld,
@@ -55,9 +56,9 @@ def documented_job_script(run_py_args: list[str]) -> str:
     return script
 
 
-def _submit(cluster, script: Path, output: Path) -> str:
-    """The job id. Two nodes, one run.py each; `python` is this environment's."""
-    env = child_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+def _submit(cluster, script: Path, output: Path, **env: str) -> str:
+    """The job id. Two nodes, one run.py each; `python` is this environment's; `env` added to the job's."""
+    env = child_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env)
     return cluster.sbatch(script, "--nodes=2", f"--output={output}", env=env, cwd=REPO_ROOT)
 
 
@@ -66,6 +67,15 @@ def _ended(cluster, job_id: str, output: Path) -> tuple[int, str]:
     job = cluster.wait_ended(job_id, timeout=240)
     assert job["JobState"] == "COMPLETED", (job, output.read_text()[-3000:])
     return int(job["ExitCode"].split(":")[0]), output.read_text()
+
+
+def _job_script(tmp_path: Path, checkpoint: Path, data: Path) -> Path:
+    """The documented script for a CPU run of ITERS iterations saving to tmp_path/run, each node's output
+    also in tmp_path/node-JOBID-nodeR.log."""
+    script = tmp_path / "job.sh"
+    script.write_text(documented_job_script(["--slurm-output-name", str(tmp_path / "node"), *launcher_args(
+        1, checkpoint, data, tmp_path / "run", **{**RUN, "train_iters": ITERS})]))
+    return script
 
 
 def _stopped_mid_run(cluster, script: Path, save: Path, output: Path) -> str:
@@ -85,22 +95,36 @@ def _stopped_mid_run(cluster, script: Path, save: Path, output: Path) -> str:
 @pytest.mark.timeout(600)
 def test_a_two_node_job_scancelled_mid_run_saves_and_the_same_job_resubmitted_resumes_exactly(
         tmp_path, cluster, megatron_clip, train_data):
-    save, node_logs, script = tmp_path / "run", tmp_path / "node", tmp_path / "job.sh"
-    options = {**RUN, "train_iters": ITERS}
-    script.write_text(documented_job_script(["--slurm-output-name", str(node_logs),
-                                             *launcher_args(1, megatron_clip, train_data, save, **options)]))
+    save, script = tmp_path / "run", _job_script(tmp_path, megatron_clip, train_data)
 
     output = tmp_path / "stopped.out"
     job_id = _stopped_mid_run(cluster, script, save, output)
     status, text = _ended(cluster, job_id, output)
     stopped_at = assert_stopped_cleanly(status, save, text, signal.SIGUSR1, ITERS)
     for node in (0, 1):
-        assert_no_failure_signs(Path(f"{node_logs}-{job_id}-node{node}.log").read_text())
+        assert_no_failure_signs((tmp_path / f"node-{job_id}-node{node}.log").read_text())
 
     reference = tmp_path / "uninterrupted"  # one node, two processes: the same world of two ranks
-    run(command(megatron_clip, train_data, reference, gpus=2, **options), timeout=300)
+    run(command(megatron_clip, train_data, reference, gpus=2, train_iters=ITERS), timeout=300)
     output = tmp_path / "resumed.out"
     status, text = _ended(cluster, _submit(cluster, script, output), output)
     assert status == 0, text[-3000:]
     assert_no_failure_signs(text)
     assert_resumed_as_if_never_stopped(text, save, stopped_at, metrics(reference))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_rank_failing_on_one_node_ends_the_job_within_a_minute_each_node_naming_the_cause_once(
+        tmp_path, cluster, megatron_clip, train_data):
+    output = tmp_path / "failed.out"
+    job_id = _submit(cluster, _job_script(tmp_path, megatron_clip, train_data), output,
+                     PYTHONPATH=str(FAILING_RANK), FAIL_IN_RANK="1", FAILURE="user")
+    job = cluster.wait_ended(job_id, timeout=240)
+    hours, minutes, seconds = map(int, job["RunTime"].split(":"))
+    assert job["JobState"] == "FAILED" and hours * 3600 + minutes * 60 + seconds < 60, job
+    text = output.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    cause = "error: data shard /data/shard_7.tar is corrupt (unexpected end of archive); rebuild it (rank 1"
+    errors = sorted(line.split("; the run's whole output")[0] for line in text.splitlines() if line.startswith("error: "))
+    assert errors == [cause, f"{cause} on node1"], text[-3000:]  # node1's own, then node0's
