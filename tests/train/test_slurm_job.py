@@ -45,6 +45,14 @@ def cluster(tmp_path_factory):
         yield started
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, megatron_clip, train_data) -> dict:
+    """The metrics of the same run uninterrupted, on one node of two processes: the same world of two ranks."""
+    save = tmp_path_factory.mktemp("uninterrupted") / "run"
+    run(command(megatron_clip, train_data, save, gpus=2, train_iters=ITERS), timeout=300)
+    return metrics(save)
+
+
 def documented_job_script(run_py_args: list[str]) -> str:
     """docs/launcher.md's requeue sbatch script, with this test's run.py options and without its GPU request."""
     docs = (REPO_ROOT / "docs/launcher.md").read_text().split("**Preemption and time limits: requeue.**")[1]
@@ -78,23 +86,24 @@ def _job_script(tmp_path: Path, checkpoint: Path, data: Path) -> Path:
     return script
 
 
-def _stopped_mid_run(cluster, script: Path, save: Path, output: Path) -> str:
-    """Submits `script` and, two iterations in, stops it as docs/launcher.md says: `scancel --signal=USR1`
-    (the job's steps, every process of them). Returns the job id."""
+def _stopped_mid_run(cluster, script: Path, save: Path, output: Path, *scancel: str) -> str:
+    """Submits `script` and, two iterations in, sends it USR1 with `scancel --signal=USR1 *scancel`.
+    Returns the job id."""
     job_id = _submit(cluster, script, output)
     deadline, ready = time.monotonic() + 240, logged_two(save)
     while not ready():
         assert cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING") and time.monotonic() < deadline, \
             (output.read_text() if output.exists() else "", cluster.logs())
         time.sleep(0.2)
-    cluster.command("scancel", "--signal=USR1", job_id)
+    cluster.command("scancel", "--signal=USR1", *scancel, job_id)
     return job_id
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_a_two_node_job_scancelled_mid_run_saves_and_the_same_job_resubmitted_resumes_exactly(
-        tmp_path, cluster, megatron_clip, train_data):
+        tmp_path, cluster, megatron_clip, train_data, uninterrupted):
+    """As docs/launcher.md says to stop a job: `scancel --signal=USR1` (its steps, every process of them)."""
     save, script = tmp_path / "run", _job_script(tmp_path, megatron_clip, train_data)
 
     output = tmp_path / "stopped.out"
@@ -104,13 +113,36 @@ def test_a_two_node_job_scancelled_mid_run_saves_and_the_same_job_resubmitted_re
     for node in (0, 1):
         assert_no_failure_signs((tmp_path / f"node-{job_id}-node{node}.log").read_text())
 
-    reference = tmp_path / "uninterrupted"  # one node, two processes: the same world of two ranks
-    run(command(megatron_clip, train_data, reference, gpus=2, train_iters=ITERS), timeout=300)
     output = tmp_path / "resumed.out"
     status, text = _ended(cluster, _submit(cluster, script, output), output)
     assert status == 0, text[-3000:]
     assert_no_failure_signs(text)
-    assert_resumed_as_if_never_stopped(text, save, stopped_at, metrics(reference))
+    assert_resumed_as_if_never_stopped(text, save, stopped_at, uninterrupted)
+
+
+def _requeued(cluster, job_id: str, timeout: float = 120) -> None:
+    """Once the job went back to the queue, starts it at once: SLURM holds a requeued job a while."""
+    deadline = time.monotonic() + timeout
+    while (job := cluster.job(job_id))["Restarts"] == "0" or job["JobState"] != "PENDING":
+        assert job["JobState"] in ("RUNNING", "COMPLETING", "PENDING") and time.monotonic() < deadline, job
+        time.sleep(0.2)
+    cluster.command("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_two_node_job_warned_of_its_time_limit_saves_requeues_itself_and_resumes_exactly(
+        tmp_path, cluster, megatron_clip, train_data, uninterrupted):
+    """`#SBATCH --signal=B:USR1@120`: SLURM signals the batch script alone (`scancel --batch`); the
+    documented script's trap passes USR1 on through srun, and requeues the job once both nodes saved."""
+    save, output = tmp_path / "run", tmp_path / "job.out"
+    job_id = _stopped_mid_run(cluster, _job_script(tmp_path, megatron_clip, train_data), save, output, "--batch")
+    _requeued(cluster, job_id)
+    stopped_at = assert_stopped_cleanly(0, save, output.read_text(), signal.SIGUSR1, ITERS)  # requeued on 0 only
+    status, text = _ended(cluster, job_id, output)  # --open-mode=append: both runs' output
+    assert status == 0 and cluster.job(job_id)["Restarts"] == "1", text[-3000:]
+    assert_no_failure_signs(text)
+    assert_resumed_as_if_never_stopped(text, save, stopped_at, uninterrupted)
 
 
 @pytest.mark.multiprocess
