@@ -5,8 +5,8 @@ its connection to the failed rank break.
 
 The first failure left stays. A rank that lost a peer waits a few seconds for it: the failed rank
 closes its connections (destroys its process group) before it gets to say why. Nothing is shared
-where the store cannot be reached (the node that held it is gone): the rank then reports the lost
-connection, as before. Imports nothing; the store is the one `keep` was given.
+where the store cannot be reached (the node that held it is gone), or no rank left a reason (a node
+killed): the rank then reports its lost connection. Imports nothing; the store is the one `keep` was given.
 """
 
 from __future__ import annotations
