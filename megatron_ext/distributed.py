@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from megatron_ext import shared_failure
 from megatron_ext.compat import cpu_support
 from megatron_ext.compat.lean_import import import_lean
 from megatron_ext.errors import UserError
@@ -52,6 +53,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, backend: str | Non
             dist.init_process_group(**options)
         else:  # a lone process: a world of one, leaving the environment as it was for child processes
             dist.init_process_group(**options, store=local_store(), rank=0, world_size=1)
+        shared_failure.keep(dist.distributed_c10d._get_default_store())
     world = dist.get_world_size()
     if world % (tp * pp * cp):
         raise UserError(f"--tp {tp} x --pp {pp} x --cp {cp} = {tp * pp * cp} does not divide the number of "

@@ -13,6 +13,8 @@ A rank whose peer failed fails too, with a lost connection (gloo's "Connection c
 NCCL's aborted communicator, a timeout): that is recorded as a peer loss, reported only when no rank
 recorded anything else, and such a rank waits before it exits, so that the rank that failed first
 says why before the starter (torchrun, torch.multiprocessing) stops every rank on the first exit.
+On several nodes a rank's own failure also reaches the other nodes' ranks (shared_failure.py): one
+that lost its peer records that failure, the cause, in place of its lost connection.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import contextlib
 import json
 import os
 import re
+import socket
 import sys
 import time
 import traceback
@@ -47,6 +50,7 @@ class Failure:
     message: str
     traceback: str | None  # None for a user error: the message says it all
     peer_loss: bool = False  # a lost connection to another rank: most likely that rank's failure
+    host: str = ""  # where the rank ran: another node's failure is named with its node
 
 
 class RankFailed(Exception):
@@ -91,17 +95,39 @@ def started_ranks(directory: Path) -> set[int]:
     return pids
 
 
-def record(message: str, traceback_text: str | None = None, peer_loss: bool = False) -> bool:
-    """Leave this rank's failure for the starter. False when not started by one (then print it yourself)."""
+def _write(failure: Failure) -> bool:
+    """`failure` as this rank's record for the starter. False when not started by one."""
     directory = os.environ.get(FAILURES_ENV)
     if not directory or not Path(directory).is_dir():
         return False
-    rank = int(os.environ.get("RANK", "0"))
-    path = Path(directory) / f"rank{rank}.json"
+    path = Path(directory) / f"rank{os.environ.get('RANK', '0')}.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(Failure(rank, time.time(), message, traceback_text, peer_loss))))
+    tmp.write_text(json.dumps(asdict(failure)))
     os.replace(tmp, path)  # the starter never reads half a record
     return True
+
+
+def record(message: str, traceback_text: str | None = None, peer_loss: bool = False) -> bool:
+    """Leave this rank's failure for the starter (and, its own, for the other nodes' ranks). False when
+    not started by one (then print it yourself)."""
+    from megatron_ext import shared_failure
+
+    failure = Failure(int(os.environ.get("RANK", "0")), time.time(), message, traceback_text, peer_loss,
+                      socket.gethostname())
+    if not _write(failure):
+        return False
+    if not peer_loss:
+        shared_failure.publish(json.dumps(asdict(failure)))
+    return True
+
+
+def _record_shared_cause() -> bool:
+    """Record, in place of this rank's lost connection, the failure another rank shared (its cause).
+    False when none came."""
+    from megatron_ext import shared_failure
+
+    cause = shared_failure.cause()
+    return cause is not None and _write(Failure(**json.loads(cause)))
 
 
 @contextlib.contextmanager
@@ -120,7 +146,9 @@ def recorded():
             # From the block's code on: the first frame is this generator's yield.
             trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
             done = record(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, trace, peer_loss)
-        if peer_loss and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Recorded first (the starter then keeps the peers' reactions off the terminal), replaced by the
+        # cause when another rank shares it: then there is nothing left to wait for.
+        if peer_loss and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (done and _record_shared_cause()):
             time.sleep(OTHER_RANKS_EXIT_DELAY_S)
         if not done:
             raise
@@ -147,11 +175,14 @@ def show(failure: Failure, more: str = "") -> None:
     """A failure, once, on stderr: a bug's traceback, then `error: <message> (rank R<more>)`. A lost
     connection is one line that says so: the rank that ended first (on several nodes, usually another
     node's) has the cause, and its traceback here would only mislead."""
+    rank = f"rank {failure.rank}"
+    if failure.host and failure.host != socket.gethostname():
+        rank += f" on {failure.host}"
     if failure.peer_loss:
-        print(f"error: rank {failure.rank} lost its connection to a rank that ended first, whose own output says why "
-              f"(on several nodes: its node's run.py): {failure.message.splitlines()[0]} (rank {failure.rank}{more})",
+        print(f"error: {rank} lost its connection to a rank that ended first, whose own output says why "
+              f"(on several nodes: its node's run.py): {failure.message.splitlines()[0]} ({rank}{more})",
               file=sys.stderr, flush=True)
         return
     if failure.traceback:
         sys.stderr.write(failure.traceback)
-    print(f"error: {failure.message} (rank {failure.rank}{more})", file=sys.stderr, flush=True)
+    print(f"error: {failure.message} ({rank}{more})", file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """A rank whose peer failed fails too, with a lost connection: that is never the failure reported
 when a rank recorded its own, and the rank that lost its peer waits before exiting, so the one that
-failed first gets to say why. A bug in a worker rank reaches the terminal as its traceback and one line."""
+failed first gets to say why; on another node, it reports the failure that rank shared through the
+run's store instead. A bug in a worker rank reaches the terminal as its traceback and one line."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import json
 
 import click
 import pytest
+import torch.distributed
 
-from megatron_ext import errors, rank_failures
+from megatron_ext import errors, rank_failures, shared_failure
 from megatron_ext.errors import report, run_command
 
 # What gloo raises in a rank waiting in a collective when a peer closes its connections.
@@ -54,6 +56,43 @@ def test_without_a_rank_own_failure_the_lost_connection_is_reported(rank_1_of_2)
     with pytest.raises(SystemExit), rank_failures.recorded():
         raise RuntimeError(GLOO_LOSS)
     assert rank_failures.first_failure(directory).message == f"RuntimeError: {GLOO_LOSS}"
+
+
+@pytest.fixture
+def run_store(monkeypatch):
+    """The run's store, as torch.distributed's default one (shared_failure.keep), in this process."""
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(shared_failure, "_store", store)
+    monkeypatch.setattr(shared_failure, "CAUSE_WAIT_S", 0.1)
+    return store
+
+
+def test_a_rank_that_lost_its_peer_on_another_node_reports_the_failure_that_peer_shared(rank_1_of_2, run_store,
+                                                                                         monkeypatch, capsys):
+    directory, slept = rank_1_of_2
+    other_node = directory / "node0"
+    other_node.mkdir()
+    monkeypatch.setenv(rank_failures.FAILURES_ENV, str(other_node))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(rank_failures.socket, "gethostname", lambda: "node0")
+    report("data shard /data/shard_7.tar is corrupt; rebuild it")
+    report("a later failure")  # the first shared stays
+    monkeypatch.setenv(rank_failures.FAILURES_ENV, str(directory))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(rank_failures.socket, "gethostname", lambda: "node1")
+    with pytest.raises(SystemExit), rank_failures.recorded():
+        raise RuntimeError(GLOO_LOSS)
+    assert slept == []  # the cause is known: nothing to wait for
+    rank_failures.show(rank_failures.first_failure(directory), "; ...")
+    assert capsys.readouterr().err == "error: data shard /data/shard_7.tar is corrupt; rebuild it (rank 0 on node0; ...)\n"
+
+
+def test_a_lost_connection_stays_the_report_when_no_rank_shares_a_cause(rank_1_of_2, run_store):
+    directory, slept = rank_1_of_2
+    with pytest.raises(SystemExit), rank_failures.recorded():
+        raise RuntimeError(GLOO_LOSS)
+    assert rank_failures.first_failure(directory).peer_loss and slept == [rank_failures.OTHER_RANKS_EXIT_DELAY_S]
+    assert not run_store.check([shared_failure.KEY])  # a lost connection is never shared as a cause
 
 
 def test_under_torchrun_alone_a_user_error_only_rank_1_saw_is_still_said(monkeypatch, capsys):

@@ -8,30 +8,21 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
 from megatron_ext.checkpoint import layout
-from tests.support.helpers import REPO_ROOT, run, started
-from tests.support.training import launcher_args, metrics
-
-ITERS = 8
-# Options of every run here: two loader workers per rank (the default), optimizer state saved, no periodic saves.
-RUN = dict(num_workers=2, train_iters=ITERS, save_optim=True)
-
-
-def _command(checkpoint, data, save, gpus: int = 2, **options):
-    return [sys.executable, str(REPO_ROOT / "scripts/train/run.py"),
-            *launcher_args(gpus, checkpoint, data, save, **{**RUN, **options})]
+from tests.support.helpers import run, started
+from tests.support.stopping import assert_resumed_as_if_never_stopped, assert_stopped_cleanly, command, logged_two
+from tests.support.training import metrics
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, megatron_clip, train_data):
     save = tmp_path_factory.mktemp("uninterrupted") / "run"
-    run(_command(megatron_clip, train_data, save, tp=2), timeout=300)
+    run(command(megatron_clip, train_data, save, tp=2), timeout=300)
     return metrics(save)
 
 
@@ -47,18 +38,14 @@ def _signal(proc: subprocess.Popen, sig: int, whole_job: bool) -> None:
             member.send_signal(sig)
 
 
-def _logged_two(save):
-    return lambda: (save / "metrics.jsonl").is_file() and len(metrics(save)) >= 2
-
-
 def _saving(save):
     """While a snapshot is being written (under its temporary name), after the first one."""
     return lambda: layout.latest_complete_snapshot(save) is not None and any(save.glob(".tmp-iter_*"))
 
 
-def _stopped_run(command, save, log, gpus: int, sig: int, whole_job: bool, ready) -> int:
+def _stopped_run(cmd, save, log, gpus: int, sig: int, whole_job: bool, ready) -> int:
     """The run signalled once `ready()`; returns run.py's exit status."""
-    with open(log, "w") as out, started(command, stdout=out, stderr=subprocess.STDOUT) as proc:
+    with open(log, "w") as out, started(cmd, stdout=out, stderr=subprocess.STDOUT) as proc:
         deadline = time.monotonic() + 240
         while not ready():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -69,28 +56,9 @@ def _stopped_run(command, save, log, gpus: int, sig: int, whole_job: bool, ready
         return proc.wait(timeout=120)
 
 
-def _stopped_cleanly(status: int, save, log, sig: int) -> int:
-    """The checks of a stopped run: status 0, its last iteration saved and said so, no traceback. Returns
-    that iteration."""
-    output = log.read_text()
-    assert status == 0, output[-3000:]
-    stopped_at = max(metrics(save))
-    assert stopped_at < ITERS and layout.latest_complete_snapshot(save).iteration == stopped_at
-    assert f"stopped by {signal.Signals(sig).name} at iteration {stopped_at}: saved " \
-           f"{save / layout.snapshot_name(stopped_at)}; the same command resumes from it" in output
-    for sign in ("Traceback", "SignalException", "killed by signal", "error"):
-        assert sign not in output, output[-3000:]
-    return stopped_at
-
-
-def _resumed_as_if_never_stopped(command, save, stopped_at: int, expected: dict) -> None:
-    resumed = run(command, timeout=300)
-    assert f"resumed from {save / layout.snapshot_name(stopped_at)}" in resumed.stdout + resumed.stderr
-    got = metrics(save)
-    assert sorted(got) == list(range(1, ITERS + 1))
-    for iteration, record in got.items():
-        for key in ("samples_digest", "loss", "grad_norm"):
-            assert record[key] == expected[iteration][key], (iteration, key)
+def _resume(stopped, save, stopped_at: int, expected: dict) -> None:
+    resumed = run(stopped, timeout=300)
+    assert_resumed_as_if_never_stopped(resumed.stdout + resumed.stderr, save, stopped_at, expected)
 
 
 @pytest.mark.multiprocess
@@ -100,10 +68,10 @@ def _resumed_as_if_never_stopped(command, save, stopped_at: int, expected: dict)
 def test_a_stopped_tp2_run_saves_exits_0_and_resumes_as_if_never_stopped(tmp_path, megatron_clip, train_data,
                                                                          uninterrupted, sig, whole_job):
     save, log = tmp_path / "run", tmp_path / "stopped.log"
-    command = _command(megatron_clip, train_data, save, tp=2)
-    status = _stopped_run(command, save, log, 2, sig, whole_job, _logged_two(save))
-    stopped_at = _stopped_cleanly(status, save, log, sig)
-    _resumed_as_if_never_stopped(command, save, stopped_at, uninterrupted)
+    stopped = command(megatron_clip, train_data, save, tp=2)
+    status = _stopped_run(stopped, save, log, 2, sig, whole_job, logged_two(save))
+    stopped_at = assert_stopped_cleanly(status, save, log.read_text(), sig)
+    _resume(stopped, save, stopped_at, uninterrupted)
 
 
 # (processes, options, data fixture, whether to resume and compare with an uninterrupted run). Resuming
@@ -124,11 +92,11 @@ def test_a_run_of_any_layout_signalled_as_slurm_does_saves_and_exits_0(tmp_path,
     gpus, options, data_fixture, resume = LAYOUTS[name]
     data = request.getfixturevalue(data_fixture)
     save, log = tmp_path / "run", tmp_path / "stopped.log"
-    command = _command(megatron_clip, data, save, gpus, **options)
-    ready = _saving(save) if options.get("save_interval") else _logged_two(save)
-    status = _stopped_run(command, save, log, gpus, signal.SIGTERM, True, ready)
-    stopped_at = _stopped_cleanly(status, save, log, signal.SIGTERM)
+    stopped = command(megatron_clip, data, save, gpus, **options)
+    ready = _saving(save) if options.get("save_interval") else logged_two(save)
+    status = _stopped_run(stopped, save, log, gpus, signal.SIGTERM, True, ready)
+    stopped_at = assert_stopped_cleanly(status, save, log.read_text(), signal.SIGTERM)
     if resume:
         reference = tmp_path / "uninterrupted"
-        run(_command(megatron_clip, data, reference, gpus, **options), timeout=300)
-        _resumed_as_if_never_stopped(command, save, stopped_at, metrics(reference))
+        run(command(megatron_clip, data, reference, gpus, **options), timeout=300)
+        _resume(stopped, save, stopped_at, metrics(reference))

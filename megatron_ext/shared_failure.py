@@ -1,0 +1,49 @@
+"""A rank's own failure, shared with every rank of the run through torch.distributed's store (under
+torchrun, its agent's on the first node), so that on several nodes each node's run.py reports the
+cause: nodes share no failures directory (rank_failures.py), and a rank on another node sees only
+its connection to the failed rank break.
+
+The first failure left stays. A rank that lost a peer waits a few seconds for it: the failed rank
+closes its connections (destroys its process group) before it gets to say why. Nothing is shared
+where the store cannot be reached (the node that held it is gone), or no rank left a reason (a node
+killed): the rank then reports its lost connection. Imports nothing; the store is the one `keep` was given.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+KEY = "megatron_ext/failure"
+# How long a rank that lost a peer waits for the peer's reason. The failed rank records it as soon as
+# its exception has unwound (a second at most on a busy machine); a node that died never does.
+CAUSE_WAIT_S = 10.0
+
+_store = None
+
+
+def keep(store) -> None:
+    """The run's store (torch.distributed's default one), kept past the process group's end: a rank
+    that fails destroys its group before its failure is recorded."""
+    global _store
+    _store = store
+
+
+def publish(failure_json: str) -> None:
+    """Leave this rank's failure for the other ranks, unless one was left first."""
+    if _store is None:
+        return
+    try:
+        _store.compare_set(KEY, "", failure_json)
+    except Exception:  # noqa: BLE001 the store's node is gone: no rank can read it anyway
+        pass
+
+
+def cause() -> str | None:
+    """The failure another rank left (its JSON), waiting up to CAUSE_WAIT_S; None when none came."""
+    if _store is None:
+        return None
+    try:
+        _store.wait([KEY], datetime.timedelta(seconds=CAUSE_WAIT_S))
+        return _store.get(KEY).decode()
+    except Exception:  # noqa: BLE001 a timeout, or the store's node is gone
+        return None
