@@ -4,16 +4,22 @@ cause: nodes share no failures directory (rank_failures.py), and a rank on anoth
 its connection to the failed rank break.
 
 The first failure left stays. A rank that lost a peer waits a few seconds for it: the failed rank
-closes its connections (destroys its process group) before it gets to say why. Nothing is shared
-where the store cannot be reached (the node that held it is gone), or no rank left a reason (a node
-killed): the rank then reports its lost connection. Imports nothing; the store is the one `keep` was given.
+closes its connections (destroys its process group) before it gets to say why. The failed rank then
+stays until every rank on the other nodes has read it (or CAUSE_WAIT_S passed): on the first node
+its exit ends torchrun's agent, and the store with it, which had other nodes report their lost
+connection instead (seen when the first node failed). Nothing is shared where the store cannot be
+reached (the node that held it is gone), or no rank left a reason (a node killed): the rank then
+reports its lost connection. Imports nothing; the store is the one `keep` was given.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 
 KEY = "megatron_ext/failure"
+READ = "megatron_ext/failure_read"  # how many ranks on other nodes have read it
+ALL_READ = "megatron_ext/failure_read_by_all"
 # How long a rank that lost a peer waits for the peer's reason. The failed rank records it as soon as
 # its exception has unwound (a second at most on a busy machine); a node that died never does.
 CAUSE_WAIT_S = 10.0
@@ -29,13 +35,21 @@ def keep(store) -> None:
 
 
 def publish(failure_json: str) -> None:
-    """Leave this rank's failure for the other ranks, unless one was left first."""
+    """Leave this rank's failure for the other ranks, unless one was left first; then wait until the
+    ranks on other nodes have read it (CAUSE_WAIT_S at most)."""
     if _store is None:
         return
     try:
         _store.compare_set(KEY, "", failure_json)
-    except Exception:  # noqa: BLE001 the store's node is gone: no rank can read it anyway
+        if _ranks_elsewhere() > 0:
+            _store.wait([ALL_READ], datetime.timedelta(seconds=CAUSE_WAIT_S))
+    except Exception:  # noqa: BLE001 a timeout, or the store's node is gone: no rank can read it anyway
         pass
+
+
+def _ranks_elsewhere() -> int:
+    """How many ranks of the run are on other nodes than this one (torchrun's environment)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) - int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def cause() -> str | None:
@@ -44,6 +58,9 @@ def cause() -> str | None:
         return None
     try:
         _store.wait([KEY], datetime.timedelta(seconds=CAUSE_WAIT_S))
-        return _store.get(KEY).decode()
+        failure = _store.get(KEY).decode()
+        if _store.add(READ, 1) >= _ranks_elsewhere():
+            _store.set(ALL_READ, "1")
+        return failure
     except Exception:  # noqa: BLE001 a timeout, or the store's node is gone
         return None

@@ -6,8 +6,8 @@ the tower's layers for its ~5 images, about a third of the step's kernels for th
 frozen tower's output needs no gradient and does not depend on which micro batch an image is in,
 so the step runs it over many micro batches' images at once and hands each micro batch its rows;
 the model (`LaidOutLLaVAModel`) uses them in place of calling the tower. The output held ahead of
-the micro batches that take it stays under `HELD_BYTES` (a step of many tiles or frames is run in
-groups of micro batches, each group when the schedule reaches it), and each forward stays under
+the micro batches that take it stays bounded (`HELD_VALUES`: a step of many tiles or frames is run
+in groups of micro batches, each group when the schedule reaches it), and each forward stays under
 `CHUNK_VALUES` pixel values. A tower with any trained parameter (LoRA included) keeps running per
 micro batch, under autograd.
 """
@@ -21,9 +21,10 @@ import torch
 # Pixel values per chunk of the tower's batched forward: 65536 patches of 14 x 14 RGB pixels, whose
 # FFN activations in bf16 stay below ~0.6 GiB for every tower we build (SigLIP-so400m's: 4304 wide).
 CHUNK_VALUES = (1 << 16) * 3 * 14 * 14
-# Tower output computed ahead of the micro batches that take it: the ~1B LLaVA's 64-image step needs
-# 75 MB; a OneVision step of 256 samples x 10 SigLIP tiles would need 4.3 GB and runs in groups.
-HELD_BYTES = 1 << 30
+# Images whose tower output is computed ahead of the micro batches that take it, in pixel values:
+# 2^27 is ~400 CLIP-336 images or ~300 SigLIP-384 tiles, whose outputs take ~0.5 GB in bf16 (the
+# output is 1.7-5.4x the pixel values for the towers we build); the ~1B LLaVA's 64-image step fits.
+HELD_VALUES = 1 << 27
 
 
 def frozen_tower(llava) -> torch.nn.Module | None:
@@ -51,10 +52,12 @@ def with_tower_features(llava, inputs, micro_batches: list[dict]) -> Iterator[di
 
 
 def _featured(tower, inputs, micro_batches: list[dict]) -> Iterator[dict]:
-    first = next(batch["images"][:1] for batch in micro_batches if batch["images"].shape[0])
-    per_image = _output_bytes(tower, inputs.to_device(first, inputs.dtype))
-    for group in _groups(micro_batches, max(1, HELD_BYTES // per_image)):
+    image_values = next(batch["images"][0].numel() for batch in micro_batches if batch["images"].shape[0])
+    for group in _groups(micro_batches, max(1, HELD_VALUES // image_values)):
         counts = [batch["images"].shape[0] for batch in group]
+        if sum(counts) == 0:  # the tower is never called for micro batches without images
+            yield from group
+            continue
         images = inputs.to_device(torch.cat([batch["images"] for batch in group]), inputs.dtype)
         features = tower_features(tower, images).split(counts)
         yield from ({**batch, "vision_features": rows} for batch, rows in zip(group, features))
@@ -72,14 +75,3 @@ def _groups(micro_batches: list[dict], images_per_group: int) -> Iterator[list[d
         images += n
     if group:
         yield group
-
-
-def _output_bytes(tower: torch.nn.Module, image: torch.Tensor) -> int:
-    """Bytes of the tower's output for one image of this shape: one image run once per tower and
-    image shape (a tower's output size is not in one config field across the towers we build)."""
-    sizes = tower.__dict__.setdefault("_output_bytes", {})
-    if image.shape not in sizes:
-        with torch.no_grad():
-            out = tower(image)
-        sizes[image.shape] = out.numel() * out.element_size()
-    return sizes[image.shape]

@@ -6,6 +6,7 @@ run's store instead. A bug in a worker rank reaches the terminal as its tracebac
 from __future__ import annotations
 
 import json
+import time
 
 import click
 import pytest
@@ -85,6 +86,29 @@ def test_a_rank_that_lost_its_peer_on_another_node_reports_the_failure_that_peer
     assert slept == []  # the cause is known: nothing to wait for
     rank_failures.show(rank_failures.first_failure(directory), "; ...")
     assert capsys.readouterr().err == "error: data shard /data/shard_7.tar is corrupt; rebuild it (rank 0 on node0; ...)\n"
+
+
+def test_a_failed_rank_stays_until_the_ranks_on_other_nodes_have_read_its_failure(run_store, monkeypatch):
+    """On the first node the failed rank's exit ends torchrun's agent and the store it holds: it must
+    outlive the other nodes' reading of its failure, and no longer (or CAUSE_WAIT_S without readers)."""
+    import threading
+
+    monkeypatch.setattr(shared_failure, "CAUSE_WAIT_S", 5.0)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two ranks on other nodes
+    failed = threading.Thread(target=shared_failure.publish, args=('{"message": "shard corrupt"}',))
+    failed.start()
+    for _reader in range(2):
+        time.sleep(0.3)
+        assert failed.is_alive()
+        assert shared_failure.cause() == '{"message": "shard corrupt"}'
+    failed.join(timeout=1.0)
+    assert not failed.is_alive()
+    monkeypatch.setattr(shared_failure, "_store", torch.distributed.HashStore())  # another run
+    monkeypatch.setattr(shared_failure, "CAUSE_WAIT_S", 0.2)
+    start = time.monotonic()
+    shared_failure.publish('{"message": "shard corrupt"}')  # nobody reads it: it waits out CAUSE_WAIT_S
+    assert 0.2 <= time.monotonic() - start < 1.0
 
 
 def test_a_lost_connection_stays_the_report_when_no_rank_shares_a_cause(rank_1_of_2, run_store):

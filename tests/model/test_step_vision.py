@@ -43,7 +43,7 @@ def test_each_micro_batch_gets_its_own_images_features_from_one_forward():
     tower, llava = _frozen_tower()
     batches = _micro_batches([2, 0, 3, 1])
     out = list(step_vision.with_tower_features(llava, _inputs(), batches))
-    assert tower.forwards == 1 + 1  # the first image alone once, to size what the step holds
+    assert tower.forwards == 1
     for batch, given in zip(batches, out):
         assert given["key"] == batch["key"] and given["images"] is batch["images"]
         assert torch.equal(given["vision_features"], tower(batch["images"]))
@@ -82,16 +82,16 @@ def test_the_micro_batches_are_unchanged_when_the_tower_must_run_per_micro_batch
 
 
 def test_a_step_whose_tower_output_would_exceed_the_budget_runs_in_groups_when_reached(monkeypatch):
-    """Each group of micro batches holds at most HELD_BYTES of tower output (here 3 images' worth) and
-    is computed only when the schedule asks for its first micro batch."""
+    """Each group of micro batches holds at most HELD_VALUES pixel values of images (here 3 images')
+    and is computed only when the schedule asks for its first micro batch."""
     tower, llava = _frozen_tower()
-    monkeypatch.setattr(step_vision, "HELD_BYTES", 3 * 2 * 4 * 4)  # 3 images of [2, 4] float32
-    batches = _micro_batches([2, 1, 2, 0, 3, 1])
+    monkeypatch.setattr(step_vision, "HELD_VALUES", 3 * 3 * 8 * 8)
+    batches = _micro_batches([2, 1, 2, 0, 3, 0, 0, 1])
     given = step_vision.with_tower_features(llava, _inputs(), batches)
     forwards = []
     for batch in given:
         forwards.append(tower.forwards)
         assert torch.equal(batch["vision_features"], tower(batch["images"]))
         tower.forwards -= 1  # not counting the check's own forward
-    # Groups [2, 1], [2, 0], [3], [1]: the first also sized the output with one image.
-    assert forwards == [2, 2, 3, 3, 4, 5]
+    # Groups [2, 1], [2, 0], [3, 0, 0], [1].
+    assert forwards == [1, 1, 2, 2, 3, 3, 3, 4]

@@ -99,9 +99,10 @@ def main():
     encoded = [encoder.postencode_sample(encoder.preencode_sample(p)) for p in (tiled_pairs() if kind == "tiled" else pairs())]
     rank, replicas = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     mine = micro_batches_of(encoder, encoded[rank::replicas], cfg.micro_batch_size, bool(cfg.packing_seq_length))
-    # The tiles the trained model's tower takes in the step (with LoRA, the reference pass too).
+    # The tiles the trained model's tower takes in the step (with LoRA, the reference pass too), seen
+    # at its patch embedding: the tower's own call is shadowed where its output was computed ahead.
     tower_batches = []
-    hook = trained.model.vision_model.register_forward_hook(
+    hook = next(trained.model.vision_model.children()).register_forward_hook(
         lambda module, args, output: tower_batches.append(args[0].shape[0])) if trained.model.add_encoder else None
     objective.prepare(mine)
     first = train_step(trained, objective.forward_step, mine, plan.seq_length, cfg.micro_batch_size,
