@@ -32,10 +32,10 @@ def rotary_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False)
 
 
 def rotary_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1,
-               cp_rank: int = 0) -> torch.Tensor:
+               cp_rank: int = 0, interleaved: bool = False) -> torch.Tensor:
     """RoPE on THD [t, h, d] whose sequences `cu_seqlens` delimits; freqs [max_s, 1, 1, rot_dim]. As
     megatron-core: freqs covering every token (as many rows as tokens) give each its position in the
-    packed row, else each sequence starts at position 0."""
+    packed row, else each sequence starts at position 0. `interleaved`: megatron-core passes it from 0.19."""
     if cp_size != 1:
         raise ValueError("RoPE over THD without Transformer Engine does not split sequences over context-parallel "
                          "ranks; use --cp 1 or --attention-backend te")
@@ -44,7 +44,7 @@ def rotary_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, c
         positions = torch.arange(tokens, device=t.device)
     else:
         positions = positions_in_sequences(cu_seqlens, tokens)
-    return rotary_bshd(t.unsqueeze(1), freqs[positions]).squeeze(1)
+    return rotary_bshd(t.unsqueeze(1), freqs[positions], interleaved).squeeze(1)
 
 
 def install() -> None:
