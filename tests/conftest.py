@@ -19,6 +19,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 
+# PyPI's CUDA build of torch (the Python 3.12 venv) runs ldconfig when first imported: imported here,
+# not by whichever in-process test comes first, whose guard would take it for the test's process.
+import torch  # noqa: E402, F401
+
 # Test children get the environment as it is now, before any test can change it (helpers.child_env).
 import tests.support.helpers  # noqa: E402, F401
 

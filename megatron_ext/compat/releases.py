@@ -23,6 +23,9 @@ import os
 import warnings
 from pathlib import Path
 
+# pyproject.toml's pin, which README's tested matrix explains: 0.16.1 is the newest release for Python
+# 3.11, 0.19.2 (Python >= 3.12) the newest we test.
+SUPPORTED = "megatron-core>=0.16,<0.20"
 COMMON_FILE = "common.pt"  # megatron-core's COMMON_STATE_FNAME in every release
 
 
