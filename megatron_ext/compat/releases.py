@@ -1,7 +1,7 @@
 """Where the megatron-core releases we support differ (0.16 on Python 3.11 through 0.19 on Python 3.12),
 bridged by detecting what the installed one does, never by comparing version numbers.
 
-- From 0.17, importing megatron-core runs `git rev-parse` in its own folder unless NO_VCS_VERSION=1:
+- 0.19's import runs `git rev-parse` in megatron-core's own folder unless NO_VCS_VERSION=1:
   a process per import, and a venv inside a git checkout reports the checkout's commit as
   megatron-core's version. `quiet_import` sets NO_VCS_VERSION=1 for this process and its children.
 - 0.19's tensor_parallel/random.py imports torch.utils.cpp_extension, which logs "No CUDA runtime is
@@ -51,11 +51,11 @@ def mlp_spec(submodules):
     return ModuleSpec(module=MLP, submodules=submodules)
 
 
-def mlp_submodules(mlp_spec):
+def mlp_submodules(spec):
     """The MLPSubmodules of a layer spec's `mlp` entry, whichever form the release builds it in."""
-    if isinstance(mlp_spec, functools.partial):
-        return mlp_spec.keywords["submodules"]
-    return mlp_spec.submodules
+    if isinstance(spec, functools.partial):
+        return spec.keywords["submodules"]
+    return spec.submodules
 
 
 def write_common_file(snapshot_dir: str | Path) -> None:
@@ -67,7 +67,7 @@ def write_common_file(snapshot_dir: str | Path) -> None:
     path = Path(snapshot_dir) / COMMON_FILE
     if torch.distributed.get_rank() != 0 or path.exists():
         return
-    with warnings.catch_warnings():  # torch's "torch.distributed is disabled": this read is one process's
+    with warnings.catch_warnings():  # torch's DCP on how megatron-core calls it (one process reading)
         warnings.simplefilter("ignore", UserWarning)
         common = load_common_state_dict(str(snapshot_dir))
     torch.save(common, path)
