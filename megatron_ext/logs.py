@@ -19,7 +19,10 @@ _CUDA_ADVICE = "CUDA_DEVICE_MAX_CONNECTIONS"
 class _DropNoise(logging.Filter):
     """Messages that repeat on every run and tell the user nothing they can act on."""
 
-    NOISE = ("requires torchvision", "LLaVA is work in progress", "Apex is not installed", "Apex are not installed")
+    NOISE = ("requires torchvision", "LLaVA is work in progress", "Apex is not installed", "Apex are not installed",
+             # megatron-core 0.19: its LLaVAModel builds the GPTModel it deprecates; and it reads the common.pt
+             # we write for 0.16 (compat/releases.py) with the function it deprecates.
+             "GPTModel IS DEPRECATED", "load_common is deprecated")
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -76,6 +79,9 @@ def setup_logging(verbose: bool = False, rank: int | None = None) -> None:
     # Raised by megatron-core's own defaults and energon's hard-coded pin_memory on CPU.
     warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
     warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true.*")
+    # megatron-core 0.19's loader calls torch's with the reader positional and each rank reading alone.
+    warnings.filterwarnings("ignore", message="The argument order of load has been changed")
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     quiet_library_bars()
     # torch.multiprocessing announces that it stops the other ranks after one failed; the failure is
     # what matters (megatron_ext/rank_failures.py).

@@ -27,7 +27,9 @@ def test_first_screen_commands_name_existing_files():
 
 
 def test_setup_and_the_first_screen_say_how_to_run_commands_in_the_venv():
-    last_line = (REPO_ROOT / "scripts" / "setup_env.sh").read_text().strip().splitlines()[-1]
+    script = (REPO_ROOT / "scripts" / "setup_env.sh").read_text()
+    default_venv = re.search(r"^venv=(\S+)$", script, re.M).group(1)
+    last_line = script.strip().splitlines()[-1].replace("$venv", default_venv)
     assert ".venv/bin/python" in last_line and "source .venv/bin/activate" in last_line
     first_screen = (REPO_ROOT / "README.md").read_text().split("## Contents")[0]
     assert ".venv/bin/python scripts/" in first_screen and "source .venv/bin/activate" in first_screen

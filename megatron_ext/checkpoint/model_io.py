@@ -3,7 +3,7 @@
 Every snapshot stores the model under `MODEL_KEY`: `{"model": model.sharded_state_dict(), ...}`;
 the trainer adds its optimizer and other keys beside it. Tensors are stored by global name and
 shape, so any TP/PP layout loads any other. The converters, the trainer and evaluation all go
-through these two functions.
+through these functions.
 """
 
 from __future__ import annotations
@@ -17,20 +17,26 @@ MODEL_KEY = "model"
 _EXTRA_STATE = "_extra_state"
 
 
-def save_model_weights(model, snapshot_dir: str | Path, extra: dict | None = None, sharded_strategy=None,
-                       select=None) -> None:
-    """Collective: every rank of the world calls it. `extra`: more sharded entries (optimizer, ...).
-    `sharded_strategy`: torch_dist written in this process (in_process_save.py) unless given (the converter's
-    computes its tensors).
-    `select` (state-dict name -> bool): only the tensors it selects (a LoRA run's trained ones)."""
+def save_sharded(state: dict, snapshot_dir: str | Path, sharded_strategy=None) -> None:
+    """Collective: a sharded state dict saved as torch_dist, readable by megatron-core 0.16 to 0.19
+    (compat/releases.py). `sharded_strategy`: written in this process (in_process_save.py) unless given."""
     from megatron.core import dist_checkpointing
 
     from megatron_ext.checkpoint.in_process_save import InProcessSaveStrategy
+    from megatron_ext.compat.releases import write_common_file
 
     Path(snapshot_dir).mkdir(parents=True, exist_ok=True)
-    model_state = {name: entry for name, entry in model.sharded_state_dict().items() if select is None or select(name)}
-    state = {MODEL_KEY: model_state, **(extra or {})}
     dist_checkpointing.save(state, str(snapshot_dir), sharded_strategy=sharded_strategy or InProcessSaveStrategy())
+    write_common_file(snapshot_dir)
+
+
+def save_model_weights(model, snapshot_dir: str | Path, extra: dict | None = None, sharded_strategy=None,
+                       select=None) -> None:
+    """Collective: every rank of the world calls it. `extra`: more sharded entries (optimizer, ...).
+    `sharded_strategy`: as `save_sharded`'s (the converter's computes its tensors).
+    `select` (state-dict name -> bool): only the tensors it selects (a LoRA run's trained ones)."""
+    model_state = {name: entry for name, entry in model.sharded_state_dict().items() if select is None or select(name)}
+    save_sharded({MODEL_KEY: model_state, **(extra or {})}, snapshot_dir, sharded_strategy)
 
 
 def _stored_keys(snapshot_dir: Path) -> set[str]:

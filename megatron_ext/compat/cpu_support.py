@@ -1,6 +1,6 @@
 """The one place that lets megatron-core run on a machine without CUDA.
 
-megatron-core 0.16 assumes a GPU throughout. On a CPU-only torch each patch below works around
+megatron-core (0.16 to 0.19) assumes a GPU throughout. On a CPU-only torch each patch below works around
 one measured failure, listed with it. `apply()` is a no-op when
 CUDA is available, so GPU runs never touch any of this.
 
@@ -25,7 +25,7 @@ Patches, each with the failure it fixes:
 Where megatron-core breaks for want of Transformer Engine/Apex rather than CUDA (norm defaults, the
 distributed optimizer's torch Adam), the fix is `without_te`'s, applied on GPUs too.
 
-Patches 3-4 use private megatron-core 0.16 names (`_MEGATRON_NAMES`); `apply()` checks them all
+Patches 3-4 use private megatron-core names (`_MEGATRON_NAMES`, the same in 0.16 to 0.19); `apply()` checks them all
 before patching anything and refuses in one line, naming the installed version, when one is missing.
 """
 
@@ -40,6 +40,7 @@ import os
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_ext.compat import releases
 from megatron_ext.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ def check_megatron_core(wanted: dict[str, tuple[str, ...]] = _MEGATRON_NAMES, pa
         # A release that lacks these names may lack `__version__` too: still say what to install.
         version = getattr(megatron.core, "__version__", "of unknown version")
         raise UserError(f"megatron-core {version} lacks {', '.join(missing)}, which megatron_ext's {patcher} "
-                        f"patches: install megatron-core>=0.16,<0.17, the version it is written for")
+                        f"patches: install {releases.SUPPORTED}, the releases it is written for")
 
 
 def _patch_torch_cuda() -> None:

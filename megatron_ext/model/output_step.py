@@ -16,6 +16,8 @@ from functools import cache
 
 import torch
 
+from megatron_ext.compat.releases import mlp_submodules
+
 
 class LayerScale(torch.nn.Module):
     """x * weight per channel; built like megatron-core's norms (`config`, `hidden_size`, `eps`)."""
@@ -60,6 +62,6 @@ def with_output_step(linear_cls: type, name: str, step_cls: type) -> type:
 
 def add_output_steps(spec, name: str, step_cls: type) -> None:
     """Put a `step_cls` on a layer spec's attention and MLP outputs, in place."""
-    attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    attention, mlp = spec.submodules.self_attention.submodules, mlp_submodules(spec.submodules.mlp)
     attention.linear_proj = with_output_step(attention.linear_proj, name, step_cls)
     mlp.linear_fc2 = with_output_step(mlp.linear_fc2, name, step_cls)

@@ -28,10 +28,12 @@ def _local_vit_layer_spec(core_attention):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from megatron_ext.compat.releases import mlp_spec
 
     return ModuleSpec(
         module=TransformerLayer,
@@ -48,7 +50,7 @@ def _local_vit_layer_spec(core_attention):
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=WrappedTorchNorm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp=mlp_spec(MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map={
                 "input_layernorm.": "self_attention.linear_qkv.layer_norm_",

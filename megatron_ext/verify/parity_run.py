@@ -68,16 +68,12 @@ def save_grads(trained, out_dir: Path) -> None:
     parameters (collective): the model's sharded state dict with each trained tensor's gradient in
     its place, so TP shards, pipeline stages and fused layers come back whole by the checkpoint's
     own keys."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_ext.checkpoint.in_process_save import InProcessSaveStrategy
-    from megatron_ext.checkpoint.model_io import MODEL_KEY
+    from megatron_ext.checkpoint.model_io import MODEL_KEY, save_sharded
 
     grads = reduced_grads(trained.ddp)
     entries = {name: dataclasses.replace(entry, data=grads[id(entry.data)])
                for name, entry in trained.model.sharded_state_dict().items() if id(getattr(entry, "data", None)) in grads}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save({MODEL_KEY: entries}, str(out_dir), sharded_strategy=InProcessSaveStrategy())
+    save_sharded({MODEL_KEY: entries}, out_dir)
 
 
 class RecordingTrainer(Trainer):

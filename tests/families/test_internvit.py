@@ -33,6 +33,7 @@ def test_config_gives_layer_scale_the_last_layer_and_no_class_token(llava_intern
 @pytest.mark.parametrize("backend", ["sdpa", "local"])
 def test_the_family_puts_a_layer_scale_on_both_residual_branches(llava_internvit, llava_clip, backend):
     """InternViT's hook adds the layer scale to megatron-core's ViT layer; CLIP's leaves it as it is."""
+    from megatron_ext.compat.releases import mlp_submodules
     from megatron_ext.model.provider import ModelOptions, transformer_configs
     from megatron_ext.model.specs import llava_specs
 
@@ -40,7 +41,7 @@ def test_the_family_puts_a_layer_scale_on_both_residual_branches(llava_internvit
         arch = families.read_llava(json.loads((hf_dir / "config.json").read_text()))
         language = transformer_configs(arch, families.of(arch), ModelOptions(), backend, tp=1, pp=1)[0]
         spec = families.of(arch).vision.vision_spec(arch.vision, llava_specs(backend, language).vision, backend)
-        outputs = (spec.submodules.self_attention.submodules.linear_proj, spec.submodules.mlp.submodules.linear_fc2)
+        outputs = (spec.submodules.self_attention.submodules.linear_proj, mlp_submodules(spec.submodules.mlp).linear_fc2)
         assert [layer.__name__ for layer in outputs] == [f"RowParallelLinearWith{step}" if step else
                                                          "RowParallelLinear"] * 2
 

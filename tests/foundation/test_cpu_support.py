@@ -74,7 +74,7 @@ def test_a_missing_private_name_refuses_before_anything_is_patched(monkeypatch, 
     import megatron.core
     import torch
 
-    from megatron_ext.compat import cpu_support
+    from megatron_ext.compat import cpu_support, releases
     from megatron_ext.errors import UserError
 
     if torch.cuda.is_available():
@@ -102,7 +102,7 @@ def test_a_missing_private_name_refuses_before_anything_is_patched(monkeypatch, 
     assert "\n" not in message
     assert expected in message
     assert f"megatron-core {megatron.core.__version__} " in message
-    assert "megatron-core>=0.16,<0.17" in message
+    assert f"install {releases.SUPPORTED}," in message
     assert cpu_support._APPLIED is False
     assert torch.cuda.current_device is current_device
     assert mp_random._get_cuda_rng_state is get_rng_state

@@ -154,14 +154,16 @@ def _target(target: str) -> list[str]:
 
 
 def run_ranks(nproc: int, target: str, *args, timeout: float = 300, env: dict | None = None,
-              check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
+              check: bool = True, cwd: Path | None = None,
+              python: str | Path = sys.executable) -> subprocess.CompletedProcess:
     """`target args...` (a .py path or `-m module`) on `nproc` ranks, as torchrun starts them (env://
     variables, a free port on this machine), without torchrun's own process. As under torchrun, the
     first rank to fail stops the others and the job fails. The ranks' output is merged; the exit
-    status is the first failing rank's (torchrun's is 1)."""
+    status is the first failing rank's (torchrun's is 1). `python`: another venv's interpreter runs
+    them (started, not forked)."""
     from megatron_ext.launch.network import take_free_port
 
-    cmd = [sys.executable, *_target(target), *map(str, args)]
+    cmd = [str(python), *_target(target), *map(str, args)]
     # Claimed as run.py claims its port: the other pytest worker's job cannot pick it at the same moment.
     base, port = env or child_env(), str(take_free_port())
     envs = [{**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),

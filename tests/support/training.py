@@ -50,8 +50,10 @@ def run_py(checkpoint: Path, data: Path, save: Path, iters: int, gpus: int = 2) 
             "--", "--train-iters", str(iters), "--seq-length", "128", "--lr", "1e-3"]
 
 
-def train(nproc: int, *args, timeout: float = 240, check: bool = True, env: dict | None = None):
-    return run_ranks(nproc, "scripts/train/pretrain_llava.py", *args, timeout=timeout, check=check, env=env)
+def train(nproc: int, *args, timeout: float = 240, check: bool = True, env: dict | None = None,
+          python: str | Path = sys.executable):
+    return run_ranks(nproc, "scripts/train/pretrain_llava.py", *args, timeout=timeout, check=check, env=env,
+                     python=python)
 
 
 def metrics(save_dir: Path, split: str = "train") -> dict[int, dict]:

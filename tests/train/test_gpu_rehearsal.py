@@ -7,6 +7,7 @@ the error NCCL gives)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 
@@ -120,22 +121,33 @@ def test_the_ledger_refuses_host_and_device_tensors_in_one_op():
         assert place(gpu[host.long() - 1]) == DEVICE  # host indices are fine
 
 
-# The device -> host reads a training step may make, by "file (function)": each stalls the CPU until
-# the GPU has finished the work queued so far. Any other site, or a count that grows with the number
-# of layers, fails the sync-ledger test below.
+# The device -> host reads a training step may make, by "file (function)", and how often each may
+# read: each stalls the CPU until the GPU has finished the work queued so far. Any other site, more
+# reads, or a count that grows with the number of layers, fails the sync-ledger test below.
 ALLOWED_READS = {
-    # megatron-core's per-token loss scaling: `if num_tokens > 0` after the token count's all-reduce.
-    "megatron/core/distributed/finalize_model_grads.py (finalize_model_grads)": "per step, megatron-core",
+    # megatron-core's per-token loss scaling: `if num_tokens > 0` after the token count's all-reduce
+    # (0.19 clamps on the device instead).
+    "megatron/core/distributed/finalize_model_grads.py (finalize_model_grads)": "per step",
     # The gradient norm for clipping, read once (its per-tensor local L2 norm stays on the device:
     # without_te.l2_norm_on_device).
-    "megatron/core/optimizer/clip_grads.py (get_grad_norm_fp32)": "per step, megatron-core",
+    "megatron/core/optimizer/clip_grads.py (get_grad_norm_fp32)": "per step",
+    # megatron-core 0.19: whether any rank has a separate grad-norm group, all-reduced once and cached.
+    "megatron/core/optimizer/optimizer.py (has_grad_norm_group)": "once",
     # Ours: the global batch's loss (logged, non-finite check) and the step's shared statistics + stop flag.
     "megatron_ext/model/forward_step.py (reduce_sums)": "per step",
     "megatron_ext/train/trainer.py (_shared)": "per step",
     # At TP > 1, megatron-core's VocabParallelEmbedding zeroes the rows of tokens outside its
     # vocabulary shard through a boolean mask; the gradient through it reads the mask back (nonzero).
-    "autograd (IndexPutBackward0)": "per micro batch at TP > 1, megatron-core",
+    "autograd (IndexPutBackward0)": "per micro batch",
 }
+
+
+def _read_budget(steps: int, micro_batches: int) -> dict[str, int]:
+    """The most reads each allowed site may make in `steps` steps of `micro_batches` each."""
+    per_run = {"per step": steps, "per micro batch": steps * micro_batches, "once": 1}
+    return {site: per_run[often] for site, often in ALLOWED_READS.items()}
+
+
 # megatron-core's LLaVA preprocessing read image-token positions back 6 times per micro batch in
 # forward and 2-3 in backward here (21 + 2 on an H200); the host computes them now (combined_layout).
 
@@ -176,11 +188,13 @@ def test_the_sync_ledger_allows_named_reads_and_none_per_layer(tmp_path, megatro
     # RoPE over packed rows, attention, tiles: nothing per layer (megatron-core's unfused THD RoPE read
     # cu_seqlens back twice in every layer).
     assert reads[2] == reads[4]
-    assert {_site(s) for s in reads[2]} <= set(ALLOWED_READS), json.dumps(reads[2], indent=1)
-    # 2 steps of 4 micro batches: one read per step at each per-step site; per micro batch only the
-    # TP embedding's backward.
-    embedding = reads[2].pop("autograd (IndexPutBackward0)")
-    assert embedding == 2 * 4 and sum(reads[2].values()) == 2 * 4, json.dumps(reads[2], indent=1)
+    by_site = collections.Counter()
+    for entry, count in reads[2].items():
+        by_site[_site(entry)] += count
+    budget = _read_budget(steps=2, micro_batches=4)
+    assert all(by_site[site] <= budget.get(site, 0) for site in by_site), json.dumps(reads[2], indent=1)
+    # Ours exactly once a step (megatron-core's releases read at different sites).
+    assert all(by_site[site] == budget[site] for site in budget if site.startswith("megatron_ext/")), by_site
 
 
 def test_the_sync_ledger_records_each_kind_of_read_with_its_caller():

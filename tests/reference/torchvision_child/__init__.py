@@ -5,7 +5,7 @@ PyPI's torchvision is built against CUDA torch: beside this project's CPU torch 
 do not load, and importing it fails where it registers fake kernels for two of them (`nms`,
 `qnms`). Everything transformers' processors call is torchvision's Python over torch's own
 kernels (`interpolate`, arithmetic), so the child declares those two op schemas (never called)
-before importing it. `scripts/setup_env.sh --dev` keeps torchvision outside site-packages
+before importing it; beside PyPI's CUDA torch (the Python 3.12 venv) the ops load, and it uses them. `scripts/setup_env.sh --dev` keeps torchvision outside site-packages
 (`.venv/torchvision-reference`), so that transformers in every other process runs without it.
 """
 

@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+from pathlib import Path
 
 import torch
 
-_schemas = torch.library.Library("torchvision", "DEF")
-for _op in ("nms", "qnms"):
-    _schemas.define(f"{_op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 
-import torchvision  # noqa: E402,F401  (after the schemas it registers fake kernels for)
+def _torchvision_ops_or_schemas():
+    """torchvision's compiled ops where they load (beside a CUDA torch: declaring `nms` again would
+    abort the process), else the two op schemas it registers fake kernels for (never called)."""
+    folder = Path(importlib.util.find_spec("torchvision").submodule_search_locations[0])
+    try:
+        torch.ops.load_library(next(folder.glob("_C*.so")))
+        return None
+    except OSError:
+        schemas = torch.library.Library("torchvision", "DEF")
+        for op in ("nms", "qnms"):
+            schemas.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        return schemas  # kept: the schemas live as long as the Library object
+
+
+_schemas = _torchvision_ops_or_schemas()
+
+import torchvision  # noqa: E402,F401  (after the ops or schemas it registers fake kernels for)
 import transformers  # noqa: E402
 
 # Every task compares with transformers as it runs where torchvision is installed.
