@@ -99,7 +99,7 @@ class Cluster:
         self._daemon(["slurmctld", "-D", "-i", "-f", self.env["SLURM_CONF"]])
         for index, node in enumerate(NODES):
             self._slurmd(index, node)
-        self._wait_idle(60)
+        self.wait_idle(60)
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):
@@ -198,7 +198,8 @@ KillWait=30
         log = open(self.root / f"{Path(args[0]).name}-{len(self.procs)}.out", "w")
         self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
-    def _wait_idle(self, timeout: float) -> None:
+    def wait_idle(self, timeout: float) -> None:
+        """Until every node is idle (a job that ended is fully cleaned up)."""
         deadline = time.monotonic() + timeout
         while True:
             with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):

@@ -134,6 +134,11 @@ def _requeued(cluster, job_id: str, timeout: float = 120) -> None:
     while (job := cluster.job(job_id))["Restarts"] == "0" or job["JobState"] != "PENDING":
         assert job["JobState"] in ("RUNNING", "COMPLETING", "PENDING") and time.monotonic() < deadline, job
         time.sleep(0.2)
+    # Started before its first run is cleaned up and within the second its credential was revoked,
+    # slurmd refuses the launch ("Job credential revoked") and the job fails: SLURM's own hold avoids
+    # that, and so does waiting for idle nodes and the next second.
+    cluster.wait_idle(timeout=60)
+    time.sleep(1.5)
     cluster.command("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
 
