@@ -50,6 +50,8 @@ assert WrappedTorchNorm in defaults and torch.nn.LayerNorm not in defaults
 assert DistributedOptimizer.sharded_state_dict is not loading
 from megatron.core.optimizer import clip_grads
 assert clip_grads.l2_norm_impl is without_te.l2_norm_on_device
+from megatron.core.optimizer import optimizer
+assert clip_grads.multi_tensor_scale_impl is optimizer.multi_tensor_scale_impl is without_te.scale_as_foreach
 assert not cpu_support.cpu_mode_active()
 print("ok")
 """
@@ -136,3 +138,24 @@ def test_the_gradient_norm_kept_on_the_device_equals_megatron_cores_host_one():
     norm, per_tensor = l2_norm_on_device(2048 * 32, None, [grads], False)
     assert per_tensor is None and norm.shape == (1,) and norm.dtype == torch.float32
     assert torch.equal(norm[0], megatrons)
+
+
+@pytest.mark.parametrize("case", ["clip gradients in place", "main fp32 params into bf16 model params",
+                                  "another scale into other tensors"])
+def test_the_foreach_multi_tensor_scale_equals_megatron_cores_loop(case):
+    import torch
+    from megatron.core.utils import local_multi_tensor_scale
+
+    from megatron_ext.compat.without_te import scale_as_foreach
+
+    gen = torch.Generator().manual_seed(0)
+    sources = [torch.randn(shape, generator=gen) for shape in ((7, 5), (11,), (2, 3, 4))]
+    dtype, scale = {"clip gradients in place": (None, 0.37), "main fp32 params into bf16 model params":
+                    (torch.bfloat16, 1.0), "another scale into other tensors": (torch.float32, 2.5)}[case]
+    results = []
+    for impl in (local_multi_tensor_scale, scale_as_foreach):
+        src = [t.clone() for t in sources]
+        dst = src if dtype is None else [torch.zeros_like(t, dtype=dtype) for t in src]
+        impl(2048 * 32, None, [src, dst], scale)
+        results.append(dst)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(*results))
