@@ -41,10 +41,8 @@ class _Rotation:
                  tokens: int | None = None):
         key = (freqs, cu_seqlens, dtype, tokens)
         if not (self.key and self.key[0] is freqs and self.key[1] is cu_seqlens and self.key[2:] == key[2:]):
-            angles = freqs
-            if cu_seqlens is not None and freqs.shape[0] == tokens:
-                angles = freqs[torch.arange(tokens, device=freqs.device)]
-            elif cu_seqlens is not None:
+            angles = freqs  # bshd, or THD freqs with a row per token: each token's own row
+            if cu_seqlens is not None and freqs.shape[0] != tokens:
                 angles = freqs[positions_in_sequences(cu_seqlens, tokens)]
             # As megatron-core's bshd path computes them (mscale 1).
             self.cos, self.sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
