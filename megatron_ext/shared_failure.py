@@ -18,7 +18,7 @@ import datetime
 import os
 
 KEY = "megatron_ext/failure"
-READ = "megatron_ext/failure_read"  # how many ranks on other nodes have read it
+READ = "megatron_ext/failure_read"  # how many ranks on other nodes than the failed rank's have read it
 ALL_READ = "megatron_ext/failure_read_by_all"
 # How long a rank that lost a peer waits for the peer's reason. The failed rank records it as soon as
 # its exception has unwound (a second at most on a busy machine); a node that died never does.
@@ -35,16 +35,22 @@ def keep(store) -> None:
 
 
 def publish(failure_json: str) -> None:
-    """Leave this rank's failure for the other ranks, unless one was left first; then wait until the
-    ranks on other nodes have read it (CAUSE_WAIT_S at most)."""
+    """Leave this rank's failure for the other ranks, unless one was left first; then, when it is the
+    one shared, wait until the ranks on other nodes have read it (CAUSE_WAIT_S at most)."""
     if _store is None:
         return
+    mine = f"{_node()}\n{failure_json}"
     try:
-        _store.compare_set(KEY, "", failure_json)
-        if _ranks_elsewhere() > 0:
+        shared = _store.compare_set(KEY, "", mine)
+        if shared.decode() == mine and _ranks_elsewhere() > 0:
             _store.wait([ALL_READ], datetime.timedelta(seconds=CAUSE_WAIT_S))
     except Exception:  # noqa: BLE001 a timeout, or the store's node is gone: no rank can read it anyway
         pass
+
+
+def _node() -> str:
+    """This rank's node (torchrun's GROUP_RANK: distinct even for two nodes on one machine)."""
+    return os.environ.get("GROUP_RANK", "0")
 
 
 def _ranks_elsewhere() -> int:
@@ -53,13 +59,15 @@ def _ranks_elsewhere() -> int:
 
 
 def cause() -> str | None:
-    """The failure another rank left (its JSON), waiting up to CAUSE_WAIT_S; None when none came."""
+    """The failure another rank left (its JSON), waiting up to CAUSE_WAIT_S; None when none came. Only
+    ranks on other nodes than the failed rank's count as its readers: its own node's ranks lost their
+    connection to it too, but the failed rank's own record already reached their run.py."""
     if _store is None:
         return None
     try:
         _store.wait([KEY], datetime.timedelta(seconds=CAUSE_WAIT_S))
-        failure = _store.get(KEY).decode()
-        if _store.add(READ, 1) >= _ranks_elsewhere():
+        node, _, failure = _store.get(KEY).decode().partition("\n")
+        if node != _node() and _store.add(READ, 1) >= _ranks_elsewhere():
             _store.set(ALL_READ, "1")
         return failure
     except Exception:  # noqa: BLE001 a timeout, or the store's node is gone

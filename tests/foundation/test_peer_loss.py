@@ -90,15 +90,20 @@ def test_a_rank_that_lost_its_peer_on_another_node_reports_the_failure_that_peer
 
 def test_a_failed_rank_stays_until_the_ranks_on_other_nodes_have_read_its_failure(run_store, monkeypatch):
     """On the first node the failed rank's exit ends torchrun's agent and the store it holds: it must
-    outlive the other nodes' reading of its failure, and no longer (or CAUSE_WAIT_S without readers)."""
+    outlive the other nodes' reading of its failure, and no longer (or CAUSE_WAIT_S without readers).
+    Its own node's ranks, which lost their connection to it too, are not those readers."""
     import threading
 
     monkeypatch.setattr(shared_failure, "CAUSE_WAIT_S", 5.0)
-    monkeypatch.setenv("WORLD_SIZE", "3")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two ranks on other nodes
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on each of two nodes
+    monkeypatch.setenv("GROUP_RANK", "0")
     failed = threading.Thread(target=shared_failure.publish, args=('{"message": "shard corrupt"}',))
     failed.start()
-    for _reader in range(2):
+    time.sleep(0.3)
+    assert shared_failure.cause() == '{"message": "shard corrupt"}'  # the other rank of node 0
+    monkeypatch.setenv("GROUP_RANK", "1")
+    for _reader in range(2):  # node 1's ranks
         time.sleep(0.3)
         assert failed.is_alive()
         assert shared_failure.cause() == '{"message": "shard corrupt"}'
@@ -109,6 +114,9 @@ def test_a_failed_rank_stays_until_the_ranks_on_other_nodes_have_read_its_failur
     start = time.monotonic()
     shared_failure.publish('{"message": "shard corrupt"}')  # nobody reads it: it waits out CAUSE_WAIT_S
     assert 0.2 <= time.monotonic() - start < 1.0
+    start = time.monotonic()
+    shared_failure.publish('{"message": "a later failure"}')  # not the one shared: nothing to wait for
+    assert time.monotonic() - start < 0.2
 
 
 def test_a_lost_connection_stays_the_report_when_no_rank_shares_a_cause(rank_1_of_2, run_store):
