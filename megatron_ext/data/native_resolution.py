@@ -5,7 +5,7 @@
   settings: smart resize to a multiple of patch x merge within [min_pixels, max_pixels], rows in
   merge-block order, each row (C, t=2, p, p) flattened; `image_grid_thw` = (1, H/p, W/p).
 - Videos: transformers' video processors need torchvision, so the steps are ours, with their values:
-  frames resized as torchvision resizes uint8 tensors (`video._frame_resize`), rescaled and
+  frames resized as torchvision resizes uint8 tensors (`video.frame_resize`), rescaled and
   normalized as a torchvision-backend processor does (`FusedNormalize`), padded to an even count
   by repeating the last frame. Qwen2.5-VL adds `second_per_grid_ts`; Qwen3-VL carries time as text
   (a `<t seconds>` before each frame pair). Frame sampling is the project's (`video.read_frames`).
@@ -136,28 +136,27 @@ def read_clip(video, frames: int, name: str | None = None) -> VideoClip:
     """`frames` frames sampled uniformly from `video` (a path or its bytes), decoded with PyAV, timed
     by the stream's frame rate and frame count (where a header counts more frames than the stream
     holds, `read_frames` samples the frames it has, and these times are off)."""
-    from megatron_ext.data.video import _frame_count, _open, read_frames, uniform_indices
+    from megatron_ext.data.video import frame_count, frame_rate, read_frames, uniform_indices
 
     picked = read_frames(video, frames, name)
-    total = _frame_count(video)
-    with _open(video) as container:
-        rate = container.streams.video[0].average_rate
+    total = frame_count(video)
+    rate = frame_rate(video)
     if not rate:
         raise UserError(f"{name or video}: the video states no frame rate, which Qwen-VL's frame timing needs; "
                         "re-encode it with one (e.g. ffmpeg -i IN -r 30 OUT.mp4)")
-    return VideoClip(picked, float(rate), tuple(uniform_indices(total, frames)[:len(picked)]), total)
+    return VideoClip(picked, rate, tuple(uniform_indices(total, frames)[:len(picked)]), total)
 
 
 def video_inputs(clip: VideoClip, vision: QwenVision) -> dict[str, torch.Tensor]:
     """{"pixel_values_videos": float32 [patches, C*t*p*p], "video_grid_thw": int64 [1, 3]} of one
     clip, plus "second_per_grid_ts" (float32 [1]) for Qwen2.5-VL, as its video processor gives."""
     from megatron_ext.data.pixels import FusedNormalize
-    from megatron_ext.data.video import _frame_resize
+    from megatron_ext.data.video import frame_resize
 
     frames = torch.from_numpy(np.ascontiguousarray(clip.frames)).permute(0, 3, 1, 2)
     size = resized_size(vision, *frames.shape[-2:], frames=len(frames))
     if tuple(frames.shape[-2:]) != size:
-        frames = _frame_resize(Image.Resampling.BICUBIC)(frames, size)
+        frames = frame_resize(Image.Resampling.BICUBIC)(frames, size)
     settings = SimpleNamespace(do_normalize=True, do_rescale=True, rescale_factor=1 / 255,
                                image_mean=vision.image_mean, image_std=vision.image_std)
     rows, grid = patch_rows(FusedNormalize(settings)(frames), vision)

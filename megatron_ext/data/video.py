@@ -39,7 +39,7 @@ def read_frames(video, frames: int, name: str | None = None) -> np.ndarray:
     import av
 
     try:
-        total = _frame_count(video)
+        total = frame_count(video)
         picked, decoded = _decode(video, uniform_indices(total, frames))
         if len(picked) < min(frames, total):
             # The header counted more frames than the stream holds: sample the frames it has.
@@ -57,11 +57,17 @@ def sampled_frame_times(video, frames: int) -> list[float] | None:
     for a list of frames or a stream without a frame rate."""
     if isinstance(video, (list, tuple)):
         return None
-    with _open(video) as container:
-        rate = container.streams.video[0].average_rate
+    rate = frame_rate(video)
     if not rate:
         return None
-    return [index / float(rate) for index in uniform_indices(_frame_count(video), frames)]
+    return [index / rate for index in uniform_indices(frame_count(video), frames)]
+
+
+def frame_rate(video) -> float | None:
+    """Frames per second of the first video stream (a file path or its bytes); None when it states none."""
+    with _open(video) as container:
+        rate = container.streams.video[0].average_rate
+    return float(rate) if rate else None
 
 
 def _open(video):
@@ -70,7 +76,7 @@ def _open(video):
     return av.open(io.BytesIO(video) if isinstance(video, bytes) else str(video))
 
 
-def _frame_count(video) -> int:
+def frame_count(video) -> int:
     """Frames of the first video stream: the header's count, else its packets (not every container
     stores a count)."""
     with _open(video) as container:
@@ -128,7 +134,7 @@ class VideoPreprocessor:
 
     def __init__(self, processor):
         self.size = (int(processor.size.height), int(processor.size.width))
-        self.resize = _frame_resize(processor.resample)
+        self.resize = frame_resize(processor.resample)
         self.normalize = FusedNormalize(processor)
 
     def __call__(self, frames: np.ndarray) -> torch.Tensor:
@@ -139,7 +145,7 @@ class VideoPreprocessor:
         return self.normalize(frames)
 
 
-def _frame_resize(resample):
+def frame_resize(resample):
     """torchvision's `resize` of a uint8 [n, 3, H, W] tensor on CPU for a PIL resample filter (HF
     maps the filter to torchvision's mode): bilinear and bicubic with antialiasing, on the uint8
     values where torchvision does so (bicubic always, bilinear with AVX2/AVX512 or on ARM), else in

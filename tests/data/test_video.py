@@ -62,7 +62,7 @@ def test_frames_sampled_uniformly(tmp_path, name, codec, pix_fmt):
 
 def test_a_header_counting_too_many_frames(tmp_path, monkeypatch):
     path = _write(tmp_path / "v.mov", "png", "rgb24")
-    monkeypatch.setattr(video, "_frame_count", lambda v: 2 * FRAMES)
+    monkeypatch.setattr(video, "frame_count", lambda v: 2 * FRAMES)
     assert _indices(read_frames(path, 4)) == [0, 3, 6, 9]
 
 
