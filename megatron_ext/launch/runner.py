@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext import lifetime, rank_failures, stop_signals
-from megatron_ext.launch import run_dirs
+from megatron_ext.launch import exit_barrier_race, run_dirs
 from megatron_ext.launch.stop_forwarding import StopForwarding
 
 # How torchrun says that its rendezvous port was taken between run.py's check and its own bind.
@@ -34,13 +34,15 @@ class _Output:
     bind its rendezvous port or the other nodes do not join, and run.py then says so itself
     (`port_taken`, `peers_missing`) instead of showing torchrun's traceback. Once a rank has recorded
     a failure, stderr stops reaching the terminal (the log keeps it): what follows is torchrun's
-    report of that failure and the other ranks' reactions to it."""
+    report of that failure and the other ranks' reactions to it. torchrun's exit-barrier race
+    (`exit_barrier_race`) is held back too, and ends up as one line in the log when the run succeeded."""
 
     def __init__(self, log_path: Path, failures_dir: Path):
         self.log = open(log_path, "ab")
         self.failures_dir = failures_dir
         self.lock = threading.Lock()
         self.port_taken = self.peers_missing = False
+        self.race, self.race_terminal = b"", None  # stderr held since the race may have begun, and where it goes
 
     def _write(self, chunk: bytes, terminal) -> None:
         with self.lock:
@@ -64,11 +66,32 @@ class _Output:
                 self._write(b"".join(held), terminal)
             held = None
             muted = muted or rank_failures.has_failed(self.failures_dir)
-            self._write(chunk, None if muted else terminal)
+            self._stream(chunk, None if muted else terminal)
         if held:
             text = b"".join(held)
             self.port_taken, self.peers_missing = PORT_TAKEN in text, bool(PEERS_MISSING.search(text))
             self._write(text, None if self.port_taken or self.peers_missing else terminal)
+
+    def _stream(self, chunk: bytes, terminal) -> None:
+        """Writes `chunk`, holding it from where the race may begin until it turns out something else."""
+        if not self.race:
+            start = exit_barrier_race.begins_at(chunk)
+            if start is None:
+                return self._write(chunk, terminal)
+            self._write(chunk[:start], terminal)
+            chunk = chunk[start:]
+        self.race, self.race_terminal = self.race + chunk, terminal
+        if not exit_barrier_race.could_be(self.race):
+            self._write(self.race, terminal)
+            self.race = b""
+
+    def close(self, status: int | None) -> None:
+        """What is held written out, unless it is the race at the end of a run that succeeded."""
+        if status == 0 and exit_barrier_race.is_race(self.race):
+            self._write(exit_barrier_race.NOTE, None)
+        else:
+            self._write(self.race, self.race_terminal)
+        self.log.close()
 
 
 def _report(failures_dir: Path, log_path: Path) -> None:
@@ -111,7 +134,7 @@ def run(argv: list[str], env: dict[str, str], log_file: Path | None = None, key:
     proc = subprocess.Popen(argv, env=child_env, process_group=0, preexec_fn=_start_child,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stopping = StopForwarding(proc, failures_dir)
-    output = _Output(log_path, failures_dir)
+    output, status = _Output(log_path, failures_dir), None
     pumps = [threading.Thread(target=output.pump, args=(proc.stdout, sys.stdout.buffer), daemon=True),
              threading.Thread(target=output.pump_stderr, args=(proc.stderr, sys.stderr.buffer), daemon=True)]
     try:
@@ -125,7 +148,7 @@ def run(argv: list[str], env: dict[str, str], log_file: Path | None = None, key:
         status = stopping.status(proc.wait())
     finally:
         stopping.restore()
-        output.log.close()
+        output.close(status)
     if status != 0:
         _report(failures_dir, log_path)
     run_dirs.finish(failures_dir, keep=log_file is None and status != 0 and rank_failures.has_failed(failures_dir))

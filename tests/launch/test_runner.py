@@ -11,6 +11,7 @@ import time
 import pytest
 
 from megatron_ext.launch.network import free_port
+from tests.support.launcher import EXIT_BARRIER_RACE
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -125,3 +126,21 @@ def test_a_killed_launch_leaves_its_temporary_folder_to_the_next_start_of_the_sa
     assert other.returncode == 0 and list(temp.glob("megatron-ext-run-*")) == left  # not its own: left alone
     same = launcher.run(*_args(inputs), env=launcher.env(TMPDIR=str(temp)))
     assert same.returncode == 0 and not list(temp.glob("megatron-ext-run-*"))
+
+
+@pytest.mark.parametrize("race,standin_exit,hidden", [("end", 0, True), ("end", 3, False), ("after", 0, False)])
+def test_torchruns_exit_barrier_race_is_one_log_line_when_the_run_succeeded(launcher, inputs, race, standin_exit,
+                                                                           hidden):
+    """Shown as torchrun wrote it when the run failed or when other output follows it (then it is not the race)."""
+    result = launcher.run(*_args(inputs), "--slurm-output-name", "logs/run",
+                          env=launcher.env(STANDIN_EXIT_RACE=race, STANDIN_EXIT=str(standin_exit)))
+    log = (launcher.cwd / "logs" / "run.log").read_text()
+    assert result.returncode == standin_exit, result.stderr
+    assert "torchrun says hello on stderr" in result.stderr
+    for output in (result.stderr, log):
+        assert (EXIT_BARRIER_RACE not in output) == hidden
+    note = "run.py: torchrun logged its exit-barrier race after every rank of this node ended with status 0"
+    assert (note in log) == hidden and note not in result.stderr
+    assert ("Traceback" in result.stderr) != hidden
+    if race == "after":
+        assert EXIT_BARRIER_RACE + "torchrun says more after it\n" in result.stderr

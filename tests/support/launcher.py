@@ -19,10 +19,31 @@ from pathlib import Path
 from tests.support.helpers import REPO_ROOT, kill_tree
 
 RUN_PY = REPO_ROOT / "scripts" / "train" / "run.py"
+# What torchrun 2.13 wrote on the second node of a two-node run (tests/train/test_slurm_job.py) when the first
+# node's agent closed its store while this one still waited in the exit barrier; addresses and paths shortened.
+EXIT_BARRIER_RACE = (
+    "[W1127 21:03:11.123456789 TCPStore.cpp:125] [c10d] recvValueWithTimeout failed on SocketImpl(fd=5, "
+    "addr=[node1]:40312, remote=[node0]:29500): Failed to recv, got 0 bytes. Connection was likely closed. Did the "
+    "remote server shutdown or crash?\n"
+    "Exception raised from recvBytes at /pytorch/torch/csrc/distributed/c10d/Utils.hpp:682 (most recent call first):\n"
+    "frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x98 (0x7f2c in lib/libc10.so)\n"
+    "frame #1: <unknown function> + 0x5f0b (0x7f2d in lib/libtorch_cpu.so)\n"
+    "<omitting python frames>\n"
+    "frame #23: __libc_start_main + 0x85 (0x7f2e in /lib/x86_64-linux-gnu/libc.so.6)\n"
+    "E1127 21:03:11.456000 4242 torch/distributed/elastic/agent/server/api.py:1008] Error waiting on exit barrier. "
+    "Elapsed: 0.10 seconds\n"
+    "E1127 21:03:11.456000 4242 torch/distributed/elastic/agent/server/api.py:1008] Traceback (most recent call last):\n"
+    "E1127 21:03:11.456000 4242 torch/distributed/elastic/agent/server/api.py:1008]   File \"api.py\", line 994, in "
+    "_exit_barrier\n"
+    "E1127 21:03:11.456000 4242 torch/distributed/elastic/agent/server/api.py:1008] torch.distributed.DistStoreError: "
+    "Failed to recv, got 0 bytes.\n"
+)
+
 STANDINS = ("torchrun", "singularity", "apptainer", "nvidia-smi")
 
 STANDIN_SOURCE = f"""#!{sys.executable}
 import json, os, signal, subprocess, sys, time
+EXIT_BARRIER_RACE = {EXIT_BARRIER_RACE!r}
 name = os.path.basename(sys.argv[0])
 if name == "nvidia-smi":
     gpus = int(os.environ.get("STANDIN_GPUS", "0"))
@@ -71,6 +92,14 @@ if os.environ.get("STANDIN_WAIT"):
             f.write(f"{{os.getpid()}} {{open('/proc/self/stat').read().rsplit(')', 1)[1].split()[19]}}")
     record(ready=True, pgid=os.getpgid(0))
     time.sleep(120)
+if role == "torchrun" and os.environ.get("STANDIN_EXIT_RACE"):
+    # Its ranks started, and it reports the exit-barrier race as a node other than the first does (torch 2.13);
+    # with STANDIN_EXIT_RACE=after, one more line follows.
+    open(os.path.join(os.environ["MEGATRON_EXT_FAILURES"], "rank0.started"), "w").close()
+    sys.stderr.write(EXIT_BARRIER_RACE)
+    sys.stderr.flush()
+    if os.environ["STANDIN_EXIT_RACE"] == "after":
+        print("torchrun says more after it", file=sys.stderr, flush=True)
 code = int(os.environ.get("STANDIN_EXIT", "0"))
 if code < 0:
     os.kill(os.getpid(), -code)
