@@ -201,6 +201,10 @@ def _build(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions, vp_stag
         vp_stage=vp_stage,
     )
     families.text.after_build(t, model)
+    if first:
+        from megatron_ext.model.vocab_embedding import use_masked_fill
+
+        use_masked_fill(model)
     if last:
         mask_padded_vocab(model.language_model.output_layer, t.vocab_size, t.padded_vocab_size)
     if model.vision_model is not None:
