@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from megatron_ext.errors import UserError
-from megatron_ext.launch import network, run_dirs, runner
+from megatron_ext.launch import network, run_dirs, runner, start_failures
 from megatron_ext.launch.command import LaunchCommand, build_command
 from megatron_ext.launch.devices import budget
 from megatron_ext.launch.flags import LaunchOptions, passthrough_options
@@ -65,16 +66,24 @@ def _transformer_engine(topology: Topology, sif_path: str | None) -> bool:
 
 def prepare(options: LaunchOptions, passthrough_argv: list[str], env: Mapping[str, str]) -> Launch:
     """Everything decided and checked; nothing started."""
-    passthrough = passthrough_options(passthrough_argv)
-    slurm = slurm_job(env)
-    topology = resolve_topology(options, env, slurm, options.trainer["name"])
-    _check_devices(topology, options)
+    topology = resolve_topology(options, env, slurm_job(env), options.trainer["name"])
+    _check_network(topology, options)
+    return _prepare_on(topology, options, passthrough_argv)
+
+
+def _check_network(topology: Topology, options: LaunchOptions) -> None:
     # A dry run may print the command for another machine (a cluster's node), as it does for singularity:
     # this machine's interfaces and name are checked only where the run starts.
     if options.interface and not options.dry_run:
         network.check_interface(options.interface)
     if topology.nnodes > 1:
         network.check_reachable(topology.master_addr, options.interface, topology.nnodes, this_node=not options.dry_run)
+
+
+def _prepare_on(topology: Topology, options: LaunchOptions, passthrough_argv: list[str]) -> Launch:
+    """What `prepare` decides once the nodes can reach each other."""
+    passthrough = passthrough_options(passthrough_argv)
+    _check_devices(topology, options)
     setup = trainer_setup(dict(options.trainer), passthrough, topology.world_size,
                           _transformer_engine(topology, options.sif_path), topology.on_gpu)
     _check_save_dir_free(setup.plan.config, topology)
@@ -104,6 +113,25 @@ def _port_taken(launch: Launch, options: LaunchOptions, retries_left: int) -> La
     return Launch(topology=topology, trainer=launch.trainer, command=_command(topology, launch.trainer, options))
 
 
+def _peer_refused(refusal: str) -> UserError:
+    host, _, message = refusal.partition(": ")
+    return UserError(f"the run did not start on node {host}: {message}")
+
+
+@contextlib.contextmanager
+def _told_to_other_nodes(topology: Topology, dry_run: bool):
+    """A refusal on one node of several: said here at once, then left for the other nodes' run.py
+    (start_failures), which would otherwise wait for this one in vain."""
+    try:
+        yield
+    except UserError as refusal:
+        if topology.nnodes == 1 or dry_run:
+            raise
+        print(f"error: {refusal}", file=sys.stderr, flush=True)
+        start_failures.tell(topology, str(refusal))
+        sys.exit(2)
+
+
 def _peers_missing(t: Topology) -> UserError:
     where = f"{t.master_addr}:{t.rdzv_port if t.rdzv_port is not None else t.master_port}"
     return UserError(f"the other nodes did not join within {JOIN_TIMEOUT_S} s (rendezvous {where}): one failed to "
@@ -117,10 +145,13 @@ def _plans_memory(launch: Launch, options: LaunchOptions) -> bool:
 
 
 def main(options: LaunchOptions, passthrough_argv: list[str]) -> int:
-    launch = prepare(options, passthrough_argv, os.environ)
-    lines = launch.summary()
-    if _plans_memory(launch, options):
-        lines += check_memory(launch.trainer.plan, budget(options.gpu_memory, os.environ))
+    topology = resolve_topology(options, os.environ, slurm_job(os.environ), options.trainer["name"])
+    _check_network(topology, options)  # a node that cannot reach the others cannot tell them either
+    with _told_to_other_nodes(topology, options.dry_run):
+        launch = _prepare_on(topology, options, passthrough_argv)
+        lines = launch.summary()
+        if _plans_memory(launch, options):
+            lines += check_memory(launch.trainer.plan, budget(options.gpu_memory, os.environ))
     for line in lines:
         print(f"run.py: {line}", file=sys.stderr)
     if options.dry_run:
@@ -128,13 +159,25 @@ def main(options: LaunchOptions, passthrough_argv: list[str]) -> int:
         return 0
     for retries_left in reversed(range(PORT_RETRIES + 1)):
         print(f"+ {launch.command.shell()}", file=sys.stderr, flush=True)
-        outcome = runner.run(launch.command.argv, launch.command.env, launch.command.log_file,
-                             run_dirs.run_key(launch.trainer.argv))
+        outcome = _run(launch)
+        if outcome.peer_refusal is not None:
+            raise _peer_refused(outcome.peer_refusal)
         if outcome.peers_missing:
             raise _peers_missing(launch.topology)
         if not outcome.port_taken:
             return outcome.status
         launch = _port_taken(launch, options, retries_left)
+
+
+def _run(launch: Launch) -> runner.Outcome:
+    """The launch run; on several nodes, watched for another node's refusal to start until its ranks start."""
+    watch = start_failures.RefusalWatch(launch.topology).start() if launch.topology.nnodes > 1 else None
+    try:
+        return runner.run(launch.command.argv, launch.command.env, launch.command.log_file,
+                          run_dirs.run_key(launch.trainer.argv), watch)
+    finally:
+        if watch is not None:
+            watch.stop()
 
 
 def print_layout_plans(options: LaunchOptions, passthrough_argv: list[str], layouts: str | None) -> int:

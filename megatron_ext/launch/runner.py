@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -41,7 +43,7 @@ class _Output:
         self.log = open(log_path, "ab")
         self.failures_dir = failures_dir
         self.lock = threading.Lock()
-        self.port_taken = self.peers_missing = False
+        self.port_taken = self.peers_missing = self.peer_refused = False
         self.race, self.race_terminal = b"", None  # stderr held since the race may have begun, and where it goes
 
     def _write(self, chunk: bytes, terminal) -> None:
@@ -70,7 +72,7 @@ class _Output:
         if held:
             text = b"".join(held)
             self.port_taken, self.peers_missing = PORT_TAKEN in text, bool(PEERS_MISSING.search(text))
-            self._write(text, None if self.port_taken or self.peers_missing else terminal)
+            self._write(text, None if self.port_taken or self.peers_missing or self.peer_refused else terminal)
 
     def _stream(self, chunk: bytes, terminal) -> None:
         """Writes `chunk`, holding it from where the race may begin until it turns out something else."""
@@ -106,6 +108,7 @@ class Outcome:
     status: int
     port_taken: bool  # torchrun could not bind its rendezvous port: no rank started
     peers_missing: bool  # the other nodes did not join: no rank started
+    peer_refusal: str | None = None  # another node refused to start ("host: message"): no rank started
 
 
 def _start_child() -> None:
@@ -115,8 +118,21 @@ def _start_child() -> None:
     stop_signals.ignore()
 
 
-def run(argv: list[str], env: dict[str, str], log_file: Path | None = None, key: str = "") -> Outcome:
-    """Run `argv` with `env` added to this environment; `key` names the run (run_dirs.run_key).
+def _end_on_refusal(watch, proc: subprocess.Popen, output: _Output, failures_dir: Path) -> None:
+    """Once another node refused to start (`watch`: start_failures.RefusalWatch), torchrun waits for it in
+    vain: ended here, as long as no rank started (then the watch is done)."""
+    if rank_failures.has_started(failures_dir):
+        watch.stop()
+    elif watch.refusal is not None and not output.peer_refused:
+        output.peer_refused = True  # what torchrun says from here on is its reaction: the log's only
+        watch.ended()  # before the kill: the store may be this node's torchrun's
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run(argv: list[str], env: dict[str, str], log_file: Path | None = None, key: str = "", watch=None) -> Outcome:
+    """Run `argv` with `env` added to this environment; `key` names the run (run_dirs.run_key); `watch`
+    (start_failures.RefusalWatch): another node's refusal to start ends the launch.
 
     The child gets a process group of its own, so Ctrl-C reaches it only through the launcher, which
     passes stopping signals to the ranks (`StopForwarding`). If this process dies without passing
@@ -145,6 +161,8 @@ def run(argv: list[str], env: dict[str, str], log_file: Path | None = None, key:
             for pump in pumps:
                 pump.join(0.2)
             stopping.pass_on()
+            if watch is not None:
+                _end_on_refusal(watch, proc, output, failures_dir)
         status = stopping.status(proc.wait())
     finally:
         stopping.restore()
@@ -152,4 +170,5 @@ def run(argv: list[str], env: dict[str, str], log_file: Path | None = None, key:
     if status != 0:
         _report(failures_dir, log_path)
     run_dirs.finish(failures_dir, keep=log_file is None and status != 0 and rank_failures.has_failed(failures_dir))
-    return Outcome(status, output.port_taken and status != 0, output.peers_missing and status != 0)
+    return Outcome(status, output.port_taken and status != 0, output.peers_missing and status != 0,
+                   watch.refusal if output.peer_refused else None)

@@ -84,19 +84,39 @@ def _node_command(checkpoint: Path, data: Path, save: Path, rank: int, port: int
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("failing", [0, 1])
-def test_a_node_failing_at_start_ends_its_peer_within_a_minute_in_one_line(tmp_path, megatron_clip, train_data,
-                                                                             failing):
+@pytest.mark.parametrize("failing", [0, 1], ids=["node0-serving-the-store-fails", "node1-fails"])
+def test_a_node_refusing_to_start_ends_its_peer_within_a_minute_naming_the_cause(tmp_path, megatron_clip, train_data,
+                                                                                 failing):
+    """Both nodes started together, as srun starts them: the refusing node says why at once, and the peer, instead
+    of waiting for it to join, says the same."""
     port = free_port()
     nodes = {rank: _node_command(megatron_clip, train_data, tmp_path / "run", rank, port,
                                  *(("--tp", "3") if rank == failing else ())) for rank in (0, 1)}
-    refused = run(nodes[failing], timeout=60, check=False)
-    assert refused.returncode == 2 and refused.stderr.startswith("error: --tp 3 x --pp 1 = 3 does not divide")
+    logs = {rank: tmp_path / f"node{rank}.err" for rank in (0, 1)}
     start = time.monotonic()
-    peer = run(nodes[1 - failing], timeout=60, check=False)  # the bound the issue asks for
+    with contextlib.ExitStack() as stack:
+        started_nodes = {rank: stack.enter_context(started(nodes[rank], stdout=subprocess.DEVNULL,
+                                                           stderr=stack.enter_context(open(logs[rank], "w"))))
+                         for rank in (0, 1)}
+        statuses = {rank: started_nodes[rank].wait(timeout=60) for rank in (1 - failing, failing)}
+    assert time.monotonic() - start < 60  # the bound the issue asks for
+    refused, peer = logs[failing].read_text(), logs[1 - failing].read_text()
+    assert statuses == {0: 2, 1: 2} and "Traceback" not in refused + peer, (refused, peer)
+    cause = "--tp 3 x --pp 1 = 3 does not divide"
+    assert _error_lines(refused) == [line for line in refused.splitlines() if cause in line]
+    (line,) = [line for line in peer.splitlines() if not line.startswith(("run.py: ", "+ "))]
+    assert line.startswith(f"error: the run did not start on node {socket.gethostname()}: {cause}"), peer
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_node_whose_peer_never_started_ends_within_a_minute_in_one_line(tmp_path, megatron_clip, train_data):
+    port = free_port()
+    start = time.monotonic()
+    alone = run(_node_command(megatron_clip, train_data, tmp_path / "run", 0, port), timeout=60, check=False)
     assert time.monotonic() - start < 60
-    assert peer.returncode == 2 and "Traceback" not in peer.stderr, peer.stderr
-    assert peer.stderr.splitlines()[-1] == (
+    assert alone.returncode == 2 and "Traceback" not in alone.stderr, alone.stderr
+    assert alone.stderr.splitlines()[-1] == (
         f"error: the other nodes did not join within 15 s (rendezvous {socket.gethostname()}:{port}): one failed to "
         "start (its own output says why) or was not started; start every node's run.py together")
 
