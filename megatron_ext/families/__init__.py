@@ -55,6 +55,16 @@ def _find(kind: str, known: dict, model_type: str | None):
     return known[model_type]
 
 
+def vision_language_families() -> dict:
+    """Families of whole vision-language models that are not LLaVAs (Qwen2.5-VL), by model_type:
+    `model/family_hooks.VisionLanguageHooks`."""
+    return {f.model_type: f for f in _families() if not isinstance(f, (LlamaLikeFamily, ViTFamily))}
+
+
+def vision_language_family(model_type: str | None):
+    return _find("vision-language", vision_language_families(), model_type)
+
+
 def text_family(model_type: str | None) -> LlamaLikeFamily:
     return _find("text", text_families(), model_type)
 
