@@ -28,6 +28,8 @@ _VISION_BLOCK = tuple(f"blocks.*.{name}" for name in (
     *(f"mlp.{p}_proj.{w}" for p in ("gate", "up", "down") for w in ("weight", "bias"))))
 # The text rows name LlamaForCausalLM's tensors; Qwen2.5-VL checkpoints store them with other prefixes.
 _HF_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+# transformers' in-memory names -> the names its checkpoints store (save_pretrained writes these).
+_STORED_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class Qwen2_5_VLArch:
     vision_config: dict = field(hash=False)  # the tower's HF config, as config.json holds it
     image_token_id: int
     video_token_id: int
+    model_type: str = "qwen2_5_vl"
 
     @property
     def vision_depth(self) -> int:
@@ -79,6 +82,18 @@ class Qwen2_5_VLFamily:
     model_type: str = "qwen2_5_vl"
     config_class: str = "Qwen2_5_VLConfig"
     model_class: str = "Qwen2_5_VLForConditionalGeneration"
+    text: MRopeTextFamily = TEXT
+
+    def complete(self, cfg: Any) -> dict:
+        """The config as a dict with every field transformers reads (what checkpoints store)."""
+        import transformers
+
+        return getattr(transformers, self.config_class).from_dict(dict(as_dict(cfg))).to_dict()
+
+    @staticmethod
+    def stored_name(name: str) -> str:
+        """A tensor's name as checkpoints store it, from a stored or a transformers model's name."""
+        return _renamed(name, _STORED_PREFIXES)
 
     def read(self, cfg: Any) -> Qwen2_5_VLArch:
         """The arch of a Qwen2.5-VL config (a transformers config or a config.json dict)."""
@@ -95,7 +110,7 @@ class Qwen2_5_VLFamily:
         vision = [row(f"vision_model.{name}", f"visual.{name}", REPLICATED) for name in _VISION_ONCE]
         vision += [row(f"vision_model.{name}", f"visual.{name}", REPLICATED).at_layer(i)
                    for i in range(arch.vision_depth) for name in _VISION_BLOCK]
-        return [replace(r, hf=tuple(_hf_name(h) for h in r.hf)) for r in text] + vision
+        return [replace(r, hf=tuple(_renamed(h, _HF_PREFIXES) for h in r.hf)) for r in text] + vision
 
     def build(self, arch: Qwen2_5_VLArch, opts, vp_stage: int | None = None):
         """This rank's model under the current megatron parallel state (`model.provider.ModelOptions`)."""
@@ -105,8 +120,8 @@ class Qwen2_5_VLFamily:
                                opts, vp_stage)
 
 
-def _hf_name(name: str) -> str:
-    for ours, theirs in _HF_PREFIXES:
+def _renamed(name: str, prefixes) -> str:
+    for ours, theirs in prefixes:
         if name.startswith(ours):
             return theirs + name[len(ours):]
     return name

@@ -3,7 +3,7 @@
 
 The encoder is any module taking (patch rows, grid_thw) and returning its merged features in token
 order as `pooler_output` (transformers' Qwen2.5-VL tower, held whole: every tensor-parallel rank
-runs it on the same inputs). It lives on the first pipeline stage, beside the embedding. Positions
+runs it on the same inputs, and its gradients are averaged over them). It lives on the first pipeline stage, beside the embedding. Positions
 are `[3, B, S]` (T, H, W), as `data/native_resolution.mrope_positions` gives them per sample.
 """
 
@@ -30,12 +30,15 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         self.language_model.set_input_tensor(input_tensor)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core import parallel_state
         from megatron.core.transformer.utils import sharded_state_dict_default
 
         state = self.language_model.sharded_state_dict(f"{prefix}language_model.", sharded_offsets, metadata)
         if self.vision_model is not None:
             # A plain torch module: each of its tensors whole, replicated over the ranks that hold it.
-            state.update(sharded_state_dict_default(self.vision_model, f"{prefix}vision_model.", sharded_offsets, metadata))
+            # Without the TP group megatron-core counts every tensor rank as the main copy.
+            state.update(sharded_state_dict_default(self.vision_model, f"{prefix}vision_model.", sharded_offsets, metadata,
+                                                    tp_group=parallel_state.get_tensor_model_parallel_group()))
         return state
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
@@ -101,6 +104,14 @@ def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], image_token
         )
     if last:
         mask_padded_vocab(language.output_layer, t.vocab_size, t.padded_vocab_size)
-    model = MRopeVisionLanguageModel(language, vision() if first else None, image_token_id, video_token_id)
+    model = MRopeVisionLanguageModel(language, _replicated(vision()) if first else None, image_token_id, video_token_id)
     model.attention_backend = backend
     return model.to(device())
+
+
+def _replicated(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` marked as held whole by every tensor rank: megatron-core's `finalize_model_grads`
+    averages such parameters' gradients over the tensor-parallel group, which keeps the copies equal."""
+    for param in module.parameters():
+        param.average_gradients_across_tp_domain = True
+    return module

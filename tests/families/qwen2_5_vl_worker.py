@@ -1,17 +1,25 @@
-"""Worker for test_qwen2_5_vl (4 ranks): our Qwen2.5-VL at TP/PP 1 and 2, its logits on each sample.
+"""Worker for test_qwen2_5_vl (4 ranks): the tiny Qwen2.5-VL through the converters at TP/PP 1 and 2.
 
 Usage: qwen2_5_vl_worker.py OUT HF_DIR
 
-At each layout (layouts of fewer than 4 ranks get data-parallel replicas) the model is built for
-every rank, filled from the HF tensors through the family's rows (each split by its TP rule), and
-each sample's logits are saved to OUT/logits/SAMPLE-tpTppP.pt.
+- OUT/megatron/tpTppP: HF_DIR converted by the converter's own per-rank code at each layout (the
+  megatron parallel state rebuilt over the same 4 processes; smaller layouts get data-parallel
+  replicas);
+- OUT/logits/SAMPLE-tpTppP.pt: each checkpoint loaded at its own layout, and the TP2 x PP2 one at
+  TP1 (SAMPLE-tp2pp2-at-tp1pp1.pt), its full-vocabulary logits on each sample;
+- OUT/vision.json: at each layout, per rank, whether each vision block's qkv weight and bias are
+  the HF tensors whole ("qkv"), and whether every tower parameter is marked for gradient averaging
+  over TP ("averaged"; a rank without the tower: None);
+- OUT/hf/tpTppP: every checkpoint back to HF (export_worker.py).
 """
 
+import json
 import sys
 from pathlib import Path
 
 import torch
 
+from tests.convert.export_worker import export_all
 from tests.support.helpers import hf_tensors
 from tests.support.qwen2_5_vl import samples
 
@@ -27,21 +35,29 @@ def set_layout(tp, pp):
     init_parallel(tp, pp)
 
 
-def fill(model, rows, hf):
-    """Each of this rank's tensors from the HF tensors, as its row's rule splits them."""
-    from megatron.core import parallel_state
+def convert(out, hf_dir, tp, pp):
+    import torch.distributed as dist
 
-    from megatron_ext.checkpoint.keys import canonical_megatron_name
+    from megatron_ext.convert.to_megatron import check_conversion, convert_in_world
 
-    table = {r.megatron: r for r in rows}
-    offset = model.language_model.decoder.layers[0].layer_number - 1
-    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-    with torch.no_grad():
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            if name.endswith("_extra_state") or name.endswith("inv_freq"):
-                continue
-            r = table[canonical_megatron_name(name, offset)]
-            tensor.copy_(r.rule.shard(r.rule.hf_to_megatron([hf[h] for h in r.hf]), rank, size))
+    root = out / "megatron" / f"tp{tp}pp{pp}"
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True)
+    dist.barrier()
+    assert not convert_in_world(check_conversion(hf_dir, tp, pp), root)
+    return root
+
+
+def loaded(root):
+    from megatron_ext import families
+    from megatron_ext.checkpoint.layout import find_snapshot
+    from megatron_ext.checkpoint.model_io import load_model_weights
+    from megatron_ext.model.provider import ModelOptions
+
+    snapshot = find_snapshot(root)
+    model = families.build_model(snapshot.arch, ModelOptions(seq_length=512, init_weights=False, parallel_output=False))
+    load_model_weights(model, snapshot.path)
+    return model.eval(), snapshot.arch
 
 
 def logits(model, sample, vocab_size):
@@ -68,30 +84,59 @@ def logits(model, sample, vocab_size):
     return out
 
 
+def save_logits(out, model, arch, name):
+    import torch.distributed as dist
+
+    for sample_name, sample in samples().items():
+        result = logits(model, sample, arch.text.vocab_size)
+        if dist.get_rank() == 0:
+            torch.save(result, out / "logits" / f"{sample_name}-{name}.pt")
+
+
+def vision_qkv_whole(model, hf) -> list[bool]:
+    """Per block, whether this rank holds HF's qkv weight and bias exactly (first stage; else [])."""
+    if model.vision_model is None:
+        return []
+    return [torch.equal(block.attn.qkv.weight, hf[f"visual.blocks.{i}.attn.qkv.weight"])
+            and torch.equal(block.attn.qkv.bias, hf[f"visual.blocks.{i}.attn.qkv.bias"])
+            for i, block in enumerate(model.vision_model.blocks)]
+
+
+def vision_grads_averaged(model) -> bool | None:
+    if model.vision_model is None:
+        return None
+    return all(p.average_gradients_across_tp_domain for p in model.vision_model.parameters())
+
+
+def gathered(value) -> list:
+    import torch.distributed as dist
+
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, value)
+    return per_rank
+
+
 def main():
     import torch.distributed as dist
 
-    from megatron_ext import families
     from megatron_ext.distributed import shutdown
-    from megatron_ext.hf_loading import load_config
-    from megatron_ext.model.provider import ModelOptions
 
     out, hf_dir = Path(sys.argv[1]), Path(sys.argv[2])
     (out / "logits").mkdir(parents=True, exist_ok=True)
-    config = load_config(str(hf_dir), "--hf-dir")
-    family = families.vision_language_family(config.model_type)
-    arch = family.read(config)
     hf = hf_tensors(hf_dir)
-    batches = samples()
+    vision = {"qkv": {}, "averaged": {}}
     for tp, pp in LAYOUTS:
         set_layout(tp, pp)
-        model = family.build(arch, ModelOptions(seq_length=512, init_weights=False, parallel_output=False))
-        fill(model, family.rows(arch), hf)
-        model.eval()
-        for name, sample in batches.items():
-            result = logits(model, sample, arch.text.vocab_size)
-            if dist.get_rank() == 0:
-                torch.save(result, out / "logits" / f"{name}-tp{tp}pp{pp}.pt")
+        model, arch = loaded(convert(out, hf_dir, tp, pp))
+        save_logits(out, model, arch, f"tp{tp}pp{pp}")
+        vision["qkv"][f"tp{tp}pp{pp}"] = gathered(vision_qkv_whole(model, hf))
+        vision["averaged"][f"tp{tp}pp{pp}"] = gathered(vision_grads_averaged(model))
+    set_layout(1, 1)
+    model, arch = loaded(out / "megatron" / "tp2pp2")
+    save_logits(out, model, arch, "tp2pp2-at-tp1pp1")
+    if dist.get_rank() == 0:
+        (out / "vision.json").write_text(json.dumps(vision))
+    export_all(out)
     shutdown()
 
 

@@ -41,11 +41,15 @@ def tiny_config(**vision_changes):
 
 
 def write_tiny_model(out: Path, seed: int = 0) -> Path:
-    """The tiny model's config and random float32 weights, saved as transformers saves them."""
+    """The tiny model's config, random float32 weights (saved as transformers saves them) and a
+    tiny tokenizer (the converters copy it)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from megatron_ext.demo.tiny_models import train_tokenizer
 
     torch.manual_seed(seed)
     Qwen2_5_VLForConditionalGeneration(tiny_config()).save_pretrained(out)
+    train_tokenizer(400).save_pretrained(out)
     return out
 
 
