@@ -121,7 +121,7 @@ class HfWeights:
         return _FLOAT_DTYPES[found.pop()]
 
 
-def meta_llava(hf_config: dict):
+def meta_hf_model(hf_config: dict):
     """transformers' model for this config (a LLaVA's or a vision-language family's), on the meta
     device (names and shapes, no memory)."""
     import transformers
@@ -138,7 +138,7 @@ def hf_model_names(hf_config: dict) -> list[str]:
     from megatron_ext.convert.mapping import hf_name_of
     from megatron_ext.families import read_model
 
-    model = meta_llava(hf_config)
+    model = meta_hf_model(hf_config)
     normalize = hf_name_of(read_model(hf_config))
     unique = {name for name, _ in model.named_parameters()}
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique

@@ -78,7 +78,7 @@ def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], image_token
     from megatron_ext.distributed import device
     from megatron_ext.model.build_errors import megatron_refusals
     from megatron_ext.model.padded_vocab import mask_padded_vocab
-    from megatron_ext.model.provider import language_transformer_config
+    from megatron_ext.model.provider import language_transformer_config, mark_tensor_parallel_weights
     from megatron_ext.model.specs import llava_specs
 
     without_te.apply()
@@ -105,7 +105,8 @@ def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], image_token
     if last:
         mask_padded_vocab(language.output_layer, t.vocab_size, t.padded_vocab_size)
     model = MRopeVisionLanguageModel(language, _replicated(vision()) if first else None, image_token_id, video_token_id)
-    model.attention_backend = backend
+    if not opts.init_weights:
+        mark_tensor_parallel_weights(model)
     return model.to(device())
 
 

@@ -221,7 +221,7 @@ def _build(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions, vp_stag
     model.attention_backend = backend
     model.logits_where_loss = opts.execution.logits_where_loss
     if not opts.init_weights:
-        _mark_tensor_parallel_weights(model)
+        mark_tensor_parallel_weights(model)
     return model
 
 
@@ -240,7 +240,7 @@ def _model_class(arch: LlavaArch):
     return partial(with_shared_images(TiledLLaVAModel), tiling=arch.tiling, tile=arch.vision.image_size)
 
 
-def _mark_tensor_parallel_weights(model) -> None:
+def mark_tensor_parallel_weights(model) -> None:
     """Tag TP-split weights the way megatron-core does while initialising them.
 
     megatron-core sets `tensor_model_parallel` on a ColumnParallelLinear / RowParallelLinear /

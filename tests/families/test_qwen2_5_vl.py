@@ -41,6 +41,19 @@ def test_the_vision_tower_splits_no_parallel_size_but_the_decoder_does():
                                             "--pp 3 does not divide the text layers (4)"]
 
 
+def test_what_the_model_cannot_run_with_yet_is_refused_in_one_line_each_before_building():
+    from megatron_ext.model.execution import ModelExecution
+    from megatron_ext.model.provider import ModelOptions
+
+    family = families.vision_language_family("qwen2_5_vl")
+    opts = ModelOptions(dtype="bfloat16", execution=ModelExecution(sequence_parallel=True))
+    with pytest.raises(UserError, match=r"^Qwen2.5-VL runs in float32 only so far, not bfloat16; "
+                                        r"Qwen2.5-VL runs without sequence or context parallelism so far$"):
+        family.build(family.read(tiny_config()), opts)
+    assert family.option_problems(ModelOptions(execution=ModelExecution(cp=2))) == [
+        "Qwen2.5-VL runs without sequence or context parallelism so far"]
+
+
 def test_every_tensor_of_the_checkpoint_has_one_row():
     from transformers import Qwen2_5_VLForConditionalGeneration
 
