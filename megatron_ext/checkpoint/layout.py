@@ -83,9 +83,9 @@ class Snapshot:
 
     @property
     def arch(self):
-        from megatron_ext.families import read_llava
+        from megatron_ext.families import read_model
 
-        return read_llava(self.hf_config)
+        return read_model(self.hf_config)
 
     @property
     def tokenizer_dir(self) -> Path:

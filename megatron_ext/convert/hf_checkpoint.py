@@ -17,7 +17,7 @@ import json
 import shutil
 import struct
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -54,9 +54,10 @@ def read_config(hf_dir: Path, flag: str) -> dict:
 
 
 class HfWeights:
-    """The tensors of an HF safetensors checkpoint, by normalized name."""
+    """The tensors of an HF safetensors checkpoint, by normalized name (`normalize`: the model's
+    `mapping.hf_name_of`; a LLaVA's by default)."""
 
-    def __init__(self, hf_dir: str | Path, flag: str = "--hf-dir"):
+    def __init__(self, hf_dir: str | Path, flag: str = "--hf-dir", normalize: Callable[[str], str] = normalize_hf_name):
         from safetensors import safe_open
 
         self.dir = Path(hf_dir)
@@ -67,7 +68,7 @@ class HfWeights:
         for file in self._files(flag):
             with safe_open(str(file), "pt") as f:
                 for stored in f.keys():
-                    name = normalize_hf_name(stored)
+                    name = normalize(stored)
                     if name in self._where:
                         raise UserError(f"{flag}: tensor {name} appears twice in {self.dir} (as {self._where[name][1]} and {stored})")
                     self._where[name] = (file, stored)
@@ -120,23 +121,28 @@ class HfWeights:
         return _FLOAT_DTYPES[found.pop()]
 
 
-def meta_llava(hf_config: dict):
-    """transformers' LLaVA model for this config, on the meta device (names and shapes, no memory)."""
+def meta_hf_model(hf_config: dict):
+    """transformers' model for this config (a LLaVA's or a vision-language family's), on the meta
+    device (names and shapes, no memory)."""
     import transformers
 
-    from megatron_ext.families import llava_kind
+    from megatron_ext.families import model_kind
 
-    kind = llava_kind(hf_config)
+    kind = model_kind(hf_config)
     with torch.device("meta"):
         return getattr(transformers, kind.model_class)(getattr(transformers, kind.config_class).from_dict(hf_config))
 
 
 def hf_model_names(hf_config: dict) -> list[str]:
-    """The tensor names `transformers` saves for this LLaVA config (tied copies once), normalized."""
-    model = meta_llava(hf_config)
+    """The tensor names `transformers` saves for this config (tied copies once), normalized."""
+    from megatron_ext.convert.mapping import hf_name_of
+    from megatron_ext.families import read_model
+
+    model = meta_hf_model(hf_config)
+    normalize = hf_name_of(read_model(hf_config))
     unique = {name for name, _ in model.named_parameters()}
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
-    return [normalize_hf_name(name) for name in model.state_dict() if name not in tied]
+    return [normalize(name) for name in model.state_dict() if name not in tied]
 
 
 class TensorSpec(NamedTuple):

@@ -71,9 +71,9 @@ def adapter_snapshot(megatron_dir, flag: str = "--megatron-dir") -> layout.Snaps
 
 def hf_module_names(hf_config: dict) -> dict[str, str]:
     """Canonical HF weight name -> the name of that module in a transformers model (what PEFT uses)."""
-    from megatron_ext.convert.hf_checkpoint import meta_llava
+    from megatron_ext.convert.hf_checkpoint import meta_hf_model
 
-    return {normalize_hf_name(name): name[: -len(".weight")] for name, _ in meta_llava(hf_config).named_parameters()
+    return {normalize_hf_name(name): name[: -len(".weight")] for name, _ in meta_hf_model(hf_config).named_parameters()
             if name.endswith(".weight")}
 
 

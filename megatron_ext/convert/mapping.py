@@ -9,6 +9,7 @@ distributed checkpoint is `checkpoint.keys`.
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from megatron_ext import families
 from megatron_ext.model.arch import LlavaArch
@@ -42,10 +43,25 @@ def llava_mapping(arch: LlavaArch) -> dict[str, Mapping]:
     return {r.megatron: r for r in rows}
 
 
-def hf_only_names(arch: LlavaArch, hf_names: list[str]) -> list[str]:
-    """HF tensors LLaVA never uses: ViT layers after the feature layer, the tower's post-norm and
-    pooling head. They travel beside the Megatron checkpoint so the way back restores them."""
+def model_mapping(arch) -> dict[str, Mapping]:
+    """`llava_mapping`, or the table of a whole vision-language model (its family's rows)."""
+    if isinstance(arch, LlavaArch):
+        return llava_mapping(arch)
+    return {r.megatron: r for r in families.of(arch).rows(arch)}
+
+
+def hf_only_names(arch, hf_names: list[str]) -> list[str]:
+    """HF tensors the model never uses: a LLaVA's ViT layers after the feature layer, the tower's
+    post-norm and pooling head. They travel beside the Megatron checkpoint so the way back restores
+    them. A whole vision-language model uses every tensor."""
+    if not isinstance(arch, LlavaArch):
+        return []
     return families.of(arch).vision.unused_names(arch.vision, hf_names)
+
+
+def hf_name_of(arch) -> Callable[[str], str]:
+    """How the model's table spells an HF tensor found in a checkpoint or a transformers model."""
+    return normalize_hf_name if isinstance(arch, LlavaArch) else families.of(arch).stored_name
 
 
 # HF spellings of the same tensor: transformers 5 in-memory names and older checkpoints.

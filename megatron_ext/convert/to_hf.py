@@ -34,7 +34,7 @@ from megatron_ext.convert.hf_checkpoint import (
     hf_model_names,
 )
 from megatron_ext.convert.lora_export import TrainedTensors, read_trained
-from megatron_ext.convert.mapping import llava_mapping
+from megatron_ext.convert.mapping import model_mapping
 from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 from megatron_ext.model.arch import LlavaArch
@@ -112,7 +112,7 @@ def _write_weights(groups: list[dict], extra: list[TensorSpec], export: Export, 
     # Megatron keeps norms and the patch embedding in float32 whatever the model dtype; HF stores
     # one dtype. Those values came from (or were trained in) the snapshot dtype, so this is exact.
     dtype = DTYPES[export.snapshot.dtype]
-    table = llava_mapping(export.arch)
+    table = model_mapping(export.arch)
 
     def hf_tensors(name: str, tensor: torch.Tensor):
         return zip(table[name].hf, table[name].rule.megatron_to_hf(tensor))
@@ -142,7 +142,7 @@ def _write_configs(snapshot: layout.Snapshot, tokenizer_dir: Path, out: Path) ->
 
     from megatron_ext.model.provider import DTYPES
 
-    kind = families.llava_kind(snapshot.hf_config)
+    kind = families.model_kind(snapshot.hf_config)
     config = getattr(transformers, kind.config_class).from_dict(snapshot.hf_config)
     config.dtype = DTYPES[snapshot.dtype]
     config.architectures = [kind.model_class]
@@ -193,7 +193,7 @@ def _export(export: Export, out: Path) -> None:
 
         extra_specs = _extra_specs(snapshot)
         extra = [spec.name for spec in extra_specs]
-        table = llava_mapping(export.arch)
+        table = model_mapping(export.arch)
         # The model's tensors are those under the table's top-level prefixes (a trainer snapshot also
         # holds its optimizer state); anything there the table does not know is refused by the check.
         stored = stored_tensors(export.weights.path, tuple({_top_level(name) for name in table}))

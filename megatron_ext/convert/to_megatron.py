@@ -22,9 +22,9 @@ from megatron_ext.checkpoint import layout
 from megatron_ext.checkpoint.keys import canonical_megatron_name, tensor_of_chunk
 from megatron_ext.convert import coverage
 from megatron_ext.convert.hf_checkpoint import HfWeights, check_tokenizer_dir, copy_tokenizer_files, read_config
-from megatron_ext.convert.mapping import hf_only_names, llava_mapping
+from megatron_ext.convert.mapping import hf_name_of, hf_only_names, model_mapping
 from megatron_ext.errors import UserError
-from megatron_ext.families import complete_llava_config, read_llava
+from megatron_ext.families import complete_config, read_model
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 from megatron_ext.model.arch import LlavaArch
 
@@ -42,8 +42,9 @@ class ConversionRequest:
     hf_config: dict
 
     @property
-    def arch(self) -> LlavaArch:
-        return read_llava(self.hf_config)
+    def arch(self):
+        """A `LlavaArch`, or a whole vision-language model's arch."""
+        return read_model(self.hf_config)
 
 
 def check_conversion(hf_dir: str | Path, tp: int, pp: int) -> ConversionRequest:
@@ -52,10 +53,10 @@ def check_conversion(hf_dir: str | Path, tp: int, pp: int) -> ConversionRequest:
     if not hf_dir.is_dir():
         raise UserError(f"--hf-dir {hf_dir} is not a directory")
     # Stored complete: the trainer and the launcher read it back without transformers' defaults.
-    hf_config = complete_llava_config(read_config(hf_dir, "--hf-dir"))
-    arch = read_llava(hf_config)
+    hf_config = complete_config(read_config(hf_dir, "--hf-dir"))
+    arch = read_model(hf_config)
     arch.check_parallel(tp, pp)
-    weights = HfWeights(hf_dir)
+    weights = HfWeights(hf_dir, normalize=hf_name_of(arch))
     check_tokenizer_dir(hf_dir, "--hf-dir")
     return ConversionRequest(hf_dir=hf_dir, tp=tp, pp=pp, dtype=weights.dtype(), hf_config=hf_config)
 
@@ -78,7 +79,7 @@ def check_model(model, arch: LlavaArch, weights: HfWeights) -> coverage.FillRepo
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     layer_offset = model.language_model.decoder.layers[0].layer_number - 1
-    table = llava_mapping(arch)
+    table = model_mapping(arch)
     available = set(weights.names)
     report = coverage.FillReport()
     params = {name: p for name, p in model.state_dict(keep_vars=True).items() if not name.endswith("_extra_state")}
@@ -103,7 +104,7 @@ class MegatronChunks:
     tensors. The last full tensor is kept: a rank's chunks of one tensor come one after another."""
 
     def __init__(self, arch: LlavaArch, weights: HfWeights):
-        self.table = llava_mapping(arch)
+        self.table = model_mapping(arch)
         self.weights = weights
         self._last: tuple[str, torch.Tensor] | None = None
 
@@ -151,13 +152,13 @@ def convert_in_world(request: ConversionRequest, root: Path) -> list[str]:
     from megatron_ext import families
     from megatron_ext.checkpoint.model_io import save_model_weights
     from megatron_ext.convert.dist_write import ComputedSaveStrategy
-    from megatron_ext.model.provider import ModelOptions, build_model
+    from megatron_ext.model.provider import ModelOptions
 
     arch = request.arch
-    weights = HfWeights(request.hf_dir)
-    model = build_model(arch, families.of(arch), ModelOptions(init_weights=False, dtype=request.dtype))
+    weights = HfWeights(request.hf_dir, normalize=hf_name_of(arch))
+    model = families.build_model(arch, ModelOptions(init_weights=False, dtype=request.dtype))
     report = check_model(model, arch, weights)
-    problems = coverage.hf_to_megatron_problems(llava_mapping(arch), _gather(report), weights.names,
+    problems = coverage.hf_to_megatron_problems(model_mapping(arch), _gather(report), weights.names,
                                                 hf_only_names(arch, weights.names))
     if problems:
         return problems

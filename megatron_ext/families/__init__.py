@@ -21,6 +21,7 @@ from typing import Any
 
 from megatron_ext.errors import UserError
 from megatron_ext.families import llava
+from megatron_ext.families.hf_config import get
 from megatron_ext.families.llama_like import LlamaLikeFamily
 from megatron_ext.families.vit import ViTFamily
 from megatron_ext.model.arch import LlavaArch
@@ -53,6 +54,16 @@ def _find(kind: str, known: dict, model_type: str | None):
         raise UserError(f"{kind} model_type {model_type!r} is not supported{_refused(model_type)} "
                         f"(supported: {', '.join(sorted(known))})")
     return known[model_type]
+
+
+def vision_language_families() -> dict:
+    """Families of whole vision-language models that are not LLaVAs (Qwen2.5-VL), by model_type:
+    `model/family_hooks.VisionLanguageHooks`."""
+    return {f.model_type: f for f in _families() if not isinstance(f, (LlamaLikeFamily, ViTFamily))}
+
+
+def vision_language_family(model_type: str | None):
+    return _find("vision-language", vision_language_families(), model_type)
 
 
 def text_family(model_type: str | None) -> LlamaLikeFamily:
@@ -93,8 +104,43 @@ class Families:
     vision: ViTFamily
 
 
-def of(arch: LlavaArch) -> Families:
+def of(arch):
+    """A LLaVA's families (text model, tower), or a whole vision-language model's own family."""
+    if not isinstance(arch, LlavaArch):
+        return vision_language_family(arch.model_type)
     return Families(text=text_family(arch.text.model_type), vision=vision_family(arch.vision.model_type))
+
+
+def _whole(cfg: Any):
+    """The vision-language family of a config that is not a LLaVA's, or None."""
+    return vision_language_families().get(get(cfg, "model_type"))
+
+
+def read_model(cfg: Any):
+    """The arch of an HF config: a LLaVA's `LlavaArch`, or a vision-language family's own."""
+    family = _whole(cfg)
+    return family.read(cfg) if family else read_llava(cfg)
+
+
+def complete_config(cfg: Any) -> dict:
+    """`complete_llava_config`, or a vision-language family's config completed likewise."""
+    family = _whole(cfg)
+    return family.complete(cfg) if family else complete_llava_config(cfg)
+
+
+def model_kind(cfg: Any):
+    """The transformers classes of a config's model (`config_class`, `model_class`)."""
+    return _whole(cfg) or llava_kind(cfg)
+
+
+def build_model(arch, opts, vp_stage: int | None = None):
+    """This rank's model of `arch` (`model.provider.ModelOptions`): megatron-core's LLaVAModel, or
+    a vision-language family's model."""
+    if not isinstance(arch, LlavaArch):
+        return of(arch).build(arch, opts, vp_stage)
+    from megatron_ext.model.provider import build_model as build_llava
+
+    return build_llava(arch, of(arch), opts, vp_stage)
 
 
 def read_llava(cfg: Any) -> LlavaArch:

@@ -86,6 +86,29 @@ class TilingArch:
     video_token_index: int | None  # None: the model takes no video
 
 
+def text_parallel_checks(t: TextArch, tp: int, pp: int) -> list[tuple[str, int, int]]:
+    """(what, its size, the parallel size that must divide it) of a megatron-core GPT decoder."""
+    return [
+        ("text attention heads", t.num_attention_heads, tp),
+        ("text KV heads (num_key_value_heads)", t.num_query_groups, tp),
+        ("text FFN size (intermediate_size)", t.ffn_hidden_size, tp),
+        ("padded vocabulary", t.padded_vocab_size, tp),
+        ("text layers", t.num_layers, pp),
+    ]
+
+
+def divisibility_problems(checks: list[tuple[str, int, int]]) -> list[str]:
+    """One line per check whose parallel size does not divide its size (`--pp` for the layers)."""
+    problems = []
+    for what, value, size in checks:
+        if size < 1:
+            problems.append(f"parallel size must be >= 1, got {size}")
+        elif value % size:
+            flag = "--pp" if what == "text layers" else "--tp"
+            problems.append(f"{flag} {size} does not divide the {what} ({value})")
+    return problems
+
+
 @dataclass(frozen=True)
 class LlavaArch:
     text: TextArch
@@ -116,25 +139,12 @@ class LlavaArch:
 
     def parallel_problems(self, tp: int, pp: int) -> list[str]:
         """Every reason this model cannot be split `tp` x `pp` ways (empty when it can)."""
-        t, v = self.text, self.vision
-        checks = [
-            ("text attention heads", t.num_attention_heads, tp),
-            ("text KV heads (num_key_value_heads)", t.num_query_groups, tp),
-            ("text FFN size (intermediate_size)", t.ffn_hidden_size, tp),
-            ("padded vocabulary", t.padded_vocab_size, tp),
+        v = self.vision
+        return divisibility_problems(text_parallel_checks(self.text, tp, pp) + [
             ("vision attention heads", v.num_attention_heads, tp),
             ("vision FFN size", v.ffn_hidden_size, tp),
-            ("text hidden size (projector)", t.hidden_size, tp),
-            ("text layers", t.num_layers, pp),
-        ]
-        problems = []
-        for what, value, size in checks:
-            if size < 1:
-                problems.append(f"parallel size must be >= 1, got {size}")
-            elif value % size:
-                flag = "--pp" if what == "text layers" else "--tp"
-                problems.append(f"{flag} {size} does not divide the {what} ({value})")
-        return problems
+            ("text hidden size (projector)", self.text.hidden_size, tp),
+        ])
 
     def check_parallel(self, tp: int, pp: int) -> None:
         problems = self.parallel_problems(tp, pp)

@@ -36,3 +36,21 @@ class VisionHooks(Protocol):
 class ModelFamilies(Protocol):
     text: TextHooks
     vision: VisionHooks
+
+
+class VisionLanguageHooks(Protocol):
+    """A whole vision-language model that is not a LLaVA (Qwen2.5-VL): its family reads its HF
+    config into an arch of its own and builds this rank's model from it."""
+
+    model_type: str  # the HF config's
+    config_class: str  # its transformers classes
+    model_class: str
+
+    def read(self, cfg: Any) -> Any:
+        """The model's arch (with `check_parallel(tp, pp)`), refusing what cannot be computed exactly."""
+
+    def rows(self, arch: Any) -> list:
+        """Every Megatron tensor's `mapping_rules.Mapping`, layers numbered."""
+
+    def build(self, arch: Any, opts: Any, vp_stage: int | None = None) -> Any:
+        """This rank's model under the current megatron parallel state."""

@@ -17,11 +17,11 @@ import torch
 from megatron_ext.distributed import device
 from megatron_ext.model import rope_kernels
 from megatron_ext.model.activation_functions import ACTIVATIONS
-from megatron_ext.model.arch import LlavaArch
+from megatron_ext.model.arch import LlavaArch, TextArch
 from megatron_ext.model.backends import STORED_DTYPES, resolve_backend, te_available
 from megatron_ext.model.build_errors import megatron_refusals
 from megatron_ext.model.execution import ModelExecution
-from megatron_ext.model.family_hooks import ModelFamilies
+from megatron_ext.model.family_hooks import ModelFamilies, TextHooks
 from megatron_ext.model.padded_vocab import mask_padded_vocab
 from megatron_ext.model.specs import llava_specs
 
@@ -98,14 +98,15 @@ def _recompute(ex: ModelExecution) -> dict:
     return {}
 
 
-def transformer_configs(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions, backend: str, tp: int, pp: int):
-    """(language, vision, projector) TransformerConfigs for a `tp` x `pp` layout."""
+def language_transformer_config(t: TextArch, family: TextHooks, opts: ModelOptions, backend: str, tp: int, pp: int):
+    """The language model's TransformerConfig for a `tp` x `pp` layout (a LLaVA's, or any model's
+    whose decoder is megatron-core's GPT)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     rope_kernels.install()  # before the configs: they check that fused RoPE entry points exist
-    t, v, ex = arch.text, arch.vision, opts.execution
+    ex = opts.execution
     fp8 = dict(fp8=ex.fp8, fp8_recipe="delayed") if ex.fp8 else {}
-    language = TransformerConfig(
+    return TransformerConfig(
         **_common(opts, backend, tp, t.init_std),
         **fp8,
         **_recompute(ex),
@@ -118,8 +119,16 @@ def transformer_configs(arch: LlavaArch, families: ModelFamilies, opts: ModelOpt
         num_attention_heads=t.num_attention_heads,
         num_query_groups=t.num_query_groups,
         kv_channels=t.kv_channels,
-        **_activation(families.text.language_config(t)),
+        **_activation(family.language_config(t)),
     )
+
+
+def transformer_configs(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions, backend: str, tp: int, pp: int):
+    """(language, vision, projector) TransformerConfigs for a `tp` x `pp` layout."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    t, v = arch.text, arch.vision
+    language = language_transformer_config(arch.text, families.text, opts, backend, tp, pp)
     vision = TransformerConfig(
         **_common(opts, backend, tp, v.init_std),
         # The ViT lives whole on the first pipeline stage; a PP size here would drop layers.
@@ -216,7 +225,7 @@ def _build(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions, vp_stag
     model.attention_backend = backend
     model.logits_where_loss = opts.execution.logits_where_loss
     if not opts.init_weights:
-        _mark_tensor_parallel_weights(model)
+        mark_tensor_parallel_weights(model)
     return model
 
 
@@ -235,7 +244,7 @@ def _model_class(arch: LlavaArch):
     return partial(with_shared_images(TiledLLaVAModel), tiling=arch.tiling, tile=arch.vision.image_size)
 
 
-def _mark_tensor_parallel_weights(model) -> None:
+def mark_tensor_parallel_weights(model) -> None:
     """Tag TP-split weights the way megatron-core does while initialising them.
 
     megatron-core sets `tensor_model_parallel` on a ColumnParallelLinear / RowParallelLinear /

@@ -21,10 +21,10 @@ class HfShapes:
     the converter reads from safetensors headers)."""
 
     def __init__(self, config: dict):
-        from megatron_ext.convert.hf_checkpoint import hf_model_names, meta_llava
+        from megatron_ext.convert.hf_checkpoint import hf_model_names, meta_hf_model
         from megatron_ext.convert.mapping import normalize_hf_name
 
-        params = {normalize_hf_name(n): t for n, t in meta_llava(config).state_dict().items()}
+        params = {normalize_hf_name(n): t for n, t in meta_hf_model(config).state_dict().items()}
         self.names = hf_model_names(config)
         self._shapes = {name: params[name].shape for name in self.names}
 

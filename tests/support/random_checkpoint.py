@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_ext.convert.hf_checkpoint import CONFIG_FILE, ShardWriter, TensorSpec, hf_model_names, meta_llava
+from megatron_ext.convert.hf_checkpoint import CONFIG_FILE, ShardWriter, TensorSpec, hf_model_names, meta_hf_model
 from megatron_ext.convert.mapping import normalize_hf_name
 from megatron_ext.errors import UserError
 from megatron_ext.families import read_llava, vision_family
@@ -107,7 +107,7 @@ def write_random_checkpoint(config: dict, out_dir: str | Path, dtype: str = "bfl
         raise UserError(f"{out} exists and is not an empty directory; give a new one for the random checkpoint")
     config = _with_dtype(_with_layers(config, layers) if layers is not None else config, dtype)
     read_llava(config)  # what the converters refuse, refused here in one line before anything is written
-    model = meta_llava(config)
+    model = meta_hf_model(config)
     shapes = {normalize_hf_name(name): tuple(t.shape) for name, t in model.state_dict().items()}
     planned = [TensorSpec(name, shapes[name], DTYPES[dtype]) for name in hf_model_names(config)]
     values = _Values(float(model.config.text_config.initializer_range), DTYPES[dtype], seed)

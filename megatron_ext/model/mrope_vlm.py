@@ -1,0 +1,118 @@
+"""A vision-language model whose decoder is megatron-core's GPTModel with 3-D multimodal RoPE
+(mRoPE) and whose image and video token embeddings are replaced by a vision encoder's features.
+
+The encoder is any module taking (patch rows, grid_thw) and returning its merged features in token
+order as `pooler_output` (transformers' Qwen2.5-VL tower, held whole: every tensor-parallel rank
+runs it on the same inputs, and its gradients are averaged over them). It lives on the first pipeline stage, beside the embedding. Positions
+are `[3, B, S]` (T, H, W), as `data/native_resolution.mrope_positions` gives them per sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from megatron_ext.model.arch import TextArch
+from megatron_ext.model.family_hooks import TextHooks
+
+
+class MRopeVisionLanguageModel(torch.nn.Module):
+    def __init__(self, language_model, vision_model, image_token_id: int, video_token_id: int):
+        super().__init__()
+        # What megatron-core's schedules read off a model.
+        self.config, self.model_type = language_model.config, language_model.model_type
+        self.language_model = language_model
+        self.vision_model = vision_model  # None off the first pipeline stage
+        self.image_token_id, self.video_token_id = image_token_id, video_token_id
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        state = self.language_model.sharded_state_dict(f"{prefix}language_model.", sharded_offsets, metadata)
+        if self.vision_model is not None:
+            # A plain torch module: each of its tensors whole, replicated over the ranks that hold it.
+            # Without the TP group megatron-core counts every tensor rank as the main copy.
+            state.update(sharded_state_dict_default(self.vision_model, f"{prefix}vision_model.", sharded_offsets, metadata,
+                                                    tp_group=parallel_state.get_tensor_model_parallel_group()))
+        return state
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
+                pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, labels=None):
+        """Logits [B, S, V] (loss [B, S] with `labels`); `input_ids` [B, S] with every image and
+        video expanded to one token per merged patch, `position_ids` [3, B, S]."""
+        embeddings = None
+        if self.language_model.pre_process:
+            embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)
+            for token, pixels, grid in ((self.image_token_id, pixel_values, image_grid_thw),
+                                        (self.video_token_id, pixel_values_videos, video_grid_thw)):
+                if pixels is not None:
+                    embeddings = self._placed(embeddings, input_ids == token, self.vision_model(pixels, grid_thw=grid))
+        return self.language_model(input_ids, position_ids, attention_mask, decoder_input=embeddings, labels=labels)
+
+    @staticmethod
+    def _placed(embeddings: torch.Tensor, where: torch.Tensor, encoded) -> torch.Tensor:
+        """[S, B, H] embeddings with the rows at `where` ([B, S], filled sample by sample, as the
+        features come) replaced by the encoder's features."""
+        features = encoded.pooler_output
+        if int(where.sum()) != features.shape[0]:
+            raise ValueError(f"{int(where.sum())} media tokens but {features.shape[0]} features: expand each "
+                             "placeholder to its merged patch count (native_resolution.expand_placeholders)")
+        by_sample = embeddings.transpose(0, 1).clone()
+        by_sample[where] = features.to(by_sample.dtype)
+        return by_sample.transpose(0, 1).contiguous()
+
+
+def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], image_token_id: int, video_token_id: int,
+          opts, vp_stage: int | None = None) -> MRopeVisionLanguageModel:
+    """This rank's model under the current megatron parallel state: `family`'s language config
+    must give `mrope_section`; `vision()` makes the encoder (called on the first stage only)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_ext.compat import without_te
+    from megatron_ext.distributed import device
+    from megatron_ext.model.build_errors import megatron_refusals
+    from megatron_ext.model.padded_vocab import mask_padded_vocab
+    from megatron_ext.model.provider import language_transformer_config, mark_tensor_parallel_weights
+    from megatron_ext.model.specs import llava_specs
+
+    without_te.apply()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    backend = opts.resolved_backend()
+    with megatron_refusals():
+        config = language_transformer_config(t, family, opts, backend, tp, pp)
+        language = GPTModel(
+            config=config,
+            transformer_layer_spec=family.language_spec(t, llava_specs(backend, config).language, config, backend, vp_stage),
+            vocab_size=t.padded_vocab_size,
+            max_sequence_length=opts.seq_length,
+            pre_process=first,
+            post_process=last,
+            parallel_output=opts.parallel_output,
+            share_embeddings_and_output_weights=t.tie_word_embeddings,
+            position_embedding_type="mrope",
+            rotary_base=t.rope_theta,
+            vp_stage=vp_stage,
+        )
+    if last:
+        mask_padded_vocab(language.output_layer, t.vocab_size, t.padded_vocab_size)
+    model = MRopeVisionLanguageModel(language, _replicated(vision()) if first else None, image_token_id, video_token_id)
+    if not opts.init_weights:
+        mark_tensor_parallel_weights(model)
+    return model.to(device())
+
+
+def _replicated(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` marked as held whole by every tensor rank: megatron-core's `finalize_model_grads`
+    averages such parameters' gradients over the tensor-parallel group, which keeps the copies equal."""
+    for param in module.parameters():
+        param.average_gradients_across_tp_domain = True
+    return module
