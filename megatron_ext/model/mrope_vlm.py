@@ -80,6 +80,7 @@ def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], image_token
     from megatron_ext.model.padded_vocab import mask_padded_vocab
     from megatron_ext.model.provider import language_transformer_config, mark_tensor_parallel_weights
     from megatron_ext.model.specs import llava_specs
+    from megatron_ext.model.vocab_embedding import use_masked_fill
 
     without_te.apply()
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -102,6 +103,8 @@ def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], image_token
             rotary_base=t.rope_theta,
             vp_stage=vp_stage,
         )
+    if first:
+        use_masked_fill(language)
     if last:
         mask_padded_vocab(language.output_layer, t.vocab_size, t.padded_vocab_size)
     model = MRopeVisionLanguageModel(language, _replicated(vision()) if first else None, image_token_id, video_token_id)
