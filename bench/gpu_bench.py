@@ -75,6 +75,8 @@ SWEEP = {
     "sdpa, packed": [],
     "sdpa, packed, logits at every position": ["--no-logits-where-loss"],
     "sdpa, packed, vision tower per micro batch": ["--vision-per-micro-batch"],
+    # Each transformer layer under torch.compile (its compilation falls in the warm-up steps).
+    "sdpa, packed, compiled layers": ["--compile-layers"],
     # The same samples in fewer micro batches: fewer kernel launches and main-grad additions per token.
     "sdpa, packed 8192": ["--seq-length", "8192"],
     "sdpa, packed 16384": ["--seq-length", "16384"],
@@ -314,6 +316,7 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
         "preset": preset_name, "attention_backend": plan.execution.model.attention_backend, "packing": packing,
         "recompute": plan.execution.model.recompute_granularity or "none", "fp8": plan.execution.model.fp8 is not None,
         "logits_where_loss": inputs.logits_where_loss,
+        "compile_layers": plan.execution.model.compile_layers, "uncompiled": _uncompiled(plan),
         "dtype": plan.dtype, "seq_length": plan.seq_length, "iterations": iters,
         "micro_batches_per_step": round(sum(len(s) for s in steps[warmup:]) / iters, 2),
         "vision_tower_forwards_per_step": round(len(tower_calls) / iters, 2),
@@ -323,6 +326,13 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
         "step_time_s": seconds / iters, "tokens_per_s": timed["positions"] / seconds, "tflops_per_gpu": tflops,
         "mfu": tflops / peak_tflops, "peak_mem_gib": _peak_memory_gib(),
     }
+
+
+def _uncompiled(plan) -> list[str]:
+    """With --compile-layers, what torch.compile left uncompiled (empty: every layer compiled whole)."""
+    from megatron_ext.model.compiled_layers import compile_problems
+
+    return compile_problems() if plan.execution.model.compile_layers else []
 
 
 def _device_name() -> str:
@@ -390,10 +400,12 @@ def sweep(argv: list[str]) -> dict:
 @click.option("--hf-micro-batch-size", type=int, default=4, show_default=True)
 @click.option("--host-reads", is_flag=True, help="The step before it stopped reading the device back: megatron-core's "
               "LLaVA preprocessing and per-tensor gradient norm (for an A/B).")
+@click.option("--compile-layers", is_flag=True, help="Compile each transformer layer with torch.compile (the "
+              "trainer's --compile-layers); give warm-up steps for the compilation.")
 @click.option("--vision-per-micro-batch", is_flag=True, help="Run the frozen vision tower per micro batch, as "
               "before it ran once per step over all the step's images (for an A/B).")
 def main(preset, attention_backend, packing, recompute_granularity, seq_length, fp8, iters, warmup, peak_tflops, run_sweep,
-         logits_where_loss, hf, hf_micro_batch_size, host_reads, vision_per_micro_batch):
+         logits_where_loss, hf, hf_micro_batch_size, host_reads, compile_layers, vision_per_micro_batch):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if run_sweep:
         argv = ["--preset", preset, "--iters", str(iters), "--warmup", str(warmup), "--peak-tflops", str(peak_tflops)]
@@ -404,7 +416,7 @@ def main(preset, attention_backend, packing, recompute_granularity, seq_length, 
         return
     options = {"attention_backend": attention_backend, "recompute_granularity": recompute_granularity, "fp8": fp8,
                "packing_seq_length": with_seq_length(PRESETS[preset], seq_length).seq_length if packing else None,
-               "logits_where_loss": logits_where_loss}
+               "logits_where_loss": logits_where_loss, "compile_layers": compile_layers}
     result = run_one(preset, options, packing, iters, warmup, peak_tflops, host_reads, seq_length,
                      vision_per_micro_batch)
     print(json.dumps({"device": _device_name(), **result}))

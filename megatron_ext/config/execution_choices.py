@@ -109,6 +109,7 @@ def resolve_execution(config: TrainConfig, world_size: int, te: bool, on_gpu: bo
         recompute_num_layers=config.recompute_num_layers,
         gradient_accumulation_fusion=_gradient_accumulation_fusion(backend, on_gpu),
         logits_where_loss=_logits_where_loss(config, sequence_parallel),
+        compile_layers=_compile_layers(config, backend),
     )
     return Execution(
         model=model,
@@ -118,6 +119,16 @@ def resolve_execution(config: TrainConfig, world_size: int, te: bool, on_gpu: bo
         ddp_bucket_size=config.ddp_bucket_size,
         alignment=alignment,
     )
+
+
+def _compile_layers(config: TrainConfig, backend: str) -> bool:
+    if config.compile_layers and backend == "te":
+        # Transformer Engine's layers are fused kernels already, and torch.compile does not trace them.
+        raise UserError("--compile-layers compiles torch layers: use --attention-backend sdpa (or local), or drop it")
+    if config.compile_layers and config.tp > 1:
+        raise UserError("--compile-layers runs at --tp 1 so far: megatron-core's tensor-parallel layers all-reduce "
+                        "asynchronously in backward, which torch.compile breaks its graphs at; drop it or use --tp 1")
+    return config.compile_layers
 
 
 def _logits_where_loss(config: TrainConfig, sequence_parallel: bool) -> bool:

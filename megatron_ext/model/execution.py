@@ -19,4 +19,5 @@ class ModelExecution:
     recompute_num_layers: int = 1
     gradient_accumulation_fusion: bool = False  # weight gradients accumulated in place (training on GPU)
     logits_where_loss: bool = False  # training: output layer and cross entropy only where a loss is taken
+    compile_layers: bool = False  # each transformer layer compiled by torch.compile (`compiled_layers`)
 

@@ -166,8 +166,14 @@ def build_model(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions = M
         raise ValueError("a model on the meta device has no values to initialise: use init_weights=False")
     with megatron_refusals(), torch.device("meta") if meta else contextlib.nullcontext():
         model = _build(arch, families, opts, vp_stage, tp, pp)
+    if meta:
+        return model
+    if opts.execution.compile_layers:
+        from megatron_ext.model.compiled_layers import compile_layers
+
+        compile_layers(model)
     # use_cpu_initialization leaves every weight on the host; it computes on this process's device.
-    return model if meta else model.to(device())
+    return model.to(device())
 
 
 def _build(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions, vp_stage: int | None, tp: int, pp: int):

@@ -39,15 +39,23 @@ class _Rotation:
 
     def __call__(self, freqs: torch.Tensor, dtype: torch.dtype, cu_seqlens: torch.Tensor | None = None,
                  tokens: int | None = None):
+        if torch.compiler.is_compiling():
+            # A compiled layer fuses these into its own kernels; a cache held across calls would only make
+            # it guard on (and recompile for) each micro batch's tensors.
+            return _cos_sin(freqs, dtype, cu_seqlens, tokens)
         key = (freqs, cu_seqlens, dtype, tokens)
         if not (self.key and self.key[0] is freqs and self.key[1] is cu_seqlens and self.key[2:] == key[2:]):
-            angles = freqs  # bshd, or THD freqs with a row per token: each token's own row
-            if cu_seqlens is not None and freqs.shape[0] != tokens:
-                angles = freqs[positions_in_sequences(cu_seqlens, tokens)]
-            # As megatron-core's bshd path computes them (mscale 1).
-            self.cos, self.sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+            self.cos, self.sin = _cos_sin(freqs, dtype, cu_seqlens, tokens)
             self.key = key
         return self.cos, self.sin
+
+
+def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype, cu_seqlens: torch.Tensor | None, tokens: int | None):
+    angles = freqs  # bshd, or THD freqs with a row per token: each token's own row
+    if cu_seqlens is not None and freqs.shape[0] != tokens:
+        angles = freqs[positions_in_sequences(cu_seqlens, tokens)]
+    # As megatron-core's bshd path computes them (mscale 1).
+    return torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
 
 
 _rotation = _Rotation()

@@ -132,6 +132,7 @@ class Trainer:
                              and parallel_state.get_context_parallel_rank() == 0)
         self.last_saved = plan.resume.path if plan.resume else None
         self.held_state_recorded = False
+        self.compile_problems_said = False
 
     def _one_pass(self):
         """Global batches of one pass over the train split, then the val batches evaluations use (an
@@ -218,6 +219,15 @@ class Trainer:
             log.info("held by the largest rank (pp %d, tp %d, dp %d): parameters %.3f GiB, gradients %.3f GiB, "
                      "optimizer %.3f GiB", *largest[:3], *(b / 2**30 for b in largest[3:]))
         self.held_state_recorded = True
+
+    def _say_compile_problems(self) -> None:
+        """Once, after the first step of --compile-layers: where torch.compile could not trace a layer whole
+        (those parts run uncompiled), so that a compiled run slower than expected says why."""
+        from megatron_ext.model.compiled_layers import compile_problems
+
+        if problems := compile_problems():
+            log.warning("--compile-layers: torch.compile left parts of the layers uncompiled: %s", "; ".join(problems))
+        self.compile_problems_said = True
 
     def _check_finite(self, result: StepResult | None) -> None:
         if result is None or result.finite:
@@ -318,6 +328,8 @@ class Trainer:
             record = self._record(result, batch, time.perf_counter() - start, lr)
             if result is not None and result.updated and not self.held_state_recorded:
                 self._record_held_state()
+            if self.plan.execution.model.compile_layers and not self.compile_problems_said:
+                self._say_compile_problems()
             last = self._finished()
             if self._due(cfg.log_interval) or last or not (result is None or result.finite):
                 self.metrics.log({**record, "samples_digest": self._samples_digest(micro_batches)})

@@ -76,3 +76,17 @@ def _single_group():
     from types import SimpleNamespace
 
     return SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+
+
+def test_a_compiled_caller_computes_each_micro_batchs_rotation_without_recompiling():
+    """Inside torch.compile (--compile-layers) the rotation is computed in the graph: a cache held across
+    calls would make it guard on each micro batch's tensors and compile again for every one."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    compiled = torch.compile(rotary_thd, dynamic=True, backend="eager")  # dynamo guards alone decide recompiling
+    freqs, gen = _freqs(6), torch.Generator().manual_seed(0)
+    for cu in (CU, torch.tensor([0, 2, 7, 11], dtype=torch.int32), torch.tensor([0, 5, 9, 11], dtype=torch.int32)):
+        t = torch.randn(11, 3, 8, generator=gen)
+        torch.testing.assert_close(compiled(t, cu, freqs), rotary_thd(t, cu, freqs), rtol=1e-6, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1

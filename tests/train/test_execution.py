@@ -57,7 +57,8 @@ def test_summary_is_flat_as_checkpoints_store_it():
     summary = _resolve(world=2, attention_backend="local", dist_optim=True).summary()
     assert summary == {"attention_backend": "local", "sequence_parallel": False, "cp": 1, "fp8": None,
                        "recompute_granularity": "selective", "recompute_method": "uniform", "recompute_num_layers": 1,
-                       "gradient_accumulation_fusion": False, "logits_where_loss": True, "data_parallel_size": 2,
+                       "gradient_accumulation_fusion": False, "logits_where_loss": True, "compile_layers": False,
+                       "data_parallel_size": 2,
                        "overlap_grad_reduce": True,
                        "overlap_param_gather": True, "ddp_bucket_size": None,
                        "alignment": {"total": 1, "per_sample": 1}}
@@ -74,6 +75,10 @@ REFUSED = {
                                        logits_where_loss=True),
                                   "--logits-where-loss cannot run with sequence or context parallelism"),
     "te without TE": (dict(attention_backend="te"), "--attention-backend te needs Transformer Engine with CUDA"),
+    "compiled te layers": (dict(attention_backend="te", te=True, compile_layers=True),
+                           "--compile-layers compiles torch layers: use --attention-backend sdpa (or local), or drop it"),
+    "compiled layers at tp 2": (dict(world=2, tp=2, compile_layers=True),
+                                "--compile-layers runs at --tp 1 so far: megatron-core's tensor-parallel layers"),
     "fp8 without TE": (dict(fp8=True), "--fp8 needs Transformer Engine with CUDA, which is not importable here"),
     "fp8 with sdpa": (dict(fp8=True, attention_backend="sdpa", te=True),
                       "--fp8 needs Transformer Engine layers; it cannot run with --attention-backend sdpa"),

@@ -1,0 +1,59 @@
+"""Each transformer layer (language model and vision tower) compiled with torch.compile
+(`--compile-layers`): without Transformer Engine a layer is some 50 small kernels in forward and 60
+in backward, each launched from megatron-core's Python, and the step waits for the host; compiled,
+its elementwise work is fused and its Python runs once per graph.
+
+Dynamic shapes, so packed micro batches of any length reuse one graph. megatron-core's layer
+traces whole once one lookup is made traceable: its row-parallel linear asks for the default
+tensor-parallel group by passing None, and the lookup warns (`warnings.warn`, which torch.compile
+cannot trace: a graph break in every layer). `compile_problems` says what is still left uncompiled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_TRACEABLE = False
+
+
+def _traceable_tp_group_lookup() -> None:
+    """megatron-core's tensor-parallel group lookup without its deprecation warning for None."""
+    global _TRACEABLE
+    if _TRACEABLE:
+        return
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import layers
+
+    lookup = layers.get_tensor_model_parallel_group_if_none
+
+    def group_or_default(tp_group, is_expert=False, check_initialized=True):
+        if tp_group is None and torch.distributed.is_initialized() and parallel_state.is_initialized():
+            default = (parallel_state.get_expert_tensor_parallel_group if is_expert
+                       else parallel_state.get_tensor_model_parallel_group)
+            return default(check_initialized=check_initialized)
+        return lookup(tp_group, is_expert, check_initialized)
+
+    layers.get_tensor_model_parallel_group_if_none = group_or_default
+    _TRACEABLE = True
+
+
+def compile_layers(model: torch.nn.Module) -> int:
+    """Compile every megatron-core TransformerLayer of `model` in place; how many there are."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    _traceable_tp_group_lookup()
+    layers = [module for module in model.modules() if isinstance(module, TransformerLayer)]
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
+def compile_problems() -> list[str]:
+    """What torch.compile left uncompiled in this process so far: each reason a graph broke, with how often,
+    and the frames it gave up on (past its recompile limit, or failing); empty: all compiled whole."""
+    from torch._dynamo.utils import counters
+
+    problems = [f"{reason} ({count}x)" for reason, count in counters["graph_break"].items()]
+    if given_up := counters["frames"]["total"] - counters["frames"]["ok"]:
+        problems.append(f"{given_up} frame(s) not compiled (e.g. past torch._dynamo's recompile limit)")
+    return problems
