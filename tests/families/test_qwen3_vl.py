@@ -2,7 +2,7 @@
 converters both ways at TP/PP 1 and 2: bit-exact round trips, and the converted model's logits
 (interleaved mRoPE, DeepStack features after decoder layers 0 and 1) against transformers' on
 inputs built by data/native_resolution.py (two smart-resized images of odd sizes, a 5-frame video
-split into frame-pair grids). One launch of 4 ranks converts and computes everything (qwen_vl_worker.py)."""
+split into frame-pair grids, an image before a video). One launch of 4 ranks converts and computes everything (qwen_vl_worker.py)."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_round_trip_gives_back_every_tensor_bit_for_bit(converted, layout):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("sample", ["two images", "video"])
+@pytest.mark.parametrize("sample", ["two images", "video", "image and video"])
 def test_converted_model_logits_equal_transformers_within_1e_4_at_tp_and_pp_1_and_2(converted, sample):
     out, hf_dir = converted
     reference = hf_logits(hf_dir, samples()[sample])

@@ -59,7 +59,8 @@ def _video_runs(grid, seconds: list[float]) -> list[int]:
 
 def samples() -> dict[str, dict]:
     """{name: one sample's model inputs}: two images (37x91 and 1000x17, smart-resized) between
-    text, and a 5-frame video; each with its ids [1, S], mRoPE positions [3, 1, S] and pixels."""
+    text, a 5-frame video, and an image before a video (transformers merges their DeepStack
+    features under one mask); each with its ids [1, S], mRoPE positions [3, 1, S] and pixels."""
     images = image_inputs([Image.fromarray(noise(37, 91, 1)), Image.fromarray(noise(1000, 17, 2))], QWEN3_VL)
     first, second = images["image_grid_thw"]
     run = lambda grid: qwen_vl.vision_run(IMAGE_TOKEN, grid)  # noqa: E731
@@ -67,8 +68,11 @@ def samples() -> dict[str, dict]:
     clip = VideoClip(noise(37, 91, 7, frames=5), 10.0, (0, 1, 2, 3, 4), 5)
     video = video_inputs(clip, QWEN3_VL)
     with_video = text(6, 4) + _video_runs(video["video_grid_thw"][0], clip.frame_pair_seconds(2)) + text(8, 7)
+    image = image_inputs([Image.fromarray(noise(91, 37, 9))], QWEN3_VL)
+    both = text(10, 2) + run(image["image_grid_thw"][0]) + with_video
     return {"two images": qwen_vl.sample(two_images, QWEN3_VL, **images),
-            "video": qwen_vl.sample(with_video, QWEN3_VL, **video)}
+            "video": qwen_vl.sample(with_video, QWEN3_VL, **video),
+            "image and video": qwen_vl.sample(both, QWEN3_VL, **image, **video)}
 
 
 def hf_logits(hf_dir: Path, inputs: dict) -> torch.Tensor:
