@@ -24,12 +24,14 @@ def channel_axes(mrope_section, channels: int) -> torch.Tensor:
 
 
 class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
-    """megatron-core's multimodal RoPE embedding (same constructor, same call) with interleaved axes."""
+    """megatron-core's multimodal RoPE embedding (same constructor, same call) with interleaved axes,
+    without position interpolation (the Qwen-VL models use none)."""
 
     def forward(self, position_ids: torch.Tensor, mrope_section, cp_group=None) -> torch.Tensor:
-        """Angles [S, B, 1, head size] of positions [3, B, S]; `cp_group` must be None (unsplit sequences)."""
-        if cp_group is not None or self.seq_len_interpolation_factor is not None:
-            raise ValueError("interleaved mRoPE runs without context parallelism or position interpolation")
+        """Angles [S, B, 1, head size] of positions [3, B, S], for whole (not context-parallel) sequences."""
+        group = cp_group if cp_group is not None else self.cp_group
+        if group is not None and group.size() > 1:
+            raise ValueError("interleaved mRoPE runs without context parallelism so far")
         # fp32 products, as transformers computes them (an angle per axis, then one axis per channel)
         angles = position_ids.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq
         axes = channel_axes(mrope_section, angles.shape[-1]).to(angles.device)
