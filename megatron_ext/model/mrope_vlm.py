@@ -2,9 +2,16 @@
 (mRoPE) and whose image and video token embeddings are replaced by a vision encoder's features.
 
 The encoder is any module taking (patch rows, grid_thw) and returning its merged features in token
-order as `pooler_output` (transformers' Qwen2.5-VL tower, held whole: every tensor-parallel rank
-runs it on the same inputs, and its gradients are averaged over them). It lives on the first pipeline stage, beside the embedding. Positions
-are `[3, B, S]` (T, H, W), as `data/native_resolution.mrope_positions` gives them per sample.
+order as `pooler_output` (transformers' Qwen2.5-VL or Qwen3-VL tower, held whole: every
+tensor-parallel rank runs it on the same inputs, and its gradients are averaged over them). It lives
+on the first pipeline stage, beside the embedding. Positions are `[3, B, S]` (T, H, W), as
+`data/native_resolution.mrope_positions` gives them per sample; their angles are megatron-core's
+chunked mRoPE or Qwen3-VL's interleaved one (`interleaved_mrope.py`).
+
+DeepStack (Qwen3-VL): an encoder whose output also holds `deepstack_features` (one [tokens, hidden]
+tensor per feature) has feature i added to the decoder's hidden states after decoder layer i, at
+the same media tokens. Forward hooks on the first stage's decoder layers add them, so megatron-core's
+decoder stays as it is.
 """
 
 from __future__ import annotations
@@ -25,6 +32,12 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         self.language_model = language_model
         self.vision_model = vision_model  # None off the first pipeline stage
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
+        # (where [B, S], features [tokens, hidden]) per media kind, for each DeepStack feature of the
+        # forward under way; read by the hooks on the first decoder layers.
+        self._deepstack: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        if vision_model is not None:
+            for index, layer in enumerate(language_model.decoder.layers):
+                layer.register_forward_hook(self._deepstack_hook(index))
 
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
@@ -46,13 +59,39 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         """Logits [B, S, V] (loss [B, S] with `labels`); `input_ids` [B, S] with every image and
         video expanded to one token per merged patch, `position_ids` [3, B, S]."""
         embeddings = None
+        self._deepstack = []
         if self.language_model.pre_process:
             embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)
             for token, pixels, grid in ((self.image_token_id, pixel_values, image_grid_thw),
                                         (self.video_token_id, pixel_values_videos, video_grid_thw)):
                 if pixels is not None:
-                    embeddings = self._placed(embeddings, input_ids == token, self.vision_model(pixels, grid_thw=grid))
-        return self.language_model(input_ids, position_ids, attention_mask, decoder_input=embeddings, labels=labels)
+                    where, encoded = input_ids == token, self.vision_model(pixels, grid_thw=grid)
+                    embeddings = self._placed(embeddings, where, encoded)
+                    self._keep_deepstack(where, getattr(encoded, "deepstack_features", None) or [])
+        try:
+            return self.language_model(input_ids, position_ids, attention_mask, decoder_input=embeddings, labels=labels)
+        finally:
+            self._deepstack = []  # the features are this forward's only
+
+    def _keep_deepstack(self, where: torch.Tensor, features: list) -> None:
+        layers = len(self.language_model.decoder.layers)
+        if len(features) > layers:
+            raise ValueError(f"the vision encoder gives {len(features)} DeepStack features but this first pipeline "
+                             f"stage holds {layers} decoder layers; use a smaller pipeline-parallel size")
+        self._deepstack += [[] for _ in range(len(features) - len(self._deepstack))]
+        for index, feature in enumerate(features):
+            self._deepstack[index].append((where, feature))
+
+    def _deepstack_hook(self, index: int):
+        def add_features(layer, args, output):
+            if index >= len(self._deepstack):
+                return None
+            hidden, context = output
+            for where, features in self._deepstack[index]:
+                hidden = self._added(hidden, where, features)
+            return hidden, context
+
+        return add_features
 
     @staticmethod
     def _placed(embeddings: torch.Tensor, where: torch.Tensor, encoded) -> torch.Tensor:
@@ -66,17 +105,26 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         by_sample[where] = features.to(by_sample.dtype)
         return by_sample.transpose(0, 1).contiguous()
 
+    @staticmethod
+    def _added(hidden: torch.Tensor, where: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """[S, B, H] hidden states with `features` added to the rows at `where` ([B, S]), as `_placed` fills them."""
+        by_sample = hidden.transpose(0, 1).clone()
+        by_sample[where] = by_sample[where] + features.to(by_sample.dtype)
+        return by_sample.transpose(0, 1).contiguous()
+
 
 def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], image_token_id: int, video_token_id: int,
-          opts, vp_stage: int | None = None) -> MRopeVisionLanguageModel:
+          opts, vp_stage: int | None = None, interleaved_mrope: bool = False) -> MRopeVisionLanguageModel:
     """This rank's model under the current megatron parallel state: `family`'s language config
-    must give `mrope_section`; `vision()` makes the encoder (called on the first stage only)."""
+    must give `mrope_section`; `vision()` makes the encoder (called on the first stage only);
+    `interleaved_mrope`: the sections interleave over the channels (Qwen3-VL) instead of chunking."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     from megatron_ext.compat import without_te
     from megatron_ext.distributed import device
     from megatron_ext.model.build_errors import megatron_refusals
+    from megatron_ext.model.interleaved_mrope import InterleavedMultimodalRotaryEmbedding
     from megatron_ext.model.padded_vocab import mask_padded_vocab
     from megatron_ext.model.provider import language_transformer_config, mark_tensor_parallel_weights
     from megatron_ext.model.specs import llava_specs
@@ -103,6 +151,8 @@ def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], image_token
             rotary_base=t.rope_theta,
             vp_stage=vp_stage,
         )
+    if interleaved_mrope:
+        language.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(config.kv_channels, 1.0, rotary_base=t.rope_theta)
     if first:
         use_masked_fill(language)
     if last:

@@ -1,7 +1,7 @@
 """Qwen2.5-VL: its config read into the arch, its table, and the converters both ways at TP/PP 1 and
 2: bit-exact round trips, and the converted model's logits against transformers' on inputs built by
 data/native_resolution.py (two smart-resized images of odd sizes, a 5-frame video). One launch of 4
-ranks converts and computes everything (qwen2_5_vl_worker.py)."""
+ranks converts and computes everything (qwen_vl_worker.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_config_is_read_with_its_mrope_sections_and_top_level_tying():
     arch = families.vision_language_family("qwen2_5_vl").read(tiny_config())
     assert arch.text.mrope_section == (4, 6, 6)
     assert (arch.text.qkv_bias, arch.text.tie_word_embeddings, arch.text.kv_channels) == (True, False, 32)
-    assert (arch.image_token_id, arch.video_token_id, arch.vision_depth) == (500, 501, 3)
+    assert (arch.image_token_id, arch.video_token_id, arch.vision_config["depth"]) == (500, 501, 3)
     assert arch.vision_config["fullatt_block_indexes"] == [1]
 
 
@@ -50,7 +50,7 @@ def test_what_the_model_cannot_run_with_yet_is_refused_in_one_line_each_before_b
     with pytest.raises(UserError, match=r"^Qwen2.5-VL runs in float32 only so far, not bfloat16; "
                                         r"Qwen2.5-VL runs without sequence or context parallelism so far$"):
         family.build(family.read(tiny_config()), opts)
-    assert family.option_problems(ModelOptions(execution=ModelExecution(cp=2))) == [
+    assert family.option_problems(ModelOptions(execution=ModelExecution(cp=2)), family.read(tiny_config())) == [
         "Qwen2.5-VL runs without sequence or context parallelism so far"]
 
 
@@ -69,10 +69,10 @@ def test_every_tensor_of_the_checkpoint_has_one_row():
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """OUT/megatron/LAYOUT, OUT/hf/LAYOUT, OUT/logits, OUT/vision.json (qwen2_5_vl_worker.py)."""
+    """OUT/megatron/LAYOUT, OUT/hf/LAYOUT, OUT/logits, OUT/vision.json (qwen_vl_worker.py)."""
     out = tmp_path_factory.mktemp("qwen2_5_vl")
     hf_dir = write_tiny_model(out / "hf_original")
-    run_ranks(4, "tests/families/qwen2_5_vl_worker.py", out, hf_dir, timeout=400)
+    run_ranks(4, "tests/families/qwen_vl_worker.py", out, hf_dir, "tests.support.qwen2_5_vl", timeout=400)
     return out, hf_dir
 
 

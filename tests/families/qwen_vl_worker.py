@@ -1,6 +1,7 @@
-"""Worker for test_qwen2_5_vl (4 ranks): the tiny Qwen2.5-VL through the converters at TP/PP 1 and 2.
+"""Worker for test_qwen2_5_vl and test_qwen3_vl (4 ranks): a tiny Qwen-VL model through the
+converters at TP/PP 1 and 2.
 
-Usage: qwen2_5_vl_worker.py OUT HF_DIR
+Usage: qwen_vl_worker.py OUT HF_DIR SUPPORT_MODULE (its `samples()`: tests.support.qwen2_5_vl, ...)
 
 - OUT/megatron/tpTppP: HF_DIR converted by the converter's own per-rank code at each layout (the
   megatron parallel state rebuilt over the same 4 processes; smaller layouts get data-parallel
@@ -13,6 +14,7 @@ Usage: qwen2_5_vl_worker.py OUT HF_DIR
 - OUT/hf/tpTppP: every checkpoint back to HF (export_worker.py).
 """
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -21,7 +23,6 @@ import torch
 
 from tests.convert.export_worker import export_all
 from tests.support.helpers import hf_tensors
-from tests.support.qwen2_5_vl import samples
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
@@ -84,21 +85,24 @@ def logits(model, sample, vocab_size):
     return out
 
 
-def save_logits(out, model, arch, name):
+def save_logits(out, model, arch, name, samples):
     import torch.distributed as dist
 
-    for sample_name, sample in samples().items():
+    for sample_name, sample in samples.items():
         result = logits(model, sample, arch.text.vocab_size)
         if dist.get_rank() == 0:
             torch.save(result, out / "logits" / f"{sample_name}-{name}.pt")
 
 
-def vision_qkv_whole(model, hf) -> list[bool]:
+def vision_qkv_whole(model, hf, arch) -> list[bool]:
     """Per block, whether this rank holds HF's qkv weight and bias exactly (first stage; else [])."""
+    from megatron_ext import families
+
     if model.vision_model is None:
         return []
-    return [torch.equal(block.attn.qkv.weight, hf[f"visual.blocks.{i}.attn.qkv.weight"])
-            and torch.equal(block.attn.qkv.bias, hf[f"visual.blocks.{i}.attn.qkv.bias"])
+    visual = families.of(arch).visual_prefix
+    return [torch.equal(block.attn.qkv.weight, hf[f"{visual}blocks.{i}.attn.qkv.weight"])
+            and torch.equal(block.attn.qkv.bias, hf[f"{visual}blocks.{i}.attn.qkv.bias"])
             for i, block in enumerate(model.vision_model.blocks)]
 
 
@@ -122,18 +126,19 @@ def main():
     from megatron_ext.distributed import shutdown
 
     out, hf_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    samples = importlib.import_module(sys.argv[3]).samples()
     (out / "logits").mkdir(parents=True, exist_ok=True)
     hf = hf_tensors(hf_dir)
     vision = {"qkv": {}, "averaged": {}}
     for tp, pp in LAYOUTS:
         set_layout(tp, pp)
         model, arch = loaded(convert(out, hf_dir, tp, pp))
-        save_logits(out, model, arch, f"tp{tp}pp{pp}")
-        vision["qkv"][f"tp{tp}pp{pp}"] = gathered(vision_qkv_whole(model, hf))
+        save_logits(out, model, arch, f"tp{tp}pp{pp}", samples)
+        vision["qkv"][f"tp{tp}pp{pp}"] = gathered(vision_qkv_whole(model, hf, arch))
         vision["averaged"][f"tp{tp}pp{pp}"] = gathered(vision_grads_averaged(model))
     set_layout(1, 1)
     model, arch = loaded(out / "megatron" / "tp2pp2")
-    save_logits(out, model, arch, "tp2pp2-at-tp1pp1")
+    save_logits(out, model, arch, "tp2pp2-at-tp1pp1", samples)
     if dist.get_rank() == 0:
         (out / "vision.json").write_text(json.dumps(vision))
     export_all(out)

@@ -1,0 +1,44 @@
+"""What the Qwen-VL test models share: random pixels and text, media runs of placeholder tokens,
+a sample's model inputs built by `data/native_resolution.py`, and transformers' logits on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_ext.data.native_resolution import QwenVision, mrope_positions, token_types
+
+VOCAB = 512
+IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END, BOS, EOS = 500, 501, 502, 503, 504, 505
+
+
+def noise(height: int, width: int, seed: int, frames: int | None = None) -> np.ndarray:
+    shape = (height, width, 3) if frames is None else (frames, height, width, 3)
+    return np.random.RandomState(seed).randint(0, 256, shape, dtype=np.uint8)
+
+
+def text(seed: int, n: int) -> list[int]:
+    return np.random.RandomState(seed).randint(0, IMAGE_TOKEN, n).tolist()
+
+
+def vision_run(token: int, grid, merge_size: int = 2) -> list[int]:
+    t, h, w = (int(v) for v in grid)
+    return [VISION_START] + [token] * (t * h * w // merge_size ** 2) + [VISION_END]
+
+
+def sample(ids: list[int], vision: QwenVision, **media) -> dict:
+    """One sample's model inputs: ids [1, S], mRoPE positions [3, 1, S], token types and `media`."""
+    types = token_types(ids, IMAGE_TOKEN, VIDEO_TOKEN)
+    positions = mrope_positions(types, vision, media.get("image_grid_thw", ()), media.get("video_grid_thw", ()),
+                                media.get("second_per_grid_ts"))
+    return {"input_ids": torch.tensor([ids]), "position_ids": positions[:, None, :],
+            "mm_token_type_ids": torch.from_numpy(types)[None].int(), **media}
+
+
+def hf_logits(model_class, hf_dir: Path, inputs: dict) -> torch.Tensor:
+    """transformers' float32 logits [1, S, vocab] of a sample (its own mRoPE positions)."""
+    model = model_class.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(**{k: v for k, v in inputs.items() if k != "position_ids"}).logits.float()
