@@ -158,6 +158,21 @@ def llava_qwen2_siglip(tmp_path_factory, tiny_qwen2_tied, tiny_hf) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_chatml(tmp_path_factory) -> Path:
+    """A Qwen2-style text model with a tokenizer as Qwen2's: byte-level BPE, ChatML's special tokens
+    (<|im_start|>, <|im_end|>), no BOS, ChatML as its chat template."""
+    from megatron_ext.demo.tiny_models import TinyTextSpec, make_text_model
+
+    return make_text_model(tmp_path_factory.mktemp("tiny_qwen2_chatml") / "text", TinyTextSpec(arch="qwen2", tokenizer="chatml"))
+
+
+@pytest.fixture(scope="session")
+def llava_qwen2_chatml(tmp_path_factory, tiny_qwen2_chatml, tiny_hf) -> Path:
+    """LLaVA: the ChatML Qwen2 + CLIP; its tokenizer adds <image>."""
+    return _build(tmp_path_factory, "llava_qwen2_chatml", tiny_qwen2_chatml, tiny_hf["vision-clip"])
+
+
+@pytest.fixture(scope="session")
 def llava_qwen3_siglip(tmp_path_factory, tiny_qwen3, tiny_hf) -> Path:
     """LLaVA: Qwen3 (q/k norms, head_dim != hidden/heads) + SigLIP."""
     return _build(tmp_path_factory, "llava_qwen3_siglip", tiny_qwen3, tiny_hf["vision-siglip"])

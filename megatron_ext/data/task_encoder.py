@@ -141,9 +141,11 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
         images, messages = conversation_of(sample)
         return self.encode_conversation(sample, messages, images, videos_of(sample))
 
-    def encode_conversation(self, sample: Sample, messages: list[dict], images: list, videos: list) -> EncodedSample:
-        """One conversation's tokens, labels, loss mask and media, fitted to the sequence length."""
-        ids, assistant = self.chat.encode(messages)
+    def encode_conversation(self, sample: Sample, messages: list[dict], images: list, videos: list,
+                            completion: bool = False) -> EncodedSample:
+        """One conversation's tokens, labels, loss mask and media, fitted to the sequence length
+        (`completion`: as `ChatTokenizer.encode`)."""
+        ids, assistant = self.chat.encode(messages, completion)
         media = ()
         if self.media is not None:
             ids, assistant, group = self.media.expand(ids, assistant, images, videos, sample.__key__)

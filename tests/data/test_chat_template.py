@@ -16,13 +16,14 @@ CONVERSATION = [
     {"role": "user", "content": "この画像には何が写っていますか？"},
     {"role": "assistant", "content": "赤いソファの上に猫が座っています。"},
 ]
-# What each named template puts before the reply (inside the trained span) and uses as end of turn.
+# What each named template puts before the reply and after it (its end of turn and what follows it):
+# the trained span, TRL's completion.
 EXPECTED_REPLY = {
     "plain": ("", "<|end|>"),
     "llava-v1": (" ", "<|end|>"),
     "llama-3": ("", "<|eot_id|>"),
-    "chatml": ("", "<|im_end|>"),
-    "gemma": ("", "<end_of_turn>"),
+    "chatml": ("", "<|im_end|>\n"),
+    "gemma": ("", "<end_of_turn>\n"),
     "llm-jp": ("", "<|end|>"),
 }
 
