@@ -71,6 +71,7 @@ MEGATRON_INTERNALS = (
     "tests/train/test_resume.py",
     "tests/train/test_gpu_rehearsal.py",
     "tests/train/test_dpo.py",
+    "tests/train/test_trl_tokenized_dpo.py",
     "tests/train/test_dpo_training.py",
     "tests/test_cli_errors.py",  # one-line errors, no third-party lines
 )
@@ -274,6 +275,14 @@ def tiled_mix(tmp_path_factory):
 def llava_padded(tmp_path_factory, tiny_hf) -> Path:
     """LLaVA built with --vocab-size-padding (vocab 768, a multiple of 128)."""
     return _build(tmp_path_factory, "llava_padded", tiny_hf["text"], tiny_hf["vision-clip"], padding=True)
+
+
+@pytest.fixture(scope="session")
+def megatron_qwen2_chatml(tmp_path_factory, llava_qwen2_chatml) -> Path:
+    """The llava_qwen2_chatml fixture converted to a Megatron checkpoint (TP1 x PP1)."""
+    from megatron_ext.convert.to_megatron import convert
+
+    return convert(llava_qwen2_chatml, tmp_path_factory.mktemp("megatron_qwen2_chatml") / "ckpt", tp=1, pp=1)
 
 
 @pytest.fixture(scope="session")
