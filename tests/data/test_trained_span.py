@@ -52,32 +52,46 @@ def _chat(tokenizer, name):
     return ChatTokenizer(tokenizer, resolve_chat_template(name, "en", tokenizer)[1], tokenizer.convert_tokens_to_ids("<image>"))
 
 
-def _trl_tokenized(llava_dir, tokenizer, template: str) -> list[dict]:
-    """TRL's DPOTrainer's own tokenization of PAIRS with `template`: prompt_ids, chosen_ids, rejected_ids."""
+def _trl_tokenized(llava_dir, template: str, rows: list[dict], kind: str) -> list[dict]:
+    """`rows` as TRL's DPOTrainer (`kind` "dpo": prompt_ids, chosen_ids, rejected_ids) or SFTTrainer
+    ("sft", prompt-completion rows: input_ids, labels: -100 where not trained) tokenizes them itself
+    with `template`."""
     import tempfile
 
     import torch
     from datasets import Dataset
-    from transformers import LlavaForConditionalGeneration
-    from trl import DPOConfig, DPOTrainer
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
+    trainer_class, config_class = {"dpo": (DPOTrainer, DPOConfig), "sft": (SFTTrainer, SFTConfig)}[kind]
     model = LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32)
-    tokenizer = tokenizer.__class__.from_pretrained(llava_dir)
+    tokenizer = AutoTokenizer.from_pretrained(llava_dir)
     tokenizer.chat_template = template
     with tempfile.TemporaryDirectory() as out:
-        args = DPOConfig(output_dir=out, report_to=[], use_cpu=True, bf16=False, max_length=None)
-        trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=tokenizer)
+        args = config_class(output_dir=out, report_to=[], use_cpu=True, bf16=False, max_length=None)
+        trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
         return list(trainer.train_dataset)
 
 
 @pytest.mark.parametrize("name", template_names())
 def test_dpo_sequences_and_completion_masks_equal_trl_own_tokenization(llava_dir, tokenizer, name):
     chat = _chat(tokenizer, name)
-    for pair, trl in zip(PAIRS, _trl_tokenized(llava_dir, tokenizer, chat.template)):
+    for pair, trl in zip(PAIRS, _trl_tokenized(llava_dir, chat.template, PAIRS, "dpo")):
         for answer in ("chosen", "rejected"):
             ids, trained = chat.encode(pair["prompt"] + pair[answer], completion=True)
             assert ids.tolist() == trl["prompt_ids"] + trl[f"{answer}_ids"]
             assert trained.tolist() == [False] * len(trl["prompt_ids"]) + [True] * len(trl[f"{answer}_ids"])
+
+
+@pytest.mark.parametrize("name", template_names())
+def test_sft_on_a_single_turn_trains_trl_sft_completion(llava_dir, tokenizer, name):
+    """TRL's SFTTrainer on prompt-completion rows trains the completion (its labels, completion_only_loss)."""
+    chat = _chat(tokenizer, name)
+    rows = [{"prompt": pair["prompt"], "completion": pair["chosen"]} for pair in PAIRS[:1]]
+    for row, trl in zip(rows, _trl_tokenized(llava_dir, chat.template, rows, "sft")):
+        ids, trained = chat.encode(row["prompt"] + row["completion"])
+        assert ids.tolist() == trl["input_ids"]
+        assert trained.tolist() == [label != -100 for label in trl["labels"]]
 
 
 @pytest.mark.parametrize("name", ["chatml"])

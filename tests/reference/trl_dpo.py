@@ -163,13 +163,14 @@ def trl_dpo_metrics(policy, reference, micro_batches: list[dict], *, image_token
 
 
 def trl_dpo_step(policy, reference, micro_batches: list[dict], *, image_token_index: int, img_seq_len: int,
-                 lr: float, tiled=None, examples: list[dict] | None = None, optimizer: str = "sgd", beta: float = 0.1, loss_type: str = "sigmoid",
-                 label_smoothing: float = 0.0, rpo_alpha: float | None = None) -> tuple[dict, dict]:
-    """(metrics before, metrics after) one optimizer step of TRL's loss on `micro_batches`, both as
-    `trl_dpo_metrics` returns them, on the same batch. The step: torch.optim.SGD (no momentum) or
-    torch.optim.AdamW (default betas and eps, no weight decay) at `lr` over the policy's parameters
-    that require grad, no clipping, no schedule. It updates `policy` in place. `examples`: as
-    `trl_dpo_metrics`."""
+                 lr: float, tiled=None, examples: list[dict] | None = None, steps: int = 1, optimizer: str = "sgd",
+                 beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                 rpo_alpha: float | None = None) -> list[dict]:
+    """[metrics before each of `steps` optimizer steps of TRL's loss on `micro_batches`, ..., metrics
+    after the last], each as `trl_dpo_metrics` returns them, on the same batch (one step: before,
+    after). The step: torch.optim.SGD (no momentum) or torch.optim.AdamW (default betas and eps, no
+    weight decay) at `lr` over the policy's parameters that require grad, no clipping, no schedule.
+    It updates `policy` in place. `examples`: as `trl_dpo_metrics`."""
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = dpo_trainer(policy, reference, output_dir, beta=beta, loss_type=loss_type,
                               label_smoothing=label_smoothing, rpo_alpha=rpo_alpha)
@@ -181,10 +182,12 @@ def trl_dpo_step(policy, reference, micro_batches: list[dict], *, image_token_in
             step = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
         else:
             raise ValueError(f"optimizer {optimizer!r}: sgd or adamw")
-        step.zero_grad()
-        loss = trainer.compute_loss(trainer.model, batch)
-        loss.backward()
-        before = _metrics(trainer, loss)
-        step.step()
+        metrics = []
+        for _ in range(steps):
+            step.zero_grad()
+            loss = trainer.compute_loss(trainer.model, batch)
+            loss.backward()
+            metrics.append(_metrics(trainer, loss))
+            step.step()
         with torch.no_grad():
-            return before, _metrics(trainer, trainer.compute_loss(trainer.model, batch))
+            return [*metrics, _metrics(trainer, trainer.compute_loss(trainer.model, batch))]

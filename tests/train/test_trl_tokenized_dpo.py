@@ -2,7 +2,7 @@
 DPOTrainer tokenizing and collating the same conversational vision pairs itself (its processor,
 its chat template, its collator): our pair batches are the batch TRL builds (ids, attention and
 completion masks, pixels), and our trainer's loss, rewards and log-probs equal TRL's on its own
-batch before and after one Adam step."""
+batch at each of three Adam steps and after the last."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from tests.train.dpo_worker import micro_batches_of, pairs
 
 WORKER = str(Path(__file__).with_name("dpo_worker.py"))
-BETA, LR = 0.1, 1e-3
+BETA, LR, STEPS = 0.1, 1e-3, 3
 
 
 def _hf(llava_dir: Path):
@@ -79,24 +79,26 @@ def _relative(ours: dict, theirs: dict, names) -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(500)
-def test_dpo_step_equals_trl_tokenizing_the_pairs_itself(tmp_path, megatron_qwen2_chatml, llava_qwen2_chatml,
-                                                         preference_data, record_property):
+def test_three_dpo_steps_equal_trl_tokenizing_the_pairs_itself(tmp_path, megatron_qwen2_chatml, llava_qwen2_chatml,
+                                                               preference_data, record_property):
     from tests.reference.trl_dpo import METRICS, trl_dpo_step, trl_examples
     from tests.support.helpers import run_ranks
 
-    run_ranks(1, WORKER, megatron_qwen2_chatml, preference_data, tmp_path, "{}", timeout=400)
-    ours = json.loads((tmp_path / "result.json").read_text())
+    run_ranks(1, WORKER, megatron_qwen2_chatml, preference_data, tmp_path, json.dumps({"steps": STEPS}), timeout=400)
+    result = json.loads((tmp_path / "result.json").read_text())
+    ours = [*result["steps"], result["after"]]
     policy = _hf(llava_qwen2_chatml)
     policy.model.vision_tower.requires_grad_(False)  # --stage dpo trains the projector and the LM
-    before, after = trl_dpo_step(policy, _hf(llava_qwen2_chatml), [], **_space(llava_qwen2_chatml), lr=LR,
-                                 optimizer="adamw", beta=BETA, examples=trl_examples(pairs()))
-    # What our trainer logs of TRL's metrics. Step 1 before the update: policy and reference are the
-    # same weights, so a reward's sign (the accuracy) is float noise on both sides.
-    names = [n for n in ("loss", *METRICS) if n in ours["first"] and n != "rewards/accuracies"]
-    first, then = _relative(ours["first"], before, names), _relative(ours["after"], after, [*names, "rewards/accuracies"])
-    record_property("summary", f"largest relative difference: step 1 {max(first.values()):.2g}, after {max(then.values()):.2g}; "
-                    "step 1 " + ", ".join(f"{n} {ours['first'][n]:.7g}/{before[n]:.7g}" for n in names)
-                    + " | after " + ", ".join(f"{n} {ours['after'][n]:.7g}/{after[n]:.7g}" for n in names))
-    assert max(first.values()) < 1e-5, first
-    assert max(then.values()) < 1e-4, then
-    assert after["loss"] < before["loss"]
+    theirs = trl_dpo_step(policy, _hf(llava_qwen2_chatml), [], **_space(llava_qwen2_chatml), lr=LR, steps=STEPS,
+                          optimizer="adamw", beta=BETA, examples=trl_examples(pairs()))
+    # What our trainer logs of TRL's metrics. Step 1: policy and reference are the same weights, so a
+    # reward's sign (the accuracy) is float noise on both sides.
+    names = [n for n in ("loss", *METRICS) if n in ours[0]]
+    noise = [n for n in names if n != "rewards/accuracies"]
+    apart = [_relative(o, t, noise if i == 0 else names) for i, (o, t) in enumerate(zip(ours, theirs))]
+    record_property("summary", "largest relative difference per step: "
+                    + ", ".join(f"{max(a.values()):.2g}" for a in apart) + "; "
+                    + " | ".join(", ".join(f"{n} {o[n]:.7g}/{t[n]:.7g}" for n in names) for o, t in zip(ours, theirs)))
+    assert len(ours) == len(theirs) == STEPS + 1
+    assert all(max(a.values()) < 1e-4 for a in apart), apart
+    assert [t["loss"] for t in theirs] == sorted((t["loss"] for t in theirs), reverse=True)
