@@ -5,7 +5,7 @@ A template is the tokenizer's own (``"tokenizer"``), a name from ``megatron_ext/
 the tokenizer's template is used when it has one, else the text family's chat format when its
 tokenizers always hold that format's tokens (ChatML for Qwen), else the language's default.
 
-The tokens trained are those the field trains (docs/data.md, "Trained tokens"). For SFT, a template
+The tokens trained are those the field trains (docs/data.md, "Loss mask"). For SFT, a template
 with `{% generation %}` markers trains what they mark, transformers' assistant-token mask; a template
 without them (ours, Llama-3's, Qwen2's) trains each reply's completion: for every assistant turn i,
 the text rendered for `messages[:i]` with the generation prompt is a prefix of the text rendered for

@@ -50,6 +50,15 @@ def test_mask_matches_hf_generation_markers(tokenizer):
     assert assistant.tolist() == [False] + [bool(x) for x in hf["assistant_masks"]]
 
 
+def test_a_marked_template_trains_its_marks_for_sft_and_the_whole_completion_for_dpo(tokenizer):
+    """transformers' assistant mask for SFT; TRL's DPO split, the "\n" after the turn included, for DPO."""
+    chat = _chat(tokenizer, "tokenizer")
+    ids, sft = chat.encode(CONVERSATION[:2])
+    _, dpo = chat.encode(CONVERSATION[:2], completion=True)
+    assert tokenizer.decode(ids[sft]) == "A red cat on a sofa.<|end|>"
+    assert tokenizer.decode(ids[dpo]) == "A red cat on a sofa.<|end|>\n"
+
+
 @pytest.mark.parametrize("name", sorted(EXPECTED_REPLY))
 def test_named_templates_train_exactly_the_replies(tokenizer, name):
     chat = _chat(tokenizer, name)
