@@ -71,6 +71,7 @@ MEGATRON_INTERNALS = (
     "tests/train/test_resume.py",
     "tests/train/test_gpu_rehearsal.py",
     "tests/train/test_dpo.py",
+    "tests/train/test_trl_tokenized_dpo.py",
     "tests/train/test_dpo_training.py",
     "tests/test_cli_errors.py",  # one-line errors, no third-party lines
 )
@@ -155,6 +156,21 @@ def llava_clip(tmp_path_factory, tiny_hf) -> Path:
 def llava_qwen2_siglip(tmp_path_factory, tiny_qwen2_tied, tiny_hf) -> Path:
     """LLaVA: Qwen2-style (qkv bias, tied embeddings) + SigLIP (all patches, no post-norm)."""
     return _build(tmp_path_factory, "llava_qwen2_siglip", tiny_qwen2_tied, tiny_hf["vision-siglip"])
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_chatml(tmp_path_factory) -> Path:
+    """A Qwen2-style text model with a tokenizer as Qwen2's: byte-level BPE, ChatML's special tokens
+    (<|im_start|>, <|im_end|>), no BOS, ChatML as its chat template."""
+    from megatron_ext.demo.tiny_models import TinyTextSpec, make_text_model
+
+    return make_text_model(tmp_path_factory.mktemp("tiny_qwen2_chatml") / "text", TinyTextSpec(arch="qwen2", tokenizer="chatml"))
+
+
+@pytest.fixture(scope="session")
+def llava_qwen2_chatml(tmp_path_factory, tiny_qwen2_chatml, tiny_hf) -> Path:
+    """LLaVA: the ChatML Qwen2 + CLIP; its tokenizer adds <image>."""
+    return _build(tmp_path_factory, "llava_qwen2_chatml", tiny_qwen2_chatml, tiny_hf["vision-clip"])
 
 
 @pytest.fixture(scope="session")
@@ -259,6 +275,14 @@ def tiled_mix(tmp_path_factory):
 def llava_padded(tmp_path_factory, tiny_hf) -> Path:
     """LLaVA built with --vocab-size-padding (vocab 768, a multiple of 128)."""
     return _build(tmp_path_factory, "llava_padded", tiny_hf["text"], tiny_hf["vision-clip"], padding=True)
+
+
+@pytest.fixture(scope="session")
+def megatron_qwen2_chatml(tmp_path_factory, llava_qwen2_chatml) -> Path:
+    """The llava_qwen2_chatml fixture converted to a Megatron checkpoint (TP1 x PP1)."""
+    from megatron_ext.convert.to_megatron import convert
+
+    return convert(llava_qwen2_chatml, tmp_path_factory.mktemp("megatron_qwen2_chatml") / "ckpt", tp=1, pp=1)
 
 
 @pytest.fixture(scope="session")

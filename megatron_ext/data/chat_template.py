@@ -5,11 +5,15 @@ A template is the tokenizer's own (``"tokenizer"``), a name from ``megatron_ext/
 the tokenizer's template is used when it has one, else the text family's chat format when its
 tokenizers always hold that format's tokens (ChatML for Qwen), else the language's default.
 
-Assistant tokens are found without ``{% generation %}`` markers (Llama-3's and Qwen2's templates
-have none): for every assistant turn i, the text rendered for ``messages[:i]`` with the generation
-prompt is a prefix of the text rendered for ``messages[:i+1]``; what follows it, up to trailing
-whitespace the template puts between turns, is the assistant's reply including its end-of-turn
-token. A token belongs to the assistant when its characters overlap such a span.
+The tokens trained are those the field trains (docs/data.md, "Loss mask"). For SFT, a template
+with `{% generation %}` markers trains what they mark, transformers' assistant-token mask; a template
+without them (ours, Llama-3's, Qwen2's) trains each reply's completion: for every assistant turn i,
+the text rendered for `messages[:i]` with the generation prompt is a prefix of the text rendered for
+`messages[:i+1]`, and what follows it is the completion, the reply with its end-of-turn token and
+whatever the template puts after it (ChatML's and Gemma's "\n"), as TRL's prompt-completion split
+and its training templates (Qwen2.5-VL, Qwen3, Llama-3, Gemma) train it. DPO trains the final
+reply's completion with any template, TRL's DPO split. A token is trained when its characters
+overlap such a span.
 
 The rendered text is tokenized as transformers' processors tokenize a rendered chat: with the
 tokenizer's special tokens unless the text already starts with the BOS (`needs_special_tokens`).
@@ -17,13 +21,17 @@ tokenizer's special tokens unless the text already starts with the BOS (`needs_s
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from megatron_ext.data.conversation import IMAGE_MARKER, VIDEO_MARKER
 from megatron_ext.errors import UserError
 
+# transformers' test for a template that marks the assistant's text ({% generation %}, {%- generation -%}).
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # Package data (pyproject.toml), so an installed copy has them as a checkout does.
 TEMPLATE_DIR = Path(__file__).resolve().parent / "chat_templates"
 LANG_DEFAULTS = {"en": "llava-v1", "ja": "llm-jp", "jp": "llm-jp"}
@@ -131,6 +139,7 @@ class ChatTokenizer:
             )
         self.tokenizer = tokenizer
         self.template = template
+        self.marked = GENERATION_MARKER.search(template) is not None
         self.image_token_id = image_token_id
         try:
             self.render(_PROBE)
@@ -143,23 +152,29 @@ class ChatTokenizer:
         )
 
     def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """The conversation's text and the character spans of the assistant's replies."""
+        """The conversation's text and the character spans SFT trains: the `{% generation %}` blocks
+        where the template marks them, else each reply's completion."""
+        if self.marked:
+            rendered, spans = render_jinja_template([messages], chat_template=self.template,
+                                                    return_assistant_tokens_mask=True,
+                                                    **self.tokenizer.special_tokens_map)
+            return rendered[0], [(start, end) for start, end in spans[0] if end > start]
         text = self._apply(messages, generation_prompt=False)
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prompt = self._apply(messages[:i], generation_prompt=True)
-            upto = self._apply(messages[: i + 1], generation_prompt=False)
-            if not (upto.startswith(prompt) and text.startswith(upto)):
-                raise ValueError(
-                    f"the template renders turn {i} differently depending on what follows it, "
-                    "so the assistant's tokens cannot be located; choose another --chat-template"
-                )
-            end = len(upto.rstrip())
-            if end > len(prompt):
-                spans.append((len(prompt), end))
-        return text, spans
+        spans = [self._completion(messages[: i + 1], text) for i, message in enumerate(messages)
+                 if message["role"] == "assistant"]
+        return text, [(start, end) for start, end in spans if end > start]
+
+    def _completion(self, messages: list[dict], text: str) -> tuple[int, int]:
+        """The characters of `text` (the whole conversation's rendering) that follow the generation
+        prompt before the last of `messages` and end its rendering: TRL's completion."""
+        prompt = self._apply(messages[:-1], generation_prompt=True)
+        upto = self._apply(messages, generation_prompt=False)
+        if not (upto.startswith(prompt) and text.startswith(upto)):
+            raise ValueError(
+                f"the template renders turn {len(messages) - 1} differently depending on what follows it, "
+                "so the assistant's tokens cannot be located; choose another --chat-template"
+            )
+        return len(prompt), len(upto)
 
     def _tokens(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, their character spans [n, 2]) of a rendered conversation."""
@@ -168,15 +183,18 @@ class ChatTokenizer:
         ids = np.asarray(encoding["input_ids"], dtype=np.int64)
         return ids, np.asarray(encoding["offset_mapping"], dtype=np.int64).reshape(-1, 2)
 
-    def encode(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids (int64, one image token per `<image>`) and a bool mask of assistant tokens."""
+    def encode(self, messages: list[dict], completion: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids (int64, one image token per `<image>`) and a bool mask of the tokens trained:
+        SFT's (`render`), or with `completion` the last message's completion only (DPO's answer)."""
         text, spans = self.render(messages)
+        if completion:
+            spans = [self._completion(messages, text)]
         ids, offsets = self._tokens(text)
-        assistant = np.zeros(len(ids), dtype=bool)
+        trained = np.zeros(len(ids), dtype=bool)
         for start, end in spans:
-            assistant |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
-        assistant &= ids != self.image_token_id
-        return ids, assistant
+            trained |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
+        trained &= ids != self.image_token_id
+        return ids, trained
 
     def token_roles(self, messages: list[dict]) -> list[int | None]:
         """For each token `encode` gives, the index of the message whose rendered text it starts in

@@ -5,14 +5,13 @@ The pair's images (and video) are decoded, tiled and processed once: the sample 
 `image_index` says which tiles each sequence's image tokens use (`model.shared_images` runs the
 vision tower once on them). A pair is never split: it fits whole in a row (`--seq-length`, or
 `--packing-seq-length` with several pairs per row) or is skipped as a bad sample; answers are not
-truncated, since a cut answer is another preference. Only the final answer is trained (the loss
-mask), as TRL's completion mask: a multi-turn prompt's assistant turns are context. Batch rows then hold whole pairs: segments
+truncated, since a cut answer is another preference. Only the final answer's completion is trained (the
+loss mask), as TRL's DPO split makes it (`ChatTokenizer.encode`): a multi-turn prompt's assistant turns are context. Batch rows then hold whole pairs: segments
 2k+1 and 2k+2 of a row are pair k's chosen and rejected sequences (`batching.LlavaBatch`).
 """
 
 from __future__ import annotations
 
-import torch
 from megatron.energon import Sample, stateless
 
 from megatron_ext.data.batching import EncodedSample
@@ -20,23 +19,16 @@ from megatron_ext.data.shard_format import preference_of
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
 
 
-def _final_answer_trained(sequence: EncodedSample) -> EncodedSample:
-    """Only the answer the pair compares is trained (TRL's completion), not the assistant turns of a
-    multi-turn prompt: they are the same in both sequences, but would count in IPO's per-token
-    log-ratios, RPO's NLL and the log-probability metrics."""
-    mask = sequence.loss_mask
-    starts = ((mask > 0) & (torch.cat([mask.new_zeros(1), mask[:-1]]) == 0)).nonzero()
-    mask[: int(starts[-1])] = 0
-    return sequence
-
-
 class PairTaskEncoder(LlavaTaskEncoder):
     @stateless
     def preencode_sample(self, sample: Sample) -> EncodedSample:
         images, prompt, chosen, rejected = preference_of(sample)
         videos = sample.videos
-        sequences = [_final_answer_trained(self.encode_conversation(
-            sample, [*prompt, {"role": "assistant", "content": answer}], images, videos)) for answer in (chosen, rejected)]
+        # Only the answer the pair compares is trained (TRL's completion), not the assistant turns of a
+        # multi-turn prompt: the same in both sequences, they would count in IPO's per-token
+        # log-ratios, RPO's NLL and the log-probability metrics.
+        sequences = [self.encode_conversation(sample, [*prompt, {"role": "assistant", "content": answer}], images,
+                                              videos, completion=True) for answer in (chosen, rejected)]
         if any(s.num_truncated for s in sequences) or \
                 sum(map(self.layout.combined_length, sequences)) > self.layout.sample_limit:
             raise ValueError(f"the pair (the prompt with each answer) does not fit in the sequence length "

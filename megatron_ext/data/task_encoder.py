@@ -7,7 +7,7 @@ original README's field map). `shard_format.conversation_of` reads both.
 Steps (energon calls them in this order):
 1. `preencode_sample`: chat template -> token ids with ONE image token per image, next-token
    labels, and a loss mask that is 1 only where the token to predict is the assistant's
-   (every assistant turn, with its end-of-turn token); truncation to the sequence length;
+   (every assistant turn's trained span, `chat_template.ChatTokenizer`); truncation to the sequence length;
 2. `select_samples_to_pack` / `pack_selected_samples` (packing only): greedy knapsack over
    energon's packing buffer (`packing.knapsack_bins`), then concatenation;
 3. `postencode_sample`: the checkpoint's own HF image processor (CLIP / SigLIP), through
@@ -141,9 +141,11 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
         images, messages = conversation_of(sample)
         return self.encode_conversation(sample, messages, images, videos_of(sample))
 
-    def encode_conversation(self, sample: Sample, messages: list[dict], images: list, videos: list) -> EncodedSample:
-        """One conversation's tokens, labels, loss mask and media, fitted to the sequence length."""
-        ids, assistant = self.chat.encode(messages)
+    def encode_conversation(self, sample: Sample, messages: list[dict], images: list, videos: list,
+                            completion: bool = False) -> EncodedSample:
+        """One conversation's tokens, labels, loss mask and media, fitted to the sequence length
+        (`completion`: as `ChatTokenizer.encode`)."""
+        ids, assistant = self.chat.encode(messages, completion)
         media = ()
         if self.media is not None:
             ids, assistant, group = self.media.expand(ids, assistant, images, videos, sample.__key__)

@@ -13,10 +13,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.data.chat_template import TEMPLATE_DIR
 from megatron_ext.demo.tiny_presets import DEFAULT_TEXT_ARCH, TEXT_PRESETS, TOWER_PRESETS
-
-# Role markers and end-of-turn are single special tokens, as in current chat models.
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 # Renders string content, or HF multimodal content lists ({"type": "image"} / {"type": "text"}).
 # `{% generation %}` marks assistant text so HF can return assistant-token masks.
@@ -37,6 +35,32 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
+
+
+@dataclass(frozen=True)
+class TokenizerFormat:
+    """A tiny tokenizer's special tokens (in vocabulary order) and chat template, as a model family's."""
+
+    special_tokens: tuple[str, ...]
+    bos: str | None
+    eos: str
+    unk: str | None
+    pad: str | None
+    additional: tuple[str, ...]
+    chat_template: str
+
+
+TOKENIZER_FORMATS = {
+    # Role markers and end-of-turn are single special tokens, as in current chat models; the tokenizer
+    # adds its BOS (as Llama's do).
+    "roles": TokenizerFormat(("<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+                             bos="<s>", eos="<|end|>", unk="<unk>", pad=None,
+                             additional=("<|system|>", "<|user|>", "<|assistant|>"), chat_template=CHAT_TEMPLATE),
+    # Qwen2's: ChatML's tokens, no BOS, <|endoftext|> pads, ChatML without {% generation %} markers.
+    "chatml": TokenizerFormat(("<|endoftext|>", "<|im_start|>", "<|im_end|>"), bos=None, eos="<|im_end|>",
+                              unk=None, pad="<|endoftext|>", additional=("<|im_start|>",),
+                              chat_template=(TEMPLATE_DIR / "chatml.jinja").read_text()),
+}
 
 _CORPUS = [
     "A photo of a cat sitting on a red sofa next to a window.",
@@ -75,6 +99,7 @@ class TinyTextSpec:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 128
+    tokenizer: str = "roles"  # a key of TOKENIZER_FORMATS
     max_position_embeddings: int = 1024
     tie_word_embeddings: bool = False
     rope_theta: float = 10000.0
@@ -92,33 +117,36 @@ class TinyVisionSpec:
     patch_size: int = 14
 
 
-def train_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer trained on a small English/Japanese corpus, with a chat template."""
+def train_tokenizer(vocab_size: int, format_name: str = "roles"):
+    """A byte-level BPE tokenizer trained on a small English/Japanese corpus, with the special tokens
+    and chat template of `format_name` (a key of TOKENIZER_FORMATS)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    form = TOKENIZER_FORMATS[format_name]
+    tok = Tokenizer(models.BPE(unk_token=form.unk))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(form.special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    bos_id = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
-    )
+    if form.bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{form.bos} $A", pair=f"{form.bos} $A {form.bos} $B", special_tokens=[(form.bos, tok.token_to_id(form.bos))]
+        )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="<|end|>",
-        unk_token="<unk>",
-        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
+        bos_token=form.bos,
+        eos_token=form.eos,
+        unk_token=form.unk,
+        pad_token=form.pad,
+        additional_special_tokens=list(form.additional),
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = form.chat_template
     return fast
 
 
@@ -142,7 +170,7 @@ def tiny_text_config(arch: str, **fields):
 
 def make_text_model(save_dir: Path, spec: TinyTextSpec = TinyTextSpec(), seed: int = 0) -> Path:
     """Write a random causal LM of family `spec.arch` and its tokenizer to `save_dir`."""
-    tokenizer = train_tokenizer(spec.vocab_size)
+    tokenizer = train_tokenizer(spec.vocab_size, spec.tokenizer)
     config = tiny_text_config(
         spec.arch,
         vocab_size=len(tokenizer),

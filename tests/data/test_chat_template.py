@@ -16,13 +16,14 @@ CONVERSATION = [
     {"role": "user", "content": "この画像には何が写っていますか？"},
     {"role": "assistant", "content": "赤いソファの上に猫が座っています。"},
 ]
-# What each named template puts before the reply (inside the trained span) and uses as end of turn.
+# What each named template puts before the reply and after it (its end of turn and what follows it):
+# the trained span, TRL's completion.
 EXPECTED_REPLY = {
     "plain": ("", "<|end|>"),
     "llava-v1": (" ", "<|end|>"),
     "llama-3": ("", "<|eot_id|>"),
-    "chatml": ("", "<|im_end|>"),
-    "gemma": ("", "<end_of_turn>"),
+    "chatml": ("", "<|im_end|>\n"),
+    "gemma": ("", "<end_of_turn>\n"),
     "llm-jp": ("", "<|end|>"),
 }
 
@@ -47,6 +48,15 @@ def test_mask_matches_hf_generation_markers(tokenizer):
     # (a tokenizer's apply_chat_template never adds one).
     assert ids.tolist() == [tokenizer.bos_token_id] + hf["input_ids"]
     assert assistant.tolist() == [False] + [bool(x) for x in hf["assistant_masks"]]
+
+
+def test_a_marked_template_trains_its_marks_for_sft_and_the_whole_completion_for_dpo(tokenizer):
+    """transformers' assistant mask for SFT; TRL's DPO split, the "\n" after the turn included, for DPO."""
+    chat = _chat(tokenizer, "tokenizer")
+    ids, sft = chat.encode(CONVERSATION[:2])
+    _, dpo = chat.encode(CONVERSATION[:2], completion=True)
+    assert tokenizer.decode(ids[sft]) == "A red cat on a sofa.<|end|>"
+    assert tokenizer.decode(ids[dpo]) == "A red cat on a sofa.<|end|>\n"
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_REPLY))

@@ -126,7 +126,8 @@ def test_a_template_that_trains_the_assistant_header_shows_it_trained(tmp_path, 
             block = shown.page.locator(f'section[data-key="{ONE_IMAGE}"] .block').inner_text()
             assert block == f"image 1: {_hf_image_positions(llava_clip, image)} positions"
     assert trained["right"] == ["Hi.<|end|>", "Noise.<|end|>"]
-    assert trained["planted"] == ["<|assistant|>\nHi.<|end|>", "<|assistant|>\nNoise.<|end|>"]
+    # Without {% generation %} markers a reply's completion runs to the end of its turn: the "\n" too.
+    assert trained["planted"] == ["<|assistant|>\nHi.<|end|>\n", "<|assistant|>\nNoise.<|end|>\n"]
 
 
 def test_packed_rows_truncation_and_skips_of_the_whole_file(tiled_mix, llava_clip):

@@ -7,10 +7,13 @@ pair's tiles once, `image_index` the tiles of every image and video use, `media_
 use). `trl_batch` turns micro batches into the padded batch TRL's collator would build;
 `trl_dpo_metrics` and `trl_dpo_step` run a real `trl.DPOTrainer`'s own loss on it (CPU, fp32).
 `per_pair_logps` is an independent computation of the answers' log-probs with the plain HF model.
+`trl_examples` gives pairs as TRL's conversational vision rows, which TRL's own collator tokenizes
+(`collated`: TRL's DPOTrainer building its batch itself, instead of `trl_batch`).
 """
 
 from __future__ import annotations
 
+import copy
 import tempfile
 
 import torch
@@ -121,6 +124,24 @@ def dpo_trainer(policy, reference, output_dir: str, *, beta: float, loss_type: s
     return trainer
 
 
+def trl_examples(pairs) -> list[dict]:
+    """`shard_format.PreferenceSample`s as TRL's conversational vision rows: the prompt's text without
+    its `<image>` markers (TRL puts the images before the first user turn's text, as the pairs have
+    them), the answers as assistant messages, the images."""
+    def text(message):
+        return {"role": message["role"], "content": message["content"].replace("<image>\n", "")}
+
+    return [{"prompt": [text(m) for m in p.prompt], "chosen": [{"role": "assistant", "content": p.chosen}],
+             "rejected": [{"role": "assistant", "content": p.rejected}], "images": list(p.images)} for p in pairs]
+
+
+def _batch(trainer, micro_batches, examples, image_token_index, img_seq_len, tiled) -> dict:
+    """TRL's own collator's batch of `examples` (TRL rows) when given, else `trl_batch(micro_batches)`."""
+    if examples is not None:
+        return trainer.data_collator(copy.deepcopy(examples))
+    return trl_batch(micro_batches, image_token_index, img_seq_len, tiled)
+
+
 def _metrics(trainer, loss: torch.Tensor) -> dict:
     logged = trainer._metrics["train"]
     out = {"loss": loss.item(), **{key: logged[key][-1] for key in METRICS}}
@@ -129,28 +150,31 @@ def _metrics(trainer, loss: torch.Tensor) -> dict:
 
 
 def trl_dpo_metrics(policy, reference, micro_batches: list[dict], *, image_token_index: int, img_seq_len: int,
-                    tiled=None, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                    tiled=None, examples: list[dict] | None = None, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
                     rpo_alpha: float | None = None) -> dict:
     """TRL's DPO loss and metrics on all pairs of `micro_batches` as one batch: {"loss", *METRICS},
-    floats, as `DPOTrainer._compute_loss` logs them (means over the pairs). `tiled`: as `hf_samples`."""
+    floats, as `DPOTrainer._compute_loss` logs them (means over the pairs). `tiled`: as `hf_samples`;
+    `examples`: TRL rows (`trl_examples`) that TRL's collator tokenizes itself, instead of `micro_batches`."""
     with tempfile.TemporaryDirectory() as output_dir, torch.no_grad():
         trainer = dpo_trainer(policy, reference, output_dir, beta=beta, loss_type=loss_type,
                               label_smoothing=label_smoothing, rpo_alpha=rpo_alpha)
-        batch = trl_batch(micro_batches, image_token_index, img_seq_len, tiled)
+        batch = _batch(trainer, micro_batches, examples, image_token_index, img_seq_len, tiled)
         return _metrics(trainer, trainer.compute_loss(trainer.model, batch))
 
 
 def trl_dpo_step(policy, reference, micro_batches: list[dict], *, image_token_index: int, img_seq_len: int,
-                 lr: float, tiled=None, optimizer: str = "sgd", beta: float = 0.1, loss_type: str = "sigmoid",
-                 label_smoothing: float = 0.0, rpo_alpha: float | None = None) -> tuple[dict, dict]:
-    """(metrics before, metrics after) one optimizer step of TRL's loss on `micro_batches`, both as
-    `trl_dpo_metrics` returns them, on the same batch. The step: torch.optim.SGD (no momentum) or
-    torch.optim.AdamW (default betas and eps, no weight decay) at `lr` over the policy's parameters
-    that require grad, no clipping, no schedule. It updates `policy` in place."""
+                 lr: float, tiled=None, examples: list[dict] | None = None, steps: int = 1, optimizer: str = "sgd",
+                 beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                 rpo_alpha: float | None = None) -> list[dict]:
+    """[metrics before each of `steps` optimizer steps of TRL's loss on `micro_batches`, ..., metrics
+    after the last], each as `trl_dpo_metrics` returns them, on the same batch (one step: before,
+    after). The step: torch.optim.SGD (no momentum) or torch.optim.AdamW (default betas and eps, no
+    weight decay) at `lr` over the policy's parameters that require grad, no clipping, no schedule.
+    It updates `policy` in place. `examples`: as `trl_dpo_metrics`."""
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = dpo_trainer(policy, reference, output_dir, beta=beta, loss_type=loss_type,
                               label_smoothing=label_smoothing, rpo_alpha=rpo_alpha)
-        batch = trl_batch(micro_batches, image_token_index, img_seq_len, tiled)
+        batch = _batch(trainer, micro_batches, examples, image_token_index, img_seq_len, tiled)
         trained = [p for p in trainer.model.parameters() if p.requires_grad]
         if optimizer == "sgd":
             step = torch.optim.SGD(trained, lr=lr)
@@ -158,10 +182,12 @@ def trl_dpo_step(policy, reference, micro_batches: list[dict], *, image_token_in
             step = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
         else:
             raise ValueError(f"optimizer {optimizer!r}: sgd or adamw")
-        step.zero_grad()
-        loss = trainer.compute_loss(trainer.model, batch)
-        loss.backward()
-        before = _metrics(trainer, loss)
-        step.step()
+        metrics = []
+        for _ in range(steps):
+            step.zero_grad()
+            loss = trainer.compute_loss(trainer.model, batch)
+            loss.backward()
+            metrics.append(_metrics(trainer, loss))
+            step.step()
         with torch.no_grad():
-            return before, _metrics(trainer, trainer.compute_loss(trainer.model, batch))
+            return [*metrics, _metrics(trainer, trainer.compute_loss(trainer.model, batch))]

@@ -2,7 +2,8 @@
 
 Usage: torchrun --nproc-per-node N dpo_worker.py CHECKPOINT DATA OUT_DIR OPTIONS_JSON
 
-OPTIONS_JSON: trainer options, and "pairs": "tiled" for a tiled LLaVA's pairs (`tiled_pairs`).
+OPTIONS_JSON: trainer options, "pairs": "tiled" for a tiled LLaVA's pairs (`tiled_pairs`), and
+"steps": how many steps to train on the global batch (1 unless given).
 
 The trainer's plan, model, reference and DPO objective run on `pairs()`: data-parallel replica r
 takes pairs r, r + DP, ... of the global batch, as micro batches of --micro-batch-size pairs (or
@@ -70,7 +71,7 @@ def micro_batches_of(encoder, encoded: list, micro_batch_size: int, packing: boo
 
 def main():
     checkpoint, data, out_dir, options = sys.argv[1], sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
-    kind = options.pop("pairs", "llava")
+    kind, steps = options.pop("pairs", "llava"), options.pop("steps", 1)
     import torch
     from megatron.core import parallel_state
 
@@ -105,14 +106,18 @@ def main():
     hook = next(trained.model.vision_model.children()).register_forward_hook(
         lambda module, args, output: tower_batches.append(args[0].shape[0])) if trained.model.add_encoder else None
     objective.prepare(mine)
-    first = train_step(trained, objective.forward_step, mine, plan.seq_length, cfg.micro_batch_size,
-                       reduce=objective.reduce)
-    if hook is not None:
-        hook.remove()
+    stepped = []
+    for _ in range(steps):
+        step = train_step(trained, objective.forward_step, mine, plan.seq_length, cfg.micro_batch_size,
+                          reduce=objective.reduce)
+        stepped.append({"loss": step.loss, "pairs": step.loss_tokens, **step.metrics})
+        if hook is not None:  # the first step's tower batches only
+            hook.remove()
+            hook = None
     loss, _, metrics = objective.evaluate_batch(mine)
     if torch.distributed.get_rank() == 0:
-        result = {"first": {"loss": first.loss, "pairs": first.loss_tokens, **first.metrics},
-                  "after": {"loss": loss, **metrics}, "tower_batches": tower_batches, "img_seq_len": plan.arch.img_seq_len,
+        result = {"first": stepped[0], "steps": stepped, "after": {"loss": loss, **metrics},
+                  "tower_batches": tower_batches, "img_seq_len": plan.arch.img_seq_len,
                   "images": [int(b["images"].shape[0]) for b in mine]}
         (out_dir / "result.json").write_text(json.dumps(result))
         torch.save(micro_batches_of(encoder, encoded, cfg.micro_batch_size, bool(cfg.packing_seq_length)),
