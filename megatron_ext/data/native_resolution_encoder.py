@@ -106,6 +106,7 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
     """Conversations -> `NativeResolutionBatch`es for one checkpoint's tokenizer and model."""
 
     decoder = ImageModeKeepingDecoder()
+    packing = False  # what the loaders ask (`data.loader`)
 
     def __init__(self, tokenizer_dir: str, *, vision: QwenVision, image_token_id: int, video_token_id: int,
                  seq_length: int, pad_token_id: int | None = None, chat_template: str | None = None, lang: str = "en",

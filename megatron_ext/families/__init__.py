@@ -111,6 +111,11 @@ def of(arch):
     return Families(text=text_family(arch.text.model_type), vision=vision_family(arch.vision.model_type))
 
 
+def image_token(arch) -> str:
+    """The text of the image token in the model's tokenizer (LLaVA's `<image>`, or the family's own)."""
+    return llava.IMAGE_TOKEN if isinstance(arch, LlavaArch) else arch.image_token
+
+
 def _whole(cfg: Any):
     """The vision-language family of a config that is not a LLaVA's, or None."""
     return vision_language_families().get(get(cfg, "model_type"))

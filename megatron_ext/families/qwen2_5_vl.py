@@ -8,8 +8,8 @@ by construction, and its tensors convert as they are (docs/families.md says why)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, ClassVar
 
 from megatron_ext.errors import UserError
 from megatron_ext.families.hf_config import as_dict, get
@@ -62,11 +62,26 @@ class Qwen2_5_VLArch:
     vision_config: dict = field(hash=False)  # the tower's HF config, as config.json holds it
     image_token_id: int
     video_token_id: int
+    pad_token_id: int | None = None
     model_type: str = "qwen2_5_vl"
+    image_token: ClassVar[str] = "<|image_pad|>"  # its tokenizer's
 
     @property
     def vision_depth(self) -> int:
         return self.vision_config["depth"]
+
+    @property
+    def image_token_index(self) -> int:
+        return self.image_token_id
+
+    @property
+    def smallest_image_positions(self) -> int:
+        # transformers' processor resizes an image to at least 56 x 56 pixels: 2 x 2 merged patches.
+        return 4
+
+    def summary(self) -> dict:
+        return {"text": asdict(self.text), "vision": self.vision_config, "image_token_id": self.image_token_id,
+                "video_token_id": self.video_token_id}
 
     def parallel_problems(self, tp: int, pp: int) -> list[str]:
         # The tower is replicated over tensor ranks: only the decoder splits.
@@ -101,7 +116,8 @@ class Qwen2_5_VLFamily:
         # Tying is the top-level field's (configuration_qwen2_5_vl.py copies it into text_config).
         text["tie_word_embeddings"] = bool(get(cfg, "tie_word_embeddings", False))
         return Qwen2_5_VLArch(text=TEXT.read(text), vision_config=dict(as_dict(get(cfg, "vision_config"))),
-                              image_token_id=get(cfg, "image_token_id"), video_token_id=get(cfg, "video_token_id"))
+                              image_token_id=get(cfg, "image_token_id"), video_token_id=get(cfg, "video_token_id"),
+                              pad_token_id=text.get("pad_token_id"))
 
     def rows(self, arch: Qwen2_5_VLArch) -> list[Mapping]:
         """Every Megatron tensor's row: the decoder's as Qwen2's, the tower's whole on every rank."""
@@ -119,9 +135,9 @@ class Qwen2_5_VLFamily:
         if problems := self.option_problems(opts):
             raise UserError("; ".join(problems))
 
-        return mrope_vlm.build(arch.text, TEXT, lambda: _tower(arch), arch.image_token_id, arch.video_token_id,
-                               opts, vp_stage)
-
+        # The tower's patch merger projects into the decoder's width: it trains with the projector.
+        return mrope_vlm.build(arch.text, TEXT, lambda: _tower(arch), "merger", arch.image_token_id,
+                               arch.video_token_id, opts, vp_stage)
 
     @staticmethod
     def option_problems(opts) -> list[str]:

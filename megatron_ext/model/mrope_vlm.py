@@ -18,13 +18,33 @@ from megatron_ext.model.family_hooks import TextHooks
 
 
 class MRopeVisionLanguageModel(torch.nn.Module):
-    def __init__(self, language_model, vision_model, image_token_id: int, video_token_id: int):
+    def __init__(self, language_model, vision_model, projection: str, image_token_id: int, video_token_id: int):
+        """`projection`: the name of the encoder's module that maps its features into the decoder's
+        width (trained with the projector, as LLaVA's)."""
         super().__init__()
         # What megatron-core's schedules read off a model.
         self.config, self.model_type = language_model.config, language_model.model_type
         self.language_model = language_model
         self.vision_model = vision_model  # None off the first pipeline stage
+        # The projection is part of the encoder here: nothing apart from it (the trainer's forward step
+        # looks for a LLaVA's separate projector).
+        self.vision_projection = None
+        self.projection = projection
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
+
+    @property
+    def add_encoder(self) -> bool:
+        """Whether the encoder runs on this rank (megatron-core's LLaVAModel's name for it)."""
+        return self.vision_model is not None
+
+    def freeze(self, freeze_language_model: bool, freeze_vision_model: bool, freeze_vision_projection: bool) -> None:
+        """megatron-core's LLaVAModel.freeze: the projection follows its own flag, inside the encoder too."""
+        encoder = self.vision_model
+        projection = getattr(encoder, self.projection) if encoder is not None else None
+        for module, frozen in ((self.language_model, freeze_language_model), (encoder, freeze_vision_model),
+                               (projection, freeze_vision_projection)):
+            if module is not None:
+                module.requires_grad_(not frozen)
 
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
@@ -42,9 +62,11 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         return state
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
-                pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, labels=None):
-        """Logits [B, S, V] (loss [B, S] with `labels`); `input_ids` [B, S] with every image and
-        video expanded to one token per merged patch, `position_ids` [3, B, S]."""
+                pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, labels=None,
+                loss_mask=None):
+        """Logits [B, S, V]; with `labels` and `loss_mask`, (loss [B, S], loss_mask) as megatron-core's
+        LLaVAModel returns them. `input_ids` [B, S] with every image and video expanded to one token
+        per merged patch, `position_ids` [3, B, S]."""
         embeddings = None
         if self.language_model.pre_process:
             embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)
@@ -52,7 +74,8 @@ class MRopeVisionLanguageModel(torch.nn.Module):
                                         (self.video_token_id, pixel_values_videos, video_grid_thw)):
                 if pixels is not None:
                     embeddings = self._placed(embeddings, input_ids == token, self.vision_model(pixels, grid_thw=grid))
-        return self.language_model(input_ids, position_ids, attention_mask, decoder_input=embeddings, labels=labels)
+        output = self.language_model(input_ids, position_ids, attention_mask, decoder_input=embeddings, labels=labels)
+        return output if loss_mask is None else (output, loss_mask)
 
     @staticmethod
     def _placed(embeddings: torch.Tensor, where: torch.Tensor, encoded) -> torch.Tensor:
@@ -67,10 +90,11 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         return by_sample.transpose(0, 1).contiguous()
 
 
-def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], image_token_id: int, video_token_id: int,
-          opts, vp_stage: int | None = None) -> MRopeVisionLanguageModel:
+def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], projection: str, image_token_id: int,
+          video_token_id: int, opts, vp_stage: int | None = None) -> MRopeVisionLanguageModel:
     """This rank's model under the current megatron parallel state: `family`'s language config
-    must give `mrope_section`; `vision()` makes the encoder (called on the first stage only)."""
+    must give `mrope_section`; `vision()` makes the encoder (called on the first stage only), whose
+    module `projection` maps its features into the decoder's width."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -107,7 +131,8 @@ def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], image_token
         use_masked_fill(language)
     if last:
         mask_padded_vocab(language.output_layer, t.vocab_size, t.padded_vocab_size)
-    model = MRopeVisionLanguageModel(language, _replicated(vision()) if first else None, image_token_id, video_token_id)
+    model = MRopeVisionLanguageModel(language, _replicated(vision()) if first else None, projection, image_token_id,
+                                     video_token_id)
     if not opts.init_weights:
         mark_tensor_parallel_weights(model)
     return model.to(device())

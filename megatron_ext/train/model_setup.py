@@ -9,9 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ext.config.run_plan import RunPlan
+from megatron_ext.families import build_model
 from megatron_ext.lora.layers import add_lora
 from megatron_ext.lora.settings import lora_settings
-from megatron_ext.model.provider import DTYPES, ModelOptions, build_model
+from megatron_ext.model.provider import DTYPES, ModelOptions
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,7 @@ def warmup_steps(plan: RunPlan) -> int:
 def trained_model(plan: RunPlan):
     """This rank's LLaVAModel as the run trains it, before megatron's wrappers: initialised where the
     run starts from no checkpoint, frozen for its stage."""
-    model = build_model(plan.arch, plan.families,
-                        ModelOptions.for_run(plan, init_weights=plan.start is None and plan.resume is None))
+    model = build_model(plan.arch, ModelOptions.for_run(plan, init_weights=plan.start is None and plan.resume is None))
     freeze_for_stage(model, plan)
     return model
 
