@@ -172,9 +172,14 @@ def llava_kinds() -> dict[str, llava.LlavaKind]:
 
 def load_llava(source, flag: str, **kwargs):
     """An HF LLaVA checkpoint in the class its config names (LLaVA, LLaVA-NeXT, OneVision)."""
+    return load_model(source, flag, **kwargs)
+
+
+def load_model(source, flag: str, **kwargs):
+    """An HF checkpoint in the class its config names: a LLaVA's or a vision-language family's."""
     import transformers
 
     from megatron_ext import hf_loading
 
-    model_class = getattr(transformers, llava_kind(hf_loading.load_config(str(source), flag)).model_class)
+    model_class = getattr(transformers, model_kind(hf_loading.load_config(str(source), flag)).model_class)
     return hf_loading.load_pretrained(model_class, str(source), flag, **kwargs)

@@ -75,6 +75,11 @@ class Qwen2_5_VLArch:
         return self.image_token_id
 
     @property
+    def img_seq_len(self) -> int:
+        """Positions an image token takes: one (the task encoder repeats it per merged patch)."""
+        return 1
+
+    @property
     def smallest_image_positions(self) -> int:
         # transformers' processor resizes an image to at least 56 x 56 pixels: 2 x 2 merged patches.
         return 4
@@ -98,6 +103,7 @@ class Qwen2_5_VLFamily:
     config_class: str = "Qwen2_5_VLConfig"
     model_class: str = "Qwen2_5_VLForConditionalGeneration"
     text: MRopeTextFamily = TEXT
+    tiled: bool = False  # as a LLaVA kind says it: its images keep their sizes, no tiles
 
     def complete(self, cfg: Any) -> dict:
         """The config as a dict with every field transformers reads (what checkpoints store)."""
