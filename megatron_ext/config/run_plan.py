@@ -245,7 +245,7 @@ def _token_ids(config: TrainConfig, arch: LlavaArch, tokenizer: TokenizerFiles,
     for kind, built in (("image", arch.image_token_index), ("pad", arch.pad_token_id)):
         given = getattr(config, f"{kind}_token_id")
         if given is not None:
-            if given != built:
+            if built is not None and given != built:  # a model built without a pad token takes the one given
                 raise UserError(f"--{kind}-token-id {given} differs from the checkpoint's ({built}); "
                                 f"the model was built with {built}")
             continue

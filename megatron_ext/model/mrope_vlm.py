@@ -131,16 +131,19 @@ def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], projection:
         use_masked_fill(language)
     if last:
         mask_padded_vocab(language.output_layer, t.vocab_size, t.padded_vocab_size)
-    model = MRopeVisionLanguageModel(language, _replicated(vision()) if first else None, projection, image_token_id,
-                                     video_token_id)
+    model = MRopeVisionLanguageModel(language, _replicated(vision(), projection) if first else None, projection,
+                                     image_token_id, video_token_id)
     if not opts.init_weights:
         mark_tensor_parallel_weights(model)
     return model.to(device())
 
 
-def _replicated(module: torch.nn.Module) -> torch.nn.Module:
+def _replicated(module: torch.nn.Module, projection: str) -> torch.nn.Module:
     """`module` marked as held whole by every tensor rank: megatron-core's `finalize_model_grads`
-    averages such parameters' gradients over the tensor-parallel group, which keeps the copies equal."""
+    averages such parameters' gradients over the tensor-parallel group, which keeps the copies equal.
+    Its `projection`'s parameters are marked too: --vision-lr leaves them at the projector's rate."""
     for param in module.parameters():
         param.average_gradients_across_tp_domain = True
+    for param in getattr(module, projection).parameters():
+        param.is_vision_projection = True
     return module

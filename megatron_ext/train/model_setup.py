@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
 from dataclasses import dataclass
 
@@ -63,13 +64,20 @@ def lr_overrides(config, plan: RunPlan) -> dict | None:
     """megatron-core's per-parameter-group settings: its standard ones (no weight decay on biases
     and norms), and with --vision-lr the vision tower's own peak learning rate."""
     from megatron.core.optimizer import get_standard_config_overrides
-    from megatron.core.optimizer.optimizer_config import ParamKey
+    from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePredicate
 
     cfg = plan.config
     overrides = get_standard_config_overrides(config)
     if cfg.vision_lr is not None:
-        overrides[ParamKey(name="*vision_model.*")] = {"max_lr": cfg.vision_lr, "min_lr": min(cfg.min_lr, cfg.vision_lr)}
+        tower = ParamWithNamePredicate(name="vision_tower", fn=_in_vision_tower)
+        overrides[ParamKey(with_name_predicate=tower)] = {"max_lr": cfg.vision_lr, "min_lr": min(cfg.min_lr, cfg.vision_lr)}
     return overrides
+
+
+def _in_vision_tower(param, name: str) -> bool:
+    """The vision model's parameters but a projection inside it (Qwen2.5-VL's merger, marked by
+    `model.mrope_vlm`), which trains at the projector's learning rate."""
+    return fnmatch.fnmatch(name, "*vision_model.*") and not getattr(param, "is_vision_projection", False)
 
 
 def schedule_steps(plan: RunPlan) -> int:

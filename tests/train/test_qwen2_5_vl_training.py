@@ -38,7 +38,8 @@ def one_batch(tmp_path_factory):
 
 
 def _train(save, checkpoint, data, tp: int, **options):
-    train(tp, *trainer_args(checkpoint, data, save, tp=tp, train_iters=ITERS, dtype="float32", **options), timeout=200)
+    train(tp, *trainer_args(checkpoint, data, save, tp=tp, **{"train_iters": ITERS, "dtype": "float32", **options}),
+          timeout=200)
     return metrics(save)
 
 
@@ -76,6 +77,19 @@ def test_stage_2_trains_the_decoder_and_the_merger_and_not_the_tower(tmp_path, q
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
+def test_vision_lr_sets_the_towers_rate_and_not_the_mergers(tmp_path, qwen_hf, qwen_megatron, one_batch):
+    from megatron_ext.convert.to_hf import convert
+
+    save = tmp_path / "run"
+    _train(save, qwen_megatron, one_batch, 2, unfreeze_vit=True, vision_lr=0.0, train_iters=1)
+    changed = _hf_changed(qwen_hf, convert(save, tmp_path / "hf"))
+    assert {name for name in changed if name.startswith("visual.")} == {
+        f"visual.merger.{name}" for name in ("ln_q.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")}
+    assert len(changed) == 56
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
 def test_tp1_trains_as_tp2_does(tmp_path, qwen_megatron, one_batch, tp2_run):
     _, tp2 = tp2_run
     tp1 = _train(tmp_path / "tp1", qwen_megatron, one_batch, 1, **SGD)
@@ -95,3 +109,17 @@ def test_a_resumed_tp2_run_continues_as_if_never_stopped(tmp_path, qwen_megatron
     after = _train(resumed, qwen_megatron, one_batch, 2, save_optim=True)
     for i in (3, 4):
         assert (after[i]["loss"], after[i]["grad_norm"]) == (whole[i]["loss"], whole[i]["grad_norm"])
+
+
+@pytest.mark.multiprocess
+def test_a_run_is_planned_with_the_pad_token_given_and_said_to_have_no_memory_plan(tmp_path, qwen_megatron, one_batch):
+    from megatron_ext.config.options import TrainConfig
+    from megatron_ext.config.run_plan import make_plan
+    from megatron_ext.memory.check import check_memory
+
+    config = TrainConfig(megatron_load_dir=str(qwen_megatron), data_path=str(one_batch), save_dir=str(tmp_path), tp=2,
+                         pad_token_id=506, train_iters=1)
+    plan = make_plan(config, 2, on_gpu=False, te=False)
+    assert (plan.config.image_token_id, plan.config.pad_token_id, plan.arch.pad_token_id) == (500, 506, None)
+    assert check_memory(plan, 80 * 2**30) == [
+        "no memory plan for qwen2_5_vl models yet: this launch is not checked against the GPU's memory"]
