@@ -11,13 +11,16 @@ Per sample (`preencode_sample`):
 3. next-token labels, the loss mask (assistant tokens only), truncation at the end (never inside
    an image: such a sample is dropped as bad), and the sample's own mRoPE positions [3, L].
 
+Packing (`--packing-seq-length`): samples grouped by `packing.knapsack_bins` and concatenated into
+one row, each keeping its own positions from 0 (`native_resolution.pack_positions`); the model
+attends within each (THD, `model.mrope_inputs`).
+
 `batch`: rows padded at the end to one width (a multiple of the layout's alignment); pixel rows
-concatenated in reading order, their grids listed, no image padded to the largest. Packing several
-samples into one row (THD) is not built yet: `--packing-seq-length` is refused.
+concatenated in reading order, their grids listed, no image padded to the largest.
 
 Batch contract (`NativeResolutionBatch.as_dict`, read by `model.mrope_inputs`), B rows of T tokens:
-input_ids, labels long [B, T]; loss_mask float [B, T]; segment_ids long [B, T] (1 on the sample, 0
-on padding); position_ids long [3, B, T] (0 on padding); pixel_values float [P, C*t*p*p] with
+input_ids, labels long [B, T]; loss_mask float [B, T]; segment_ids long [B, T] (1..k: which packed
+sample, 0 on padding); position_ids long [3, B, T] (0 on padding); pixel_values float [P, C*t*p*p] with
 image_grid_thw long [N, 3]; pixel_values_videos, video_grid_thw likewise; num_samples,
 num_truncated, num_skipped.
 """
@@ -43,10 +46,12 @@ from megatron_ext.data.native_resolution import (
     image_inputs,
     image_processor,
     mrope_positions,
+    pack_positions,
     read_clip,
     token_types,
     video_inputs,
 )
+from megatron_ext.data.packing import knapsack_bins
 from megatron_ext.data.shard_format import ImageModeKeepingDecoder, conversation_of, videos_of
 from megatron_ext.data.task_encoder import take_bad_sample_count
 from megatron_ext.errors import UserError
@@ -64,6 +69,7 @@ class NativeResolutionSample(Sample):
     pixel_values_videos: torch.Tensor
     video_grid_thw: torch.Tensor
     num_truncated: int
+    lengths: list[int]  # tokens of each packed conversation, in order
 
 
 @edataclass
@@ -106,15 +112,14 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
     """Conversations -> `NativeResolutionBatch`es for one checkpoint's tokenizer and model."""
 
     decoder = ImageModeKeepingDecoder()
-    packing = False  # what the loaders ask (`data.loader`)
 
     def __init__(self, tokenizer_dir: str, *, vision: QwenVision, image_token_id: int, video_token_id: int,
                  seq_length: int, pad_token_id: int | None = None, chat_template: str | None = None, lang: str = "en",
                  family_template: str | None = None, video_frames: int = 32, packing_seq_length: int | None = None,
                  alignment: SequenceAlignment = SequenceAlignment()):
-        if packing_seq_length is not None:
-            raise UserError("--packing-seq-length: packing native-resolution samples (mRoPE positions in THD rows) "
-                            "is not supported yet; train without it")
+        if packing_seq_length is not None and packing_seq_length > seq_length:
+            raise UserError(f"--packing-seq-length {packing_seq_length} exceeds --seq-length {seq_length}, the model's "
+                            "sequence length")
         if seq_length % alignment.total:
             raise UserError(f"--seq-length {seq_length} must be a multiple of {alignment.total} (the parallel layout's "
                             "sequence alignment)")
@@ -128,7 +133,9 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
             raise UserError("the tokenizer has no pad token; give --pad-token-id")
         self.vision, self.processor = vision, image_processor(vision)
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
-        self.seq_length, self.alignment, self.video_frames = seq_length, alignment, video_frames
+        self.packing = packing_seq_length is not None  # what the loaders ask (`data.loader`)
+        self.max_length = packing_seq_length or seq_length  # tokens a sample (or a pack) may take
+        self.alignment, self.video_frames = alignment, video_frames
         self.row_width = 3 * vision.temporal_patch_size * vision.patch_size**2
 
     @classmethod
@@ -155,13 +162,13 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
         ids, assistant = np.repeat(ids, counts), np.repeat(assistant, counts)
         labels = np.append(ids[1:], self.pad_token_id)
         loss_mask = np.append(assistant[1:], False)  # position t trains when token t + 1 is the assistant's
-        truncated = len(ids) > self.seq_length
-        if np.isin(ids[self.seq_length:], [self.image_token_id, self.video_token_id]).any():
-            raise ValueError(f"an image does not fit in the sequence length {self.seq_length}")
-        ids, labels, loss_mask = ids[:self.seq_length], labels[:self.seq_length], loss_mask[:self.seq_length]
+        truncated = len(ids) > self.max_length
+        if np.isin(ids[self.max_length:], [self.image_token_id, self.video_token_id]).any():
+            raise ValueError(f"an image does not fit in the sequence length {self.max_length}")
+        ids, labels, loss_mask = ids[:self.max_length], labels[:self.max_length], loss_mask[:self.max_length]
         labels[-1], loss_mask[-1] = self.pad_token_id, False  # the last token's successor is not this sample's
         if not loss_mask.any():
-            raise ValueError(f"no answer token fits in the sequence length {self.seq_length}")
+            raise ValueError(f"no answer token fits in the sequence length {self.max_length}")
         positions = mrope_positions(token_types(ids, self.image_token_id, self.video_token_id), self.vision,
                                     media["image_grid_thw"], media["video_grid_thw"], media.get("second_per_grid_ts"))
         return NativeResolutionSample.derive_from(
@@ -169,7 +176,7 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
             loss_mask=torch.from_numpy(loss_mask.astype(np.float32)), position_ids=positions,
             pixel_values=media["pixel_values"], image_grid_thw=media["image_grid_thw"],
             pixel_values_videos=media["pixel_values_videos"], video_grid_thw=media["video_grid_thw"],
-            num_truncated=int(truncated))
+            num_truncated=int(truncated), lengths=[len(ids)])
 
     def _media(self, images: list, videos: list, key: str) -> dict:
         """Pixel rows and grids of a sample's images and videos (empty ones where it has none)."""
@@ -181,6 +188,19 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
         if clips:
             media.update({name: torch.cat([clip[name] for clip in clips]) for name in clips[0]})
         return media
+
+    def select_samples_to_pack(self, samples: list[NativeResolutionSample]) -> list[list[NativeResolutionSample]]:
+        bins = knapsack_bins([len(s.input_ids) for s in samples], self.max_length)
+        return [[samples[i] for i in bin_] for bin_ in bins]
+
+    @stateless
+    def pack_selected_samples(self, samples: list[NativeResolutionSample]) -> NativeResolutionSample:
+        """One row of the samples in order, each with its own positions (from 0), its media after the previous'."""
+        return NativeResolutionSample.derive_from(
+            samples[0], __key__=",".join(s.__key__ for s in samples),
+            **{name: torch.cat([getattr(s, name) for s in samples]) for name in _TOKEN_FIELDS + _MEDIA_FIELDS},
+            position_ids=pack_positions([s.position_ids for s in samples]),
+            num_truncated=sum(s.num_truncated for s in samples), lengths=[n for s in samples for n in s.lengths])
 
     @stateless
     def batch(self, samples: list[NativeResolutionSample]) -> NativeResolutionBatch:
@@ -195,15 +215,17 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
         for row, s in enumerate(samples):
             n = len(s.input_ids)
             input_ids[row, :n], labels[row, :n], loss_mask[row, :n] = s.input_ids, s.labels, s.loss_mask
-            segment_ids[row, :n], position_ids[:, row, :n] = 1, s.position_ids
+            segment_ids[row, :n] = torch.repeat_interleave(torch.arange(1, len(s.lengths) + 1), torch.tensor(s.lengths))
+            position_ids[:, row, :n] = s.position_ids
         return NativeResolutionBatch(
             __key__=[s.__key__ for s in samples], __restore_key__=(), input_ids=input_ids, labels=labels,
             loss_mask=loss_mask, segment_ids=segment_ids, position_ids=position_ids,
             **{name: torch.cat([getattr(s, name) for s in samples]) for name in _MEDIA_FIELDS},
-            num_samples=len(samples), num_truncated=sum(s.num_truncated for s in samples),
+            num_samples=sum(len(s.lengths) for s in samples), num_truncated=sum(s.num_truncated for s in samples),
             num_skipped=take_bad_sample_count())
 
 
+_TOKEN_FIELDS = ("input_ids", "labels", "loss_mask")
 _MEDIA_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 

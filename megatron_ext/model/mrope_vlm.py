@@ -63,10 +63,11 @@ class MRopeVisionLanguageModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                 pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, labels=None,
-                loss_mask=None):
+                loss_mask=None, packed_seq_params=None):
         """Logits [B, S, V]; with `labels` and `loss_mask`, (loss [B, S], loss_mask) as megatron-core's
         LLaVAModel returns them. `input_ids` [B, S] with every image and video expanded to one token
-        per merged patch, `position_ids` [3, B, S]."""
+        per merged patch, `position_ids` [3, B, S]; `packed_seq_params`: a one-row batch of packed
+        samples (THD), its positions restarting at each sample."""
         embeddings = None
         if self.language_model.pre_process:
             embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)
@@ -74,7 +75,8 @@ class MRopeVisionLanguageModel(torch.nn.Module):
                                         (self.video_token_id, pixel_values_videos, video_grid_thw)):
                 if pixels is not None:
                     embeddings = self._placed(embeddings, input_ids == token, self.vision_model(pixels, grid_thw=grid))
-        output = self.language_model(input_ids, position_ids, attention_mask, decoder_input=embeddings, labels=labels)
+        output = self.language_model(input_ids, position_ids, attention_mask, decoder_input=embeddings, labels=labels,
+                                     packed_seq_params=packed_seq_params)
         return output if loss_mask is None else (output, loss_mask)
 
     @staticmethod
@@ -133,6 +135,7 @@ def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], projection:
         mask_padded_vocab(language.output_layer, t.vocab_size, t.padded_vocab_size)
     model = MRopeVisionLanguageModel(language, _replicated(vision(), projection) if first else None, projection,
                                      image_token_id, video_token_id)
+    model.attention_backend = backend  # how batches must express packing to it (`mrope_inputs`)
     if not opts.init_weights:
         mark_tensor_parallel_weights(model)
     return model.to(device())

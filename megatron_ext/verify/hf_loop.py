@@ -168,8 +168,9 @@ class _TiledMedia:
 
 
 def native_samples(micro_batch: dict, image_token_id: int, video_token_id: int, merge_size: int) -> list[HfSample]:
-    """Every row of a native-resolution micro batch (one sample each, its image and video tokens
-    expanded as transformers' processor expands them) with its own pixel rows, grids and token types."""
+    """Every sample of a native-resolution micro batch (rows, packed samples in order; their image and
+    video tokens expanded as transformers' processor expands them) with its own pixel rows, grids and
+    token types."""
     from megatron_ext.data.native_resolution import token_types
 
     media = [(token, pixels, grids, _GridMedia(micro_batch[pixels], micro_batch[grids], merge_size))
@@ -178,14 +179,15 @@ def native_samples(micro_batch: dict, image_token_id: int, video_token_id: int, 
     out = []
     for ids, labels, mask, segments in zip(micro_batch["input_ids"], micro_batch["labels"], micro_batch["loss_mask"],
                                            micro_batch["segment_ids"]):
-        where = segments == 1
-        tokens, hf_labels = _expand(ids[where], labels[where], mask[where], image_token_id, 1)
-        parts = {}
-        for token, pixels, grids, held in media:
-            if taken := held.take(int((ids[where] == token).sum())):
-                parts[pixels], parts[grids] = taken
-        types = torch.from_numpy(token_types(tokens[0], image_token_id, video_token_id))[None].int()
-        out.append(HfSample(tokens, hf_labels, mm_token_type_ids=types, **parts))
+        for segment in range(1, int(segments.max()) + 1):
+            where = segments == segment
+            tokens, hf_labels = _expand(ids[where], labels[where], mask[where], image_token_id, 1)
+            parts = {}
+            for token, pixels, grids, held in media:
+                if taken := held.take(int((ids[where] == token).sum())):
+                    parts[pixels], parts[grids] = taken
+            types = torch.from_numpy(token_types(tokens[0], image_token_id, video_token_id))[None].int()
+            out.append(HfSample(tokens, hf_labels, mm_token_type_ids=types, **parts))
     return out
 
 

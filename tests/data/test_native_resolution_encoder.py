@@ -1,6 +1,6 @@
 """The native-resolution task encoder (Qwen2.5-VL): ChatML conversations with images of any size
 become expanded tokens, the answer's loss mask, mRoPE positions and pixel rows; a micro batch holds
-images of many sizes, rows concatenated and grids listed."""
+images of many sizes, rows concatenated and grids listed; a pack keeps each sample's positions."""
 
 from __future__ import annotations
 
@@ -79,9 +79,25 @@ def test_a_micro_batch_holds_images_of_many_sizes_without_padding_them(tokenizer
     assert torch.equal(batch["position_ids"][:, 1], other.position_ids)
 
 
-def test_truncation_never_cuts_an_image_and_packing_is_refused_in_one_line(tokenizer_dir):
+def test_truncation_never_cuts_an_image(tokenizer_dir):
     with pytest.raises(ValueError, match="^an image does not fit in the sequence length 32$"):
         _encoded(_encoder(tokenizer_dir, seq_length=32))
-    with pytest.raises(UserError, match=r"^--packing-seq-length: packing native-resolution samples \(mRoPE positions "
-                                        r"in THD rows\) is not supported yet; train without it$"):
-        _encoder(tokenizer_dir, packing_seq_length=64)
+    with pytest.raises(UserError, match=r"^--packing-seq-length 256 exceeds --seq-length 128, the model's sequence "
+                                        r"length$"):
+        _encoder(tokenizer_dir, packing_seq_length=256)
+
+
+def test_a_pack_keeps_each_samples_positions_and_media_in_order(tokenizer_dir):
+    encoder = _encoder(tokenizer_dir, packing_seq_length=128)
+    first = _encoded(encoder)
+    second = _encoded(encoder, [{"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "Yes."}],
+                      [Image.new("RGB", (60, 40))], key="b")
+    assert [[s.__key__ for s in pack] for pack in encoder.select_samples_to_pack([first, second, first])] == [
+        ["a", "a"], ["b"]]
+    batch = encoder.batch([encoder.pack_selected_samples([first, second])]).as_dict()
+    assert batch["input_ids"].shape == (1, 83) and batch["keys"] == ["a,b"] and batch["num_samples"] == 2
+    assert batch["segment_ids"][0].tolist() == [1] * 51 + [2] * 32
+    assert torch.equal(batch["position_ids"][:, 0, :51], first.position_ids)
+    assert torch.equal(batch["position_ids"][:, 0, 51:], second.position_ids) and second.position_ids[0, 0] == 0
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 8], [1, 4, 6], [1, 4, 6]]
+    assert torch.equal(batch["pixel_values"], torch.cat([first.pixel_values, second.pixel_values]))
