@@ -21,7 +21,8 @@ concatenated in reading order, their grids listed, no image padded to the larges
 Batch contract (`NativeResolutionBatch.as_dict`, read by `model.mrope_inputs`), B rows of T tokens:
 input_ids, labels long [B, T]; loss_mask float [B, T]; segment_ids long [B, T] (1..k: which packed
 sample, 0 on padding); position_ids long [3, B, T] (0 on padding); pixel_values float [P, C*t*p*p] with
-image_grid_thw long [N, 3]; pixel_values_videos, video_grid_thw likewise; num_samples,
+image_grid_thw long [N, 3]; pixel_values_videos, video_grid_thw likewise, with second_per_grid_ts
+float [V] (each video's seconds per frame pair, which its positions were computed with); num_samples,
 num_truncated, num_skipped.
 """
 
@@ -68,6 +69,7 @@ class NativeResolutionSample(Sample):
     image_grid_thw: torch.Tensor  # [N, 3] long
     pixel_values_videos: torch.Tensor
     video_grid_thw: torch.Tensor
+    second_per_grid_ts: torch.Tensor  # [V] float
     num_truncated: int
     lengths: list[int]  # tokens of each packed conversation, in order
 
@@ -83,6 +85,7 @@ class NativeResolutionBatch(Batch):
     image_grid_thw: torch.Tensor
     pixel_values_videos: torch.Tensor
     video_grid_thw: torch.Tensor
+    second_per_grid_ts: torch.Tensor
     num_samples: int
     num_truncated: int
     num_skipped: int
@@ -95,7 +98,8 @@ class NativeResolutionBatch(Batch):
 
 
 _BATCH_FIELDS = ("input_ids", "labels", "loss_mask", "segment_ids", "position_ids", "pixel_values", "image_grid_thw",
-                 "pixel_values_videos", "video_grid_thw", "num_samples", "num_truncated", "num_skipped")
+                 "pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "num_samples", "num_truncated",
+                 "num_skipped")
 # What a marker of the messages becomes before the template renders them.
 _RUNS = {IMAGE_MARKER: VISION_START + IMAGE_TOKEN + VISION_END, VIDEO_MARKER: VISION_START + VIDEO_TOKEN + VISION_END}
 
@@ -170,18 +174,19 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
         if not loss_mask.any():
             raise ValueError(f"no answer token fits in the sequence length {self.max_length}")
         positions = mrope_positions(token_types(ids, self.image_token_id, self.video_token_id), self.vision,
-                                    media["image_grid_thw"], media["video_grid_thw"], media.get("second_per_grid_ts"))
+                                    media["image_grid_thw"], media["video_grid_thw"], media["second_per_grid_ts"])
         return NativeResolutionSample.derive_from(
             sample, input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels),
             loss_mask=torch.from_numpy(loss_mask.astype(np.float32)), position_ids=positions,
             pixel_values=media["pixel_values"], image_grid_thw=media["image_grid_thw"],
             pixel_values_videos=media["pixel_values_videos"], video_grid_thw=media["video_grid_thw"],
-            num_truncated=int(truncated), lengths=[len(ids)])
+            second_per_grid_ts=media["second_per_grid_ts"], num_truncated=int(truncated), lengths=[len(ids)])
 
     def _media(self, images: list, videos: list, key: str) -> dict:
         """Pixel rows and grids of a sample's images and videos (empty ones where it has none)."""
         media = {"pixel_values": torch.zeros(0, self.row_width), "image_grid_thw": torch.zeros(0, 3, dtype=torch.long),
-                 "pixel_values_videos": torch.zeros(0, self.row_width), "video_grid_thw": torch.zeros(0, 3, dtype=torch.long)}
+                 "pixel_values_videos": torch.zeros(0, self.row_width), "video_grid_thw": torch.zeros(0, 3, dtype=torch.long),
+                 "second_per_grid_ts": torch.zeros(0)}
         if images:
             media.update(image_inputs(images, self.vision, self.processor))
         clips = [video_inputs(read_clip(video, self.video_frames, key), self.vision) for video in videos]
@@ -226,7 +231,7 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
 
 
 _TOKEN_FIELDS = ("input_ids", "labels", "loss_mask")
-_MEDIA_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+_MEDIA_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 def _with_runs(content: str) -> str:

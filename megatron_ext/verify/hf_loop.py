@@ -46,6 +46,7 @@ class HfSample:
     pixel_values_videos: torch.Tensor | None = None  # OneVision: [videos, frames, 3, H, W]; Qwen2.5-VL: rows
     image_grid_thw: torch.Tensor | None = None  # Qwen2.5-VL: long [n, 3]; `pixel_values` are the images' rows
     video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None  # Qwen2.5-VL: float [videos], what their positions take
     mm_token_type_ids: torch.Tensor | None = None  # Qwen2.5-VL: int [1, L], 0 text, 1 image, 2 video
 
     @property
@@ -59,7 +60,8 @@ class HfSample:
                 {"input_ids": self.input_ids, "labels": self.labels, **types, **media_inputs([self])}.items()}
 
 
-MEDIA_KEYS = ("pixel_values", "image_sizes", "batch_num_images", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+MEDIA_KEYS = ("pixel_values", "image_sizes", "batch_num_images", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
+              "second_per_grid_ts")
 
 
 def media_inputs(samples: list[HfSample]) -> dict:
@@ -173,9 +175,10 @@ def native_samples(micro_batch: dict, image_token_id: int, video_token_id: int, 
     token types."""
     from megatron_ext.data.native_resolution import token_types
 
-    media = [(token, pixels, grids, _GridMedia(micro_batch[pixels], micro_batch[grids], merge_size))
-             for token, pixels, grids in ((image_token_id, "pixel_values", "image_grid_thw"),
-                                          (video_token_id, "pixel_values_videos", "video_grid_thw"))]
+    media = [(token, pixels, grids, _GridMedia(micro_batch[pixels], micro_batch[grids], merge_size, seconds))
+             for token, pixels, grids, seconds in (
+                 (image_token_id, "pixel_values", "image_grid_thw", None),
+                 (video_token_id, "pixel_values_videos", "video_grid_thw", micro_batch["second_per_grid_ts"]))]
     out = []
     for ids, labels, mask, segments in zip(micro_batch["input_ids"], micro_batch["labels"], micro_batch["loss_mask"],
                                            micro_batch["segment_ids"]):
@@ -185,21 +188,24 @@ def native_samples(micro_batch: dict, image_token_id: int, video_token_id: int, 
             parts = {}
             for token, pixels, grids, held in media:
                 if taken := held.take(int((ids[where] == token).sum())):
-                    parts[pixels], parts[grids] = taken
+                    parts[pixels], parts[grids], seconds = taken
+                    if seconds is not None:
+                        parts["second_per_grid_ts"] = seconds
             types = torch.from_numpy(token_types(tokens[0], image_token_id, video_token_id))[None].int()
             out.append(HfSample(tokens, hf_labels, mm_token_type_ids=types, **parts))
     return out
 
 
 class _GridMedia:
-    """A native-resolution micro batch's images (or videos): their pixel rows and grids, in token order."""
+    """A native-resolution micro batch's images (or videos, with their seconds per frame pair): their
+    pixel rows and grids, in token order."""
 
-    def __init__(self, rows: torch.Tensor, grids: torch.Tensor, merge_size: int):
-        self.rows, self.grids, self.merge = rows, grids, merge_size
+    def __init__(self, rows: torch.Tensor, grids: torch.Tensor, merge_size: int, seconds: torch.Tensor | None = None):
+        self.rows, self.grids, self.merge, self.seconds = rows, grids, merge_size, seconds
         self.next_grid = self.next_row = 0
 
-    def take(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(pixel rows, grids) of the media whose merged patches are the next `tokens` tokens."""
+    def take(self, tokens: int) -> tuple | None:
+        """(pixel rows, grids, seconds or None) of the media whose merged patches are the next `tokens` tokens."""
         first_grid, first_row = self.next_grid, self.next_row
         while tokens > 0:
             if self.next_grid == len(self.grids):
@@ -211,7 +217,8 @@ class _GridMedia:
             raise ValueError("a sample's media tokens end inside a grid's merged patches")
         if self.next_grid == first_grid:
             return None
-        return self.rows[first_row:self.next_row], self.grids[first_grid:self.next_grid]
+        seconds = None if self.seconds is None else self.seconds[first_grid:self.next_grid]
+        return self.rows[first_row:self.next_row], self.grids[first_grid:self.next_grid], seconds
 
 
 def _expand(ids, labels, mask, image_token_index: int, img_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,3 +101,20 @@ def test_a_pack_keeps_each_samples_positions_and_media_in_order(tokenizer_dir):
     assert torch.equal(batch["position_ids"][:, 0, 51:], second.position_ids) and second.position_ids[0, 0] == 0
     assert batch["image_grid_thw"].tolist() == [[1, 4, 8], [1, 4, 6], [1, 4, 6]]
     assert torch.equal(batch["pixel_values"], torch.cat([first.pixel_values, second.pixel_values]))
+
+
+def test_a_video_becomes_its_frame_pairs_tokens_with_its_seconds_per_pair(tokenizer_dir, tmp_path):
+    from tests.support.tiled_data import write_video
+
+    write_video(tmp_path / "clip.mp4")  # 6 frames of 64 x 48
+    encoder = _encoder(tokenizer_dir, video_frames=4, seq_length=512)
+    messages = [{"role": "user", "content": "<video>\nWhat happens?"}, {"role": "assistant", "content": "It brightens."}]
+    sample = encoder.encode_conversation(Sample(__key__="v", __restore_key__=()), messages, [],
+                                         [(tmp_path / "clip.mp4").read_bytes()])
+    batch = encoder.batch([sample]).as_dict()
+    assert batch["video_grid_thw"].tolist() == [[2, 20, 28]] and batch["pixel_values_videos"].shape == (1120, 1176)
+    assert int((batch["input_ids"] == VIDEO_TOKEN).sum()) == 280 and batch["image_grid_thw"].shape == (0, 3)
+    assert batch["second_per_grid_ts"].tolist() == pytest.approx([0.6], abs=1e-7)
+    # The second frame pair's T: 4 tokens per second x 0.6 s, floored: 2 after the first's.
+    first = sample.input_ids.tolist().index(VIDEO_TOKEN)
+    assert sample.position_ids[0, first + 140] - sample.position_ids[0, first] == 2

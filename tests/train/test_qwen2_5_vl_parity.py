@@ -1,7 +1,7 @@
 """Qwen2.5-VL trains as transformers trains it (issue 48): the parity check (megatron_ext/verify/
 parity.py), fp32 on CPU, on the tiny Qwen2.5-VL (tests/support/qwen2_5_vl.py) at TP2, stage 2,
 with the tower trained too, and packed; two steps of SGD with momentum on the synthetic
-conversations (images of many sizes in one micro batch). transformers computes its own mRoPE positions from the tokens
+conversations (images of many sizes in one micro batch) and on a mix with videos. transformers computes its own mRoPE positions from the tokens
 and grids, so a defect in ours shows: one planted in our trainer's positions is caught."""
 
 from __future__ import annotations
@@ -42,21 +42,26 @@ def _report(qwen, data, work_dir, **options) -> parity.Report:
     return parity.compare(ours, parity.run_hf(ours, progress=lambda line: None))
 
 
-# name: (options over OPTIONS, trained tensors)
+# name: (options over OPTIONS, trained tensors, the data's fixture)
 RUNS = {
     # Stage 2: the decoder and the merger; two unpacked micro batches of two samples per step.
-    "stage2": ({}, 56),
+    "stage2": ({}, 56, "train_data"),
     # The tower trained too: its gradients averaged over the two tensor ranks that hold it whole.
-    "unfrozen-tower": ({"unfreeze_vit": True}, 93),
+    "unfrozen-tower": ({"unfreeze_vit": True}, 93, "train_data"),
     # Packed rows of 4 samples each (THD), positions restarting at every sample.
-    "packed": ({"micro_batch_size": 1, "packing_seq_length": 256}, 56),
+    "packed": ({"micro_batch_size": 1, "packing_seq_length": 256}, 56, "train_data"),
+    # tests/support/tiled_data.py's mix, packed: two-image samples, text only, and videos of 4 frames
+    # (0.6 s per frame pair, which transformers' positions of a video take from the batch).
+    "packed-videos": ({"micro_batch_size": 1, "seq_length": 2048, "packing_seq_length": 2048, "video_frames": 4}, 56,
+                      "tiled_mix"),
 }
 
 
 @pytest.mark.parametrize("name", RUNS)
-def test_qwen2_5_vl_at_tp2_trains_as_transformers_does(tmp_path, qwen, train_data, name):
-    options, trained = RUNS[name]
-    report = _report(qwen, train_data, tmp_path, **options)
+def test_qwen2_5_vl_at_tp2_trains_as_transformers_does(request, tmp_path, qwen, name):
+    options, trained, fixture = RUNS[name]
+    data = request.getfixturevalue(fixture)
+    report = _report(qwen, data[0] if fixture == "tiled_mix" else data, tmp_path, **options)
     assert report.ok, report.table()
     assert report.compared_grads == trained and len(report.rows) == 2
     tower_diff, tower_trained = report.modules["visual"]
