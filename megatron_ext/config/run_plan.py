@@ -164,9 +164,12 @@ def _hf_config(config: TrainConfig, start: layout.Snapshot | None, resume: layou
 
 
 def _model(hf_config: dict, no_add_class_token: bool) -> tuple[dict, LlavaArch]:
-    """(the LLaVA config the model is built from, its arch). --no-add-class-token: the vision class
-    token is not passed to the language model (a tower without one has none to drop)."""
-    arch = families.read_llava(hf_config)
+    """(the config the model is built from, its arch: a LLaVA's or a vision-language family's).
+    --no-add-class-token: a LLaVA's vision class token is not passed to the language model (a tower
+    without one has none to drop)."""
+    arch = families.read_model(hf_config)
+    if not isinstance(arch, LlavaArch):
+        return hf_config, arch
     if no_add_class_token and arch.vision.class_token and not arch.drop_class_token:
         hf_config = {**hf_config, "vision_feature_select_strategy": "default"}
         arch = families.read_llava(hf_config)
@@ -242,11 +245,11 @@ def _token_ids(config: TrainConfig, arch: LlavaArch, tokenizer: TokenizerFiles,
     for kind, built in (("image", arch.image_token_index), ("pad", arch.pad_token_id)):
         given = getattr(config, f"{kind}_token_id")
         if given is not None:
-            if given != built:
+            if built is not None and given != built:  # a model built without a pad token takes the one given
                 raise UserError(f"--{kind}-token-id {given} differs from the checkpoint's ({built}); "
                                 f"the model was built with {built}")
             continue
-        token_id = tokenizer.image_token_id() if kind == "image" else tokenizer.pad_token_id()
+        token_id = tokenizer.image_token_id(families.image_token(arch)) if kind == "image" else tokenizer.pad_token_id()
         if built is not None and token_id != built:
             raise UserError(f"{tokenizer.flag} {tokenizer.directory}: {kind} token id {token_id} differs from the "
                             f"{built} that {built_by} was built with; use the tokenizer it was converted from "

@@ -93,10 +93,10 @@ class TokenizerFiles:
     def pad_token(self) -> str | None:
         return _content(self.config.get("pad_token")) or _content(self.special_map.get("pad_token"))
 
-    def image_token_id(self) -> int:
-        token_id = self.token_id(IMAGE_TOKEN)
+    def image_token_id(self, token: str = IMAGE_TOKEN) -> int:
+        token_id = self.token_id(token)
         if token_id is None:
-            raise UserError(f"{self.flag} {self.directory} has no {IMAGE_TOKEN} token; build the model with "
+            raise UserError(f"{self.flag} {self.directory} has no {token} token; build the model with "
                             "build_llava_jp.py or pass --image-token-id")
         return token_id
 

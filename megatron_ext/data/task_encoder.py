@@ -61,7 +61,7 @@ def count_bad_sample(exc: Exception, sample: Any, sources=None) -> None:
     log.warning("skipped a bad sample (%s): %s: %s", where, type(exc).__name__, detail)
 
 
-def _take_bad_sample_count() -> int:
+def take_bad_sample_count() -> int:
     global _bad_samples
     count, _bad_samples = _bad_samples, 0
     return count
@@ -183,4 +183,4 @@ class LlavaTaskEncoder(TaskEncoder[Sample, EncodedSample, LlavaBatch, LlavaBatch
 
     @stateless
     def batch(self, samples: list[EncodedSample]) -> LlavaBatch:
-        return self.layout.batch(samples, num_skipped=_take_bad_sample_count())
+        return self.layout.batch(samples, num_skipped=take_bad_sample_count())

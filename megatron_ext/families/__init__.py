@@ -111,6 +111,11 @@ def of(arch):
     return Families(text=text_family(arch.text.model_type), vision=vision_family(arch.vision.model_type))
 
 
+def image_token(arch) -> str:
+    """The text of the image token in the model's tokenizer (LLaVA's `<image>`, or the family's own)."""
+    return llava.IMAGE_TOKEN if isinstance(arch, LlavaArch) else arch.image_token
+
+
 def _whole(cfg: Any):
     """The vision-language family of a config that is not a LLaVA's, or None."""
     return vision_language_families().get(get(cfg, "model_type"))
@@ -167,9 +172,14 @@ def llava_kinds() -> dict[str, llava.LlavaKind]:
 
 def load_llava(source, flag: str, **kwargs):
     """An HF LLaVA checkpoint in the class its config names (LLaVA, LLaVA-NeXT, OneVision)."""
+    return load_model(source, flag, **kwargs)
+
+
+def load_model(source, flag: str, **kwargs):
+    """An HF checkpoint in the class its config names: a LLaVA's or a vision-language family's."""
     import transformers
 
     from megatron_ext import hf_loading
 
-    model_class = getattr(transformers, llava_kind(hf_loading.load_config(str(source), flag)).model_class)
+    model_class = getattr(transformers, model_kind(hf_loading.load_config(str(source), flag)).model_class)
     return hf_loading.load_pretrained(model_class, str(source), flag, **kwargs)

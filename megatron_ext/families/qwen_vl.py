@@ -9,8 +9,8 @@ with what sets them apart.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, ClassVar
 
 from megatron_ext.errors import UserError
 from megatron_ext.families.hf_config import as_dict, get
@@ -52,6 +52,26 @@ class QwenVLArch:
     video_token_id: int
     model_type: str
     name: str  # the family's, for messages
+    pad_token_id: int | None = None
+    image_token: ClassVar[str] = "<|image_pad|>"  # its tokenizers'
+
+    @property
+    def image_token_index(self) -> int:
+        return self.image_token_id
+
+    @property
+    def img_seq_len(self) -> int:
+        """Positions an image token takes: one (the task encoder repeats it per merged patch)."""
+        return 1
+
+    @property
+    def smallest_image_positions(self) -> int:
+        # transformers' processor resizes an image to at least 56 x 56 pixels: 2 x 2 merged patches.
+        return 4
+
+    def summary(self) -> dict:
+        return {"text": asdict(self.text), "vision": self.vision_config, "image_token_id": self.image_token_id,
+                "video_token_id": self.video_token_id}
 
     @property
     def deepstack_features(self) -> int:
@@ -85,6 +105,9 @@ class QwenVLFamily:
     visual_prefix: str  # where checkpoints store the tower's tensors
     # transformers' in-memory names -> the names its checkpoints store (save_pretrained writes these).
     stored_prefixes: tuple[tuple[str, str], ...] = ()
+    # The tower's module that projects into the decoder's width: it trains with the projector.
+    projection: str = "merger"
+    tiled: bool = False  # as a LLaVA kind says it: its images keep their sizes, no tiles
 
     def complete(self, cfg: Any) -> dict:
         """The config as a dict with every field transformers reads (what checkpoints store)."""
@@ -103,7 +126,7 @@ class QwenVLFamily:
         text["tie_word_embeddings"] = bool(get(cfg, "tie_word_embeddings", False))
         return QwenVLArch(text=self.text.read(text), vision_config=dict(as_dict(get(cfg, "vision_config"))),
                           image_token_id=get(cfg, "image_token_id"), video_token_id=get(cfg, "video_token_id"),
-                          model_type=self.model_type, name=self.name)
+                          model_type=self.model_type, name=self.name, pad_token_id=text.get("pad_token_id"))
 
     def rows(self, arch: QwenVLArch) -> list[Mapping]:
         """Every Megatron tensor's row: the decoder's as a Llama's, each tower tensor whole on every rank."""
@@ -137,7 +160,7 @@ class QwenVLFamily:
             raise UserError("; ".join(problems))
         arch.check_parallel(parallel_state.get_tensor_model_parallel_world_size(),
                             parallel_state.get_pipeline_model_parallel_world_size())
-        return mrope_vlm.build(arch.text, self.text, lambda: self.tower(arch), arch.image_token_id,
+        return mrope_vlm.build(arch.text, self.text, lambda: self.tower(arch), self.projection, arch.image_token_id,
                                arch.video_token_id, opts, vp_stage, interleaved_mrope=self.text.interleaved_mrope)
 
     def option_problems(self, opts, arch: QwenVLArch) -> list[str]:

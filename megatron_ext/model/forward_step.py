@@ -14,6 +14,7 @@ import torch
 
 from megatron_ext.distributed import device
 from megatron_ext.model.inputs import ModelInputs
+from megatron_ext.model.mrope_inputs import MRopeInputs
 
 
 def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
@@ -24,7 +25,7 @@ def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 
 def _llava(model):
-    """The LLaVAModel inside megatron's wrappers (DDP, Float16Module)."""
+    """The LLaVAModel (or `mrope_vlm` model) inside megatron's wrappers (DDP, Float16Module)."""
     while not hasattr(model, "add_encoder"):
         model = model.module
     return model
@@ -56,7 +57,7 @@ class ForwardStep:
     """megatron's forward_step_func over micro-batch dicts, laid out for the model by `inputs`;
     `loss_of(batch, model_inputs, loss_mask)` gives the loss function of its output (DPO's: `objectives.dpo`)."""
 
-    def __init__(self, inputs: ModelInputs, loss_of=token_loss):
+    def __init__(self, inputs: ModelInputs | MRopeInputs, loss_of=token_loss):
         self.inputs, self.loss_of = inputs, loss_of
 
     def __call__(self, data_iterator, model):
@@ -64,7 +65,7 @@ class ForwardStep:
         kwargs = self.inputs(batch)
         output, loss_mask = model(**kwargs)
         llava = _llava(model)
-        if llava.add_encoder and kwargs["images"].shape[0] == 0 and torch.is_grad_enabled():
+        if llava.add_encoder and self.inputs.media_count(batch) == 0 and torch.is_grad_enabled():
             output = output + _zero_from_trained_encoder(llava).to(output)
         return output, self.loss_of(batch, kwargs, loss_mask)
 

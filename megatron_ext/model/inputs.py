@@ -62,6 +62,11 @@ class ModelInputs:
         return combined_seq_len(input_ids, self.image_token_index, self.img_seq_len, self.seq_length,
                                 pad_to_max=self.pipeline_parallel)
 
+    @staticmethod
+    def media_count(batch: dict) -> int:
+        """Vision tower inputs the micro batch holds (images, a tiled model's tiles)."""
+        return batch["images"].shape[0]
+
     def __call__(self, batch: dict) -> dict:
         input_ids, segment_ids = batch["input_ids"], batch["segment_ids"]
         kwargs = {

@@ -25,12 +25,18 @@ from megatron_ext.model.family_hooks import TextHooks
 
 
 class MRopeVisionLanguageModel(torch.nn.Module):
-    def __init__(self, language_model, vision_model, image_token_id: int, video_token_id: int):
+    def __init__(self, language_model, vision_model, projection: str, image_token_id: int, video_token_id: int):
+        """`projection`: the name of the encoder's module that maps its features into the decoder's
+        width (trained with the projector, as LLaVA's)."""
         super().__init__()
         # What megatron-core's schedules read off a model.
         self.config, self.model_type = language_model.config, language_model.model_type
         self.language_model = language_model
         self.vision_model = vision_model  # None off the first pipeline stage
+        # The projection is part of the encoder here: nothing apart from it (the trainer's forward step
+        # looks for a LLaVA's separate projector).
+        self.vision_projection = None
+        self.projection = projection
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
         # (where [B, S], features [tokens, hidden]) per media kind, for each DeepStack feature of the
         # forward under way; read by the hooks on the first decoder layers.
@@ -38,6 +44,20 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         if vision_model is not None:
             for index, layer in enumerate(language_model.decoder.layers):
                 layer.register_forward_hook(self._deepstack_hook(index))
+
+    @property
+    def add_encoder(self) -> bool:
+        """Whether the encoder runs on this rank (megatron-core's LLaVAModel's name for it)."""
+        return self.vision_model is not None
+
+    def freeze(self, freeze_language_model: bool, freeze_vision_model: bool, freeze_vision_projection: bool) -> None:
+        """megatron-core's LLaVAModel.freeze: the projection follows its own flag, inside the encoder too."""
+        encoder = self.vision_model
+        projection = getattr(encoder, self.projection) if encoder is not None else None
+        for module, frozen in ((self.language_model, freeze_language_model), (encoder, freeze_vision_model),
+                               (projection, freeze_vision_projection)):
+            if module is not None:
+                module.requires_grad_(not frozen)
 
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
@@ -55,9 +75,12 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         return state
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
-                pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, labels=None):
-        """Logits [B, S, V] (loss [B, S] with `labels`); `input_ids` [B, S] with every image and
-        video expanded to one token per merged patch, `position_ids` [3, B, S]."""
+                pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, labels=None,
+                loss_mask=None, packed_seq_params=None):
+        """Logits [B, S, V]; with `labels` and `loss_mask`, (loss [B, S], loss_mask) as megatron-core's
+        LLaVAModel returns them. `input_ids` [B, S] with every image and video expanded to one token
+        per merged patch, `position_ids` [3, B, S]; `packed_seq_params`: a one-row batch of packed
+        samples (THD), its positions restarting at each sample."""
         embeddings = None
         self._deepstack = []
         if self.language_model.pre_process:
@@ -69,9 +92,11 @@ class MRopeVisionLanguageModel(torch.nn.Module):
                     embeddings = self._placed(embeddings, where, encoded)
                     self._keep_deepstack(where, getattr(encoded, "deepstack_features", None) or [])
         try:
-            return self.language_model(input_ids, position_ids, attention_mask, decoder_input=embeddings, labels=labels)
+            output = self.language_model(input_ids, position_ids, attention_mask, decoder_input=embeddings,
+                                         labels=labels, packed_seq_params=packed_seq_params)
         finally:
             self._deepstack = []  # the features are this forward's only
+        return output if loss_mask is None else (output, loss_mask)
 
     def _keep_deepstack(self, where: torch.Tensor, features: list) -> None:
         layers = len(self.language_model.decoder.layers)
@@ -113,11 +138,13 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         return by_sample.transpose(0, 1).contiguous()
 
 
-def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], image_token_id: int, video_token_id: int,
-          opts, vp_stage: int | None = None, interleaved_mrope: bool = False) -> MRopeVisionLanguageModel:
+def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], projection: str, image_token_id: int,
+          video_token_id: int, opts, vp_stage: int | None = None,
+          interleaved_mrope: bool = False) -> MRopeVisionLanguageModel:
     """This rank's model under the current megatron parallel state: `family`'s language config
-    must give `mrope_section`; `vision()` makes the encoder (called on the first stage only);
-    `interleaved_mrope`: the sections interleave over the channels (Qwen3-VL) instead of chunking."""
+    must give `mrope_section`; `vision()` makes the encoder (called on the first stage only), whose
+    module `projection` maps its features into the decoder's width; `interleaved_mrope`: the sections
+    interleave over the channels (Qwen3-VL) instead of chunking."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -157,15 +184,20 @@ def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], image_token
         use_masked_fill(language)
     if last:
         mask_padded_vocab(language.output_layer, t.vocab_size, t.padded_vocab_size)
-    model = MRopeVisionLanguageModel(language, _replicated(vision()) if first else None, image_token_id, video_token_id)
+    model = MRopeVisionLanguageModel(language, _replicated(vision(), projection) if first else None, projection,
+                                     image_token_id, video_token_id)
+    model.attention_backend = backend  # how batches must express packing to it (`mrope_inputs`)
     if not opts.init_weights:
         mark_tensor_parallel_weights(model)
     return model.to(device())
 
 
-def _replicated(module: torch.nn.Module) -> torch.nn.Module:
+def _replicated(module: torch.nn.Module, projection: str) -> torch.nn.Module:
     """`module` marked as held whole by every tensor rank: megatron-core's `finalize_model_grads`
-    averages such parameters' gradients over the tensor-parallel group, which keeps the copies equal."""
+    averages such parameters' gradients over the tensor-parallel group, which keeps the copies equal.
+    Its `projection`'s parameters are marked too: --vision-lr leaves them at the projector's rate."""
     for param in module.parameters():
         param.average_gradients_across_tp_domain = True
+    for param in getattr(module, projection).parameters():
+        param.is_vision_projection = True
     return module

@@ -20,6 +20,7 @@ from megatron_ext.data.loader import (
     train_loader,
     val_loader,
 )
+from megatron_ext.data.native_resolution_encoder import NativeResolutionTaskEncoder
 from megatron_ext.data.pairs import PairTaskEncoder
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
 from megatron_ext.model.arch import LlavaArch
@@ -35,12 +36,13 @@ def task_encoder(tokenizer_dir: str | Path, arch: LlavaArch, cfg: TrainConfig, s
                  alignment: SequenceAlignment) -> LlavaTaskEncoder:
     """The encoder the trainer feeds a model of `arch` with under the options `cfg` (the sample
     inspector builds its own with it): preference pairs for --stage dpo, conversations otherwise."""
+    common = dict(seq_length=seq_length, pad_token_id=arch.pad_token_id, chat_template=cfg.chat_template, lang=cfg.lang,
+                  packing_seq_length=cfg.packing_seq_length, alignment=alignment, video_frames=cfg.video_frames)
+    if not isinstance(arch, LlavaArch):  # a native-resolution model's images keep their sizes
+        return NativeResolutionTaskEncoder.for_model(str(tokenizer_dir), arch, **common)
     encoder_class = PairTaskEncoder if objective_of(cfg).pairs else LlavaTaskEncoder
-    return encoder_class.for_model(
-        str(tokenizer_dir), arch, seq_length=seq_length, pad_token_id=arch.pad_token_id,
-        chat_template=cfg.chat_template, lang=cfg.lang, image_aspect=cfg.image_aspect, packing_seq_length=cfg.packing_seq_length,
-        alignment=alignment, video_frames=cfg.video_frames, max_tiles=cfg.max_tiles_per_sequence,
-    )
+    return encoder_class.for_model(str(tokenizer_dir), arch, image_aspect=cfg.image_aspect,
+                                   max_tiles=cfg.max_tiles_per_sequence, **common)
 
 
 def _encoder(plan: RunPlan) -> LlavaTaskEncoder:

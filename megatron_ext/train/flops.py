@@ -31,17 +31,25 @@ def iteration_flops(arch: LlavaArch, *, positions: float, squared_lengths: float
     frames); `positions`: language-model positions holding samples (image embeddings included,
     padding not); `squared_lengths`: the sum of L^2 over those samples; `logit_positions`: where
     the output layer computes logits (default: every position; fewer with --logits-where-loss,
-    so the count follows what is computed)."""
-    t, v = arch.text, arch.vision
+    so the count follows what is computed). A model that is not a LLaVA (Qwen2.5-VL): its decoder's
+    FLOPs only, as if it were frozen before it (its windowed tower is not counted yet)."""
+    lm = _language_flops(arch.text, positions, squared_lengths, logit_positions)
+    if not isinstance(arch, LlavaArch):
+        return lm * (3 if lm_trained else 2)
+    v = arch.vision
     image_tokens = v.num_patches + int(v.class_token)
     vit = _transformer_flops(images * image_tokens, images * image_tokens**2, v.num_layers, v.hidden_size,
                              v.ffn_hidden_size, v.num_attention_heads, v.num_attention_heads,
                              v.hidden_size // v.num_attention_heads, False)
     # The projector maps every tile's kept patches (a tiled model's features are rearranged after it).
     tile_features = v.num_patches + int(v.class_token and not arch.drop_class_token)
-    projector = 2.0 * images * tile_features * (v.hidden_size * t.hidden_size + t.hidden_size * t.hidden_size)
+    projector = 2.0 * images * tile_features * (v.hidden_size * arch.text.hidden_size + arch.text.hidden_size**2)
+    lm_factor = 3 if lm_trained else 2  # the projector before it always trains
+    return vit * (3 if vit_trained else 1) + projector * 3 + lm * lm_factor
+
+
+def _language_flops(t, positions: float, squared_lengths: float, logit_positions: float | None) -> float:
+    """The decoder's forward FLOPs and its output layer's."""
     lm = _transformer_flops(positions, squared_lengths / 2, t.num_layers, t.hidden_size, t.ffn_hidden_size,
                             t.num_attention_heads, t.num_query_groups, t.kv_channels, True)
-    logits = 2.0 * (positions if logit_positions is None else logit_positions) * t.hidden_size * t.padded_vocab_size
-    lm_factor = 3 if lm_trained else 2  # the projector before it always trains
-    return vit * (3 if vit_trained else 1) + projector * 3 + (lm + logits) * lm_factor
+    return lm + 2.0 * (positions if logit_positions is None else logit_positions) * t.hidden_size * t.padded_vocab_size

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from megatron_ext.config.run_plan import RunPlan
+from megatron_ext.families import build_model
 from megatron_ext.lora.layers import add_lora
 from megatron_ext.lora.settings import lora_settings
-from megatron_ext.model.provider import DTYPES, ModelOptions, build_model
+from megatron_ext.model.provider import DTYPES, ModelOptions
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +64,20 @@ def lr_overrides(config, plan: RunPlan) -> dict | None:
     """megatron-core's per-parameter-group settings: its standard ones (no weight decay on biases
     and norms), and with --vision-lr the vision tower's own peak learning rate."""
     from megatron.core.optimizer import get_standard_config_overrides
-    from megatron.core.optimizer.optimizer_config import ParamKey
+    from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePredicate
 
     cfg = plan.config
     overrides = get_standard_config_overrides(config)
     if cfg.vision_lr is not None:
-        overrides[ParamKey(name="*vision_model.*")] = {"max_lr": cfg.vision_lr, "min_lr": min(cfg.min_lr, cfg.vision_lr)}
+        tower = ParamWithNamePredicate(name="vision_tower", fn=_in_vision_tower)
+        overrides[ParamKey(with_name_predicate=tower)] = {"max_lr": cfg.vision_lr, "min_lr": min(cfg.min_lr, cfg.vision_lr)}
     return overrides
+
+
+def _in_vision_tower(param, name: str) -> bool:
+    """The vision model's parameters but a projection inside it (Qwen2.5-VL's merger, marked by
+    `model.mrope_vlm`), which trains at the projector's learning rate."""
+    return fnmatch.fnmatch(name, "*vision_model.*") and not getattr(param, "is_vision_projection", False)
 
 
 def schedule_steps(plan: RunPlan) -> int:
@@ -84,8 +93,7 @@ def warmup_steps(plan: RunPlan) -> int:
 def trained_model(plan: RunPlan):
     """This rank's LLaVAModel as the run trains it, before megatron's wrappers: initialised where the
     run starts from no checkpoint, frozen for its stage."""
-    model = build_model(plan.arch, plan.families,
-                        ModelOptions.for_run(plan, init_weights=plan.start is None and plan.resume is None))
+    model = build_model(plan.arch, ModelOptions.for_run(plan, init_weights=plan.start is None and plan.resume is None))
     freeze_for_stage(model, plan)
     return model
 

@@ -25,6 +25,7 @@ from megatron_ext.errors import UserError, report
 from megatron_ext.eval.evaluation import AnswerEvaluation
 from megatron_ext.fsutil import write_jsonl
 from megatron_ext.model.inputs import ModelInputs
+from megatron_ext.model.mrope_inputs import inputs_for
 from megatron_ext.model.packed_sequences import sample_lengths
 from megatron_ext.objectives import for_run
 from megatron_ext.train import checkpointing
@@ -83,7 +84,7 @@ def batch_stats(micro_batches: list[dict], inputs: ModelInputs) -> torch.Tensor:
         lengths = sample_lengths(b["input_ids"], b["segment_ids"], inputs.image_token_index, inputs.img_seq_len).double()
         logits = inputs.layout(b).loss_positions.numel() if inputs.logits_where_loss else lengths.sum()
         total += torch.tensor([b["num_samples"], lengths.sum(), (lengths**2).sum(),
-                               b["input_ids"].shape[0] * inputs.combined_length(b["input_ids"]), b["images"].shape[0],
+                               b["input_ids"].shape[0] * inputs.combined_length(b["input_ids"]), inputs.media_count(b),
                                b["num_truncated"], b["num_skipped"], logits], dtype=torch.float64)
     return total
 
@@ -121,7 +122,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.cfg.save_dir if self.cfg.save else None, plan.summary(),
                                      wandb=self.cfg.wandb, project=self.cfg.wandb_project, name=self.cfg.name,
                                      resumed_at=self.iteration if plan.resume is not None else None)
-        self.inputs = ModelInputs.for_model(plan.arch, self.trained.model, device())
+        self.inputs = inputs_for(plan.arch, self.trained.model, device())
         self.objective = for_run(plan, self.trained, self.inputs)
         self.objective.start(self._one_pass)
         self.stop = stop_signals.stop_request()

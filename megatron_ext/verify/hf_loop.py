@@ -1,12 +1,14 @@
-"""The parity check's reference: a plain PyTorch loop on transformers' LlavaForConditionalGeneration,
-trained as transformers' Trainer trains it, on the global batches our trainer recorded.
+"""The parity check's reference: a plain PyTorch loop on transformers' model of the checkpoint
+(LlavaForConditionalGeneration and its tiled kin, Qwen2_5_VLForConditionalGeneration), trained as
+transformers' Trainer trains it, on the global batches our trainer recorded.
 
 What it copies from the Trainer: the loss is the model's own (`labels`, with `num_items_in_batch` =
 the trained tokens of the whole global batch, so every token weighs the same); AdamW
 (torch.optim.AdamW), or torch.optim.SGD, with weight decay on the parameters
 `Trainer.get_decay_parameter_names` names; `clip_grad_norm_` over every trained parameter; the
 schedule from `transformers.get_scheduler`. Each sample runs alone (no padding, no packing), as a
-micro batch of one. In bf16 (on a GPU) the weights and the optimizer stay fp32 and the forward runs
+micro batch of one. A native-resolution sample (Qwen2.5-VL) goes with its token types and grids, and
+transformers computes its mRoPE positions itself (`get_rope_index`), not from our batch's. In bf16 (on a GPU) the weights and the optimizer stay fp32 and the forward runs
 under `torch.autocast`, as the Trainer's `bf16=True`. With `Adapters` the model is a PEFT LoRA model
 that starts from our run's initial adapters. The first step's gradients are kept (`first_grads`).
 """
@@ -41,7 +43,11 @@ class HfSample:
     pixel_values: torch.Tensor | None = None
     image_sizes: torch.Tensor | None = None  # tiled: long [n, 2], each image's (height, width)
     batch_num_images: torch.Tensor | None = None  # OneVision: long [1], the images (one tile each when several)
-    pixel_values_videos: torch.Tensor | None = None  # OneVision: [videos, frames, 3, H, W]
+    pixel_values_videos: torch.Tensor | None = None  # OneVision: [videos, frames, 3, H, W]; Qwen2.5-VL: rows
+    image_grid_thw: torch.Tensor | None = None  # Qwen2.5-VL: long [n, 3]; `pixel_values` are the images' rows
+    video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None  # Qwen2.5-VL: float [videos], what their positions take
+    mm_token_type_ids: torch.Tensor | None = None  # Qwen2.5-VL: int [1, L], 0 text, 1 image, 2 video
 
     @property
     def trained_tokens(self) -> int:
@@ -49,11 +55,13 @@ class HfSample:
 
     def inputs(self, device) -> dict:
         """The model's forward kwargs: tokens, labels and whatever media the sample has."""
+        types = {} if self.mm_token_type_ids is None else {"mm_token_type_ids": self.mm_token_type_ids}
         return {key: value.to(device) for key, value in
-                {"input_ids": self.input_ids, "labels": self.labels, **media_inputs([self])}.items()}
+                {"input_ids": self.input_ids, "labels": self.labels, **types, **media_inputs([self])}.items()}
 
 
-MEDIA_KEYS = ("pixel_values", "image_sizes", "batch_num_images", "pixel_values_videos")
+MEDIA_KEYS = ("pixel_values", "image_sizes", "batch_num_images", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
+              "second_per_grid_ts")
 
 
 def media_inputs(samples: list[HfSample]) -> dict:
@@ -161,6 +169,58 @@ class _TiledMedia:
         return out
 
 
+def native_samples(micro_batch: dict, image_token_id: int, video_token_id: int, merge_size: int) -> list[HfSample]:
+    """Every sample of a native-resolution micro batch (rows, packed samples in order; their image and
+    video tokens expanded as transformers' processor expands them) with its own pixel rows, grids and
+    token types."""
+    from megatron_ext.data.native_resolution import token_types
+
+    media = [(token, pixels, grids, _GridMedia(micro_batch[pixels], micro_batch[grids], merge_size, seconds))
+             for token, pixels, grids, seconds in (
+                 (image_token_id, "pixel_values", "image_grid_thw", None),
+                 (video_token_id, "pixel_values_videos", "video_grid_thw", micro_batch["second_per_grid_ts"]))]
+    out = []
+    for ids, labels, mask, segments in zip(micro_batch["input_ids"], micro_batch["labels"], micro_batch["loss_mask"],
+                                           micro_batch["segment_ids"]):
+        for segment in range(1, int(segments.max()) + 1):
+            where = segments == segment
+            tokens, hf_labels = _expand(ids[where], labels[where], mask[where], image_token_id, 1)
+            parts = {}
+            for token, pixels, grids, held in media:
+                if taken := held.take(int((ids[where] == token).sum())):
+                    parts[pixels], parts[grids], seconds = taken
+                    if seconds is not None:
+                        parts["second_per_grid_ts"] = seconds
+            types = torch.from_numpy(token_types(tokens[0], image_token_id, video_token_id))[None].int()
+            out.append(HfSample(tokens, hf_labels, mm_token_type_ids=types, **parts))
+    return out
+
+
+class _GridMedia:
+    """A native-resolution micro batch's images (or videos, with their seconds per frame pair): their
+    pixel rows and grids, in token order."""
+
+    def __init__(self, rows: torch.Tensor, grids: torch.Tensor, merge_size: int, seconds: torch.Tensor | None = None):
+        self.rows, self.grids, self.merge, self.seconds = rows, grids, merge_size, seconds
+        self.next_grid = self.next_row = 0
+
+    def take(self, tokens: int) -> tuple | None:
+        """(pixel rows, grids, seconds or None) of the media whose merged patches are the next `tokens` tokens."""
+        first_grid, first_row = self.next_grid, self.next_row
+        while tokens > 0:
+            if self.next_grid == len(self.grids):
+                raise ValueError(f"the micro batch's grids end {tokens} media tokens short")
+            patches = int(self.grids[self.next_grid].prod())
+            tokens -= patches // self.merge**2
+            self.next_grid, self.next_row = self.next_grid + 1, self.next_row + patches
+        if tokens:
+            raise ValueError("a sample's media tokens end inside a grid's merged patches")
+        if self.next_grid == first_grid:
+            return None
+        seconds = None if self.seconds is None else self.seconds[first_grid:self.next_grid]
+        return self.rows[first_row:self.next_row], self.grids[first_grid:self.next_grid], seconds
+
+
 def _expand(ids, labels, mask, image_token_index: int, img_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(HF's tokens [1, L], HF's labels [1, L]) of one sample."""
     tokens, trained = [], []
@@ -177,21 +237,30 @@ def _expand(ids, labels, mask, image_token_index: int, img_seq_len: int) -> tupl
     return torch.tensor([tokens]), hf_labels[None]
 
 
+# transformers' names of the parts our stages train apart: LLaVA's, then Qwen2.5-VL's, whose
+# projector (the patch merger) lies inside its tower, so projectors are looked for first.
+PROJECTORS = ("multi_modal_projector.", "visual.merger.")
+TOWERS = ("vision_tower.", "visual.")
+
+
 def frozen(name: str, stage: int, unfreeze_vit: bool) -> bool:
     """Our stages in HF names: the vision tower trains only with --unfreeze-vit, the language model
     (and lm_head) only in stage 2, the projector (and a tiled LLaVA's newline) always."""
-    if "vision_tower." in name:
-        return not unfreeze_vit
-    if "multi_modal_projector." in name or name.endswith("image_newline"):
+    if any(part in name for part in PROJECTORS) or name.endswith("image_newline"):
         return False
+    if any(part in name for part in TOWERS):
+        return not unfreeze_vit
     return stage == 1
 
 
 def decayed_names(model) -> set[str]:
-    """The parameters transformers' Trainer applies weight decay to (it excludes biases and norms)."""
+    """The parameters transformers' Trainer applies weight decay to (it excludes biases and norms), but
+    none of one dimension: the Trainer knows a norm by its class or name, and Qwen2.5-VL's merger norm
+    (`visual.merger.ln_q`, a Qwen2RMSNorm) has neither, while megatron-core leaves every 1-D tensor undecayed."""
     from transformers import Trainer
 
-    return set(Trainer.get_decay_parameter_names(None, model))
+    decayed = set(Trainer.get_decay_parameter_names(None, model))
+    return {name for name, param in model.named_parameters() if name in decayed and param.dim() > 1}
 
 
 def hf_scheduler(optimizer, style: str, warmup: int, steps: int, lr: float, min_lr: float):
@@ -293,17 +362,16 @@ class HfLoop:
                  adapters: Adapters | None = None):
         """`img_seq_len`: image tokens per image in HF's input (our `LlavaArch.img_seq_len`); `dtype`: the
         compute dtype (float32, or bfloat16 through autocast). The model is the checkpoint's own class
-        (LLaVA, LLaVA-NeXT, OneVision); a tiled model's media are laid out as its processor's. With
+        (LLaVA, LLaVA-NeXT, OneVision, Qwen2.5-VL); a tiled model's media are laid out as its processor's. With
         `adapters`, a PEFT model training those (`with_adapters`) instead of the stage's parts."""
         from megatron_ext import families, hf_loading
         from megatron_ext.data.anyres import FeatureLayout
-        from megatron_ext.families import llava_kind
         from megatron_ext.hf.processors import load_processor
 
-        kind = llava_kind(hf_loading.load_config(hf_dir, "--hf-dir"))
+        kind = families.model_kind(hf_loading.load_config(hf_dir, "--hf-dir"))
         self.device = torch.device(device)
         self.autocast = torch.autocast(self.device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
-        model = families.load_llava(hf_dir, "--hf-dir", dtype=torch.float32)
+        model = families.load_model(hf_dir, "--hf-dir", dtype=torch.float32)
         self.img_seq_len = img_seq_len
         self.tiled = FeatureLayout.of(load_processor(hf_dir, "--hf-dir", kind)) if kind.tiled else None
         self.config = model.config
@@ -327,7 +395,7 @@ class HfLoop:
 
     def step(self, micro_batches: list[dict]) -> tuple[float, float]:
         """One optimizer step on our recorded micro batches: (loss, gradient norm before clipping)."""
-        batches = [hf_samples(b, self.config.image_token_id, self.img_seq_len, tiled=self.tiled) for b in micro_batches]
+        batches = [self._samples(b) for b in micro_batches]
         self.optimizer.zero_grad()
         loss = 0.0
         for batch, normalizer in zip(batches, global_normalizer(batches)):
@@ -344,3 +412,9 @@ class HfLoop:
         self.optimizer.step()
         self.scheduler.step()
         return loss, float(norm)
+
+    def _samples(self, micro_batch: dict) -> list[HfSample]:
+        c = self.config
+        if "image_grid_thw" in micro_batch:  # a native-resolution batch
+            return native_samples(micro_batch, c.image_token_id, c.video_token_id, c.vision_config.spatial_merge_size)
+        return hf_samples(micro_batch, c.image_token_id, self.img_seq_len, tiled=self.tiled)

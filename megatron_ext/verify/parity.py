@@ -168,6 +168,7 @@ def global_batch(ours: OurRun, iteration: int) -> list[dict]:
 def run_hf(ours: OurRun, progress=print) -> HfRun:
     """transformers' model (the checkpoint `ours` started from) trained the same steps on the same
     batches (LoRA: PEFT's, from our initial adapters)."""
+    from megatron_ext.convert.mapping import hf_name_of
     from megatron_ext.train.model_setup import warmup_steps
     from megatron_ext.verify.hf_loop import HfLoop, TrainingSettings
 
@@ -178,13 +179,14 @@ def run_hf(ours: OurRun, progress=print) -> HfRun:
                   clip_grad=cfg.clip_grad, optimizer=cfg.optimizer, momentum=cfg.sgd_momentum)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where our ranks ran (config.run_plan's on_gpu)
     loop = HfLoop(str(ours.source), hyper, ours.plan.arch.img_seq_len, device, ours.plan.dtype, adapters=hf_adapters(ours))
+    spell = hf_name_of(ours.plan.arch)
     results = []
     for record in ours.steps:
         lr = loop.scheduler.get_last_lr()[0]
         loss, norm = loop.step(global_batch(ours, record["iteration"]))
         progress(f"HF loop step {record['iteration']}: loss {loss:.6f} grad norm {norm:.6f}")
         results.append((loss, norm, lr))
-    return HfRun(loop.model, results, {hf_key(name): grad for name, grad in loop.first_grads.items()})
+    return HfRun(loop.model, results, {hf_key(name, spell): grad for name, grad in loop.first_grads.items()})
 
 
 def hf_adapters(ours: OurRun) -> Adapters | None:
@@ -203,13 +205,14 @@ def hf_adapters(ours: OurRun) -> Adapters | None:
     return Adapters(ours.initial_adapters, tuple(tied))
 
 
-def hf_key(name: str) -> str:
-    """An HF parameter's canonical name (`convert.mapping`'s), also for a PEFT model's parameters and
-    adapter files: PEFT's prefix, adapter name and wrapped `base_layer` dropped."""
+def hf_key(name: str, spell=None) -> str:
+    """An HF parameter's canonical name (`convert.mapping`'s; `spell`: the model's `hf_name_of`, a
+    LLaVA's by default), also for a PEFT model's parameters and adapter files: PEFT's prefix, adapter
+    name and wrapped `base_layer` dropped."""
     from megatron_ext.convert.lora_export import PEFT_PREFIX
     from megatron_ext.convert.mapping import normalize_hf_name
 
-    return normalize_hf_name(name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").replace(".default.", "."))
+    return (spell or normalize_hf_name)(name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").replace(".default.", "."))
 
 
 def first_step_grads(ours: OurRun) -> dict[str, torch.Tensor]:
@@ -218,13 +221,13 @@ def first_step_grads(ours: OurRun) -> dict[str, torch.Tensor]:
     to each HF module it feeds, as the PEFT export maps its weights."""
     from megatron_ext.convert.dist_read import by_layer, read_tensors, stored_tensors
     from megatron_ext.convert.lora_export import hf_module_names, peft_modules
-    from megatron_ext.convert.mapping import llava_mapping
+    from megatron_ext.convert.mapping import model_mapping
     from megatron_ext.lora.layers import ADAPTER_SUFFIXES
     from megatron_ext.verify.parity_run import GRADS_DIR
 
     a_suffix, b_suffix = ADAPTER_SUFFIXES
     grads_dir = ours.record_dir / GRADS_DIR
-    table, modules = llava_mapping(ours.plan.arch), hf_module_names(ours.plan.hf_config)
+    table, modules = model_mapping(ours.plan.arch), hf_module_names(ours.plan.hf_config)
     stored = stored_tensors(grads_dir, tuple({name.split(".")[0] for name in table}))
     # read_tensors takes a layer at a time; an adapter's A and B are paired once all are read.
     tensors = {name: t for group in by_layer(stored) for name, t in read_tensors(grads_dir, group).items()}
@@ -262,10 +265,11 @@ def compare_grads(ours: dict[str, torch.Tensor], hf: dict[str, torch.Tensor], rt
 def module_of(name: str) -> str:
     """The part of an HF LLaVA a parameter belongs to, as the report groups them (a layer's LoRA
     adapters apart from its frozen weights)."""
-    layer = re.search(r"language_model\.(?:model\.)?layers\.(\d+)\.", name)
+    layer = re.search(r"^(?:language_model\.)?(?:model\.)?layers\.(\d+)\.", name)
     if layer:
         return f"language_model.layers.{layer.group(1)}" + (" (LoRA)" if ".lora_" in name else "")
-    for part in ("vision_tower", "multi_modal_projector", "image_newline", "embed_tokens", "lm_head"):
+    for part in ("vision_tower", "multi_modal_projector", "visual.merger", "visual", "image_newline", "embed_tokens",
+                 "lm_head"):
         if part in name:
             return part
     return name.replace("language_model.model.", "language_model.")
@@ -276,10 +280,12 @@ def our_weights(ours: OurRun) -> dict[str, torch.Tensor]:
     base from the checkpoint it was converted from, and saves only what it trains) with our final
     PEFT export's adapters (and projector) over them."""
     from megatron_ext import families
+    from megatron_ext.convert.mapping import hf_name_of
 
     if ours.initial_adapters is None:
-        model = families.load_llava(ours.hf_out, "--work-dir", dtype=torch.float32)
-        return {hf_key(name): p.detach() for name, p in model.named_parameters()}
+        model = families.load_model(ours.hf_out, "--work-dir", dtype=torch.float32)
+        spell = hf_name_of(ours.plan.arch)
+        return {hf_key(name, spell): p.detach() for name, p in model.named_parameters()}
     from safetensors.torch import load_file
 
     from megatron_ext.convert.lora_export import ADAPTER_WEIGHTS_FILE
@@ -290,13 +296,13 @@ def our_weights(ours: OurRun) -> dict[str, torch.Tensor]:
     return weights
 
 
-def compare_weights(ours: dict[str, torch.Tensor], reference, dtype: str) -> tuple[dict, list[str]]:
+def compare_weights(ours: dict[str, torch.Tensor], reference, dtype: str, spell=None) -> tuple[dict, list[str]]:
     """Per module, the largest |ours - reference|, and whether any of its parameters trained. Frozen
     parameters must equal the reference's (the original checkpoint's) at the compute dtype bit for bit:
-    in bf16 our model holds bf16 weights where transformers' autocast keeps fp32 ones."""
+    in bf16 our model holds bf16 weights where transformers' autocast keeps fp32 ones. `spell`: `hf_key`'s."""
     modules, problems = {}, []
     for name, param in reference.named_parameters():
-        name, ref, trained = hf_key(name), param.detach().cpu(), param.requires_grad
+        name, ref, trained = hf_key(name, spell), param.detach().cpu(), param.requires_grad
         if name not in ours:
             problems.append(f"{name}: not in our model")
             continue
@@ -341,6 +347,8 @@ def weight_bound(lr: float, steps: int, dtype: str = "float32", largest_weight: 
 
 def compare(ours: OurRun, hf: HfRun, rtol: float | None = None, weight_atol: float | None = None) -> Report:
     """`rtol`: for losses and gradient norms, default by the compute dtype (RTOL)."""
+    from megatron_ext.convert.mapping import hf_name_of
+
     rows = [Row(r["iteration"], r["lr"], (r["loss"], r["grad_norm"]), (loss, norm))
             for r, (loss, norm, _) in zip(ours.steps, hf.steps)]
     cfg, dtype = ours.plan.config, ours.plan.dtype
@@ -349,7 +357,7 @@ def compare(ours: OurRun, hf: HfRun, rtol: float | None = None, weight_atol: flo
     if weight_atol is None:
         largest = max(p.detach().abs().max().item() for p in hf.model.parameters() if p.requires_grad)
         weight_atol = weight_bound(cfg.lr, len(rows), dtype, largest, cfg.optimizer, grad_noise)
-    modules, weight_problems = compare_weights(our_weights(ours), hf.model, dtype)
+    modules, weight_problems = compare_weights(our_weights(ours), hf.model, dtype, hf_name_of(ours.plan.arch))
     problems += weight_problems
     for r, (_, _, hf_lr) in zip(rows, hf.steps):
         if not math.isclose(r.lr, hf_lr, rel_tol=1e-9, abs_tol=1e-15):

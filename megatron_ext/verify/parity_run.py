@@ -29,7 +29,8 @@ from megatron_ext.train.trainer import Trainer, run
 lifetime.die_with_parent()
 
 # What the transformers loop needs of a micro batch (the rest is the trainer's bookkeeping).
-RECORDED = ("images", "media_layout", "image_index", "input_ids", "labels", "loss_mask", "segment_ids", "keys")
+RECORDED = ("images", "media_layout", "image_index", "input_ids", "labels", "loss_mask", "segment_ids", "keys",
+            "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 GRADS_DIR = "grads"  # under RECORD_DIR
 
 

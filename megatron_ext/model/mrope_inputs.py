@@ -1,0 +1,74 @@
+"""A native-resolution micro batch (`data.native_resolution_encoder`'s, as a dict) as
+`mrope_vlm.MRopeVisionLanguageModel.forward` arguments.
+
+Unpacked rows are one sample each, padded at the end, so the layers' causal mask is all the
+attention needs (nothing real attends to the padding). A packed row (one per micro batch) goes as
+THD (`PackedSeqParams`, cu_seqlens at each sample's start), so its samples do not attend to each
+other; the RoPE angles are then taken token by token (`rope_kernels`), from the batch's positions,
+which restart at every sample. Every image and video token is already one position (expanded by the
+task encoder), so the sequence the model computes is the batch's rows as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_ext.errors import UserError
+from megatron_ext.model.inputs import ModelInputs
+
+_MEDIA = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+
+
+@dataclass(frozen=True)
+class MRopeInputs:
+    image_token_index: int
+    dtype: torch.dtype  # compute dtype: pixel rows are cast to it
+    device: torch.device
+    backend: str  # resolved: te | sdpa | local
+    img_seq_len: int = 1  # a media token is one position
+    # What the trainer and `step_vision` ask of LLaVA's inputs: no host layout, hence no step-wide tower run.
+    logits_where_loss: bool = False
+    host_layout: bool = False
+    vision_once_per_step: bool = False
+
+    @classmethod
+    def for_model(cls, model, device: torch.device) -> "MRopeInputs":
+        return cls(model.image_token_id, model.config.params_dtype, device, model.attention_backend)
+
+    def combined_length(self, input_ids: torch.Tensor) -> int:
+        return input_ids.shape[1]
+
+    @staticmethod
+    def media_count(batch: dict) -> int:
+        """Images and videos the micro batch holds."""
+        return sum(batch[grid].shape[0] for _, grid in _MEDIA)
+
+    def __call__(self, batch: dict) -> dict:
+        kwargs = {name: self.to_device(batch[name]) for name in ("input_ids", "position_ids", "labels", "loss_mask")}
+        for pixels, grid in _MEDIA:
+            held = batch[grid].shape[0] > 0
+            kwargs[pixels] = self.to_device(batch[pixels], self.dtype) if held else None
+            kwargs[grid] = self.to_device(batch[grid]) if held else None
+        input_ids, segment_ids = batch["input_ids"], batch["segment_ids"]
+        if int(segment_ids.max()) > 1:
+            if input_ids.shape[0] != 1 or self.backend == "local":
+                # The causal mask of the bshd path would let a pack's samples attend to each other.
+                raise UserError("packed native-resolution micro batches go as THD: use --micro-batch-size 1 and the sdpa "
+                                "or te attention backend")
+            kwargs["packed_seq_params"] = self.packed_seq_params(input_ids, segment_ids, input_ids.shape[1])
+        return kwargs
+
+    # LLaVA's host-to-device copy and THD boundaries (an image token is `img_seq_len` = 1 position here).
+    to_device = ModelInputs.to_device
+    packed_seq_params = ModelInputs.packed_seq_params
+
+
+def inputs_for(arch, model, device: torch.device):
+    """The inputs of this rank's model of `arch`: LLaVA's (`ModelInputs`), or a native-resolution model's."""
+    from megatron_ext.model.arch import LlavaArch
+
+    if isinstance(arch, LlavaArch):
+        return ModelInputs.for_model(arch, model, device)
+    return MRopeInputs.for_model(model, device)

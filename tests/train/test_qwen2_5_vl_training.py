@@ -1,0 +1,125 @@
+"""Qwen2.5-VL trains (stage 2): the tiny model converted from transformers, trained by the real
+trainer on one synthetic conversation with an image, repeated in every micro batch, in float32 on CPU ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.helpers import hf_tensors
+from tests.support.qwen2_5_vl import write_tiny_model
+from tests.support.training import metrics, train, trainer_args
+
+ITERS = 4
+
+
+@pytest.fixture(scope="module")
+def qwen_hf(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("qwen2_5_vl_hf"))
+
+
+@pytest.fixture(scope="module")
+def qwen_megatron(tmp_path_factory, qwen_hf):
+    from megatron_ext.convert.to_megatron import convert
+
+    return convert(qwen_hf, tmp_path_factory.mktemp("qwen2_5_vl_megatron") / "tp1", 1, 1)
+
+
+@pytest.fixture(scope="module")
+def one_batch(tmp_path_factory):
+    """One synthetic conversation with an image: every micro batch holds it twice."""
+    from megatron_ext.data.build import build_energon_dataset
+    from megatron_ext.demo.synthetic_data import SyntheticSpec, make_synthetic_dataset
+
+    source = make_synthetic_dataset(tmp_path_factory.mktemp("qwen_src"), SyntheticSpec(num_samples=1, seed=3))
+    out = tmp_path_factory.mktemp("qwen_data") / "energon"
+    build_energon_dataset(source, out, split_ratio="1,0,0", samples_per_shard=1, num_workers=0)
+    return out
+
+
+def _train(save, checkpoint, data, tp: int, **options):
+    train(tp, *trainer_args(checkpoint, data, save, tp=tp, **{"train_iters": ITERS, "dtype": "float32", **options}),
+          timeout=200)
+    return metrics(save)
+
+
+# SGD: Adam's first steps move every weight by about lr whatever its gradient's size, so float noise
+# in a near-zero gradient (TP1 and TP2 sum in different orders) would grow into the next losses.
+SGD = {"optimizer": "sgd", "sgd_momentum": 0.9, "lr": 1e-3}
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory, qwen_megatron, one_batch):
+    save = tmp_path_factory.mktemp("qwen_tp2") / "run"
+    return save, _train(save, qwen_megatron, one_batch, 2, **SGD)
+
+
+def _hf_changed(before, after) -> set[str]:
+    a, b = hf_tensors(before), hf_tensors(after)
+    assert a.keys() == b.keys()
+    return {name for name in a if not torch.equal(a[name], b[name])}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_stage_2_trains_the_decoder_and_the_merger_and_not_the_tower(tmp_path, qwen_hf, tp2_run):
+    from megatron_ext.convert.to_hf import convert
+
+    save, steps = tp2_run
+    losses = [steps[i]["loss"] for i in range(1, ITERS + 1)]
+    assert all(a > b for a, b in zip(losses, losses[1:])), losses
+    assert all(steps[i]["loss_tokens"] == steps[1]["loss_tokens"] for i in steps)  # the same batch every step
+    changed = _hf_changed(qwen_hf, convert(save, tmp_path / "hf"))
+    tower = {name for name in hf_tensors(qwen_hf) if name.startswith("visual.")}
+    merger = {name for name in tower if name.startswith("visual.merger.")}
+    assert changed == set(hf_tensors(qwen_hf)) - tower | merger and len(merger) == 5 and len(changed) == 56
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_vision_lr_sets_the_towers_rate_and_not_the_mergers(tmp_path, qwen_hf, qwen_megatron, one_batch):
+    from megatron_ext.convert.to_hf import convert
+
+    save = tmp_path / "run"
+    _train(save, qwen_megatron, one_batch, 2, unfreeze_vit=True, vision_lr=0.0, train_iters=1)
+    changed = _hf_changed(qwen_hf, convert(save, tmp_path / "hf"))
+    assert {name for name in changed if name.startswith("visual.")} == {
+        f"visual.merger.{name}" for name in ("ln_q.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")}
+    assert len(changed) == 56
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_tp1_trains_as_tp2_does(tmp_path, qwen_megatron, one_batch, tp2_run):
+    _, tp2 = tp2_run
+    tp1 = _train(tmp_path / "tp1", qwen_megatron, one_batch, 1, **SGD)
+    for i in range(1, ITERS + 1):
+        assert tp1[i]["loss"] == pytest.approx(tp2[i]["loss"], rel=1e-5, abs=0)
+        assert tp1[i]["grad_norm"] == pytest.approx(tp2[i]["grad_norm"], rel=1e-5, abs=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_a_resumed_tp2_run_continues_as_if_never_stopped(tmp_path, qwen_megatron, one_batch):
+    # Adam: megatron-core 0.16 loads no SGD state (its optimizer has no init_state_fn for SGD).
+    whole = _train(tmp_path / "whole", qwen_megatron, one_batch, 2, save_optim=True)
+    resumed = tmp_path / "resumed"
+    _train(resumed, qwen_megatron, one_batch, 2, save_optim=True, exit_interval=2)
+    assert sorted(metrics(resumed)) == [1, 2]
+    after = _train(resumed, qwen_megatron, one_batch, 2, save_optim=True)
+    for i in (3, 4):
+        assert (after[i]["loss"], after[i]["grad_norm"]) == (whole[i]["loss"], whole[i]["grad_norm"])
+
+
+@pytest.mark.multiprocess
+def test_a_run_is_planned_with_the_pad_token_given_and_said_to_have_no_memory_plan(tmp_path, qwen_megatron, one_batch):
+    from megatron_ext.config.options import TrainConfig
+    from megatron_ext.config.run_plan import make_plan
+    from megatron_ext.memory.check import check_memory
+
+    config = TrainConfig(megatron_load_dir=str(qwen_megatron), data_path=str(one_batch), save_dir=str(tmp_path), tp=2,
+                         pad_token_id=506, train_iters=1)
+    plan = make_plan(config, 2, on_gpu=False, te=False)
+    assert (plan.config.image_token_id, plan.config.pad_token_id, plan.arch.pad_token_id) == (500, 506, None)
+    assert check_memory(plan, 80 * 2**30) == [
+        "no memory plan for qwen2_5_vl models yet: this launch is not checked against the GPU's memory"]
