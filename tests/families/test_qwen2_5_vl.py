@@ -5,17 +5,20 @@ ranks converts and computes everything (qwen_vl_worker.py)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from megatron_ext import families
 from megatron_ext.errors import UserError
-from tests.support.helpers import hf_tensors, run_ranks
 from tests.support.qwen2_5_vl import TEXT, VISION, hf_logits, samples, tiny_config, write_tiny_model
-
-LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"]
+from tests.support.qwen_vl import (
+    LAYOUTS,
+    assert_loads_without_missing_keys,
+    assert_logits_equal,
+    assert_round_trip_exact,
+    assert_tower_whole_and_averaged,
+    convert_everywhere,
+)
 
 
 def test_config_is_read_with_its_mrope_sections_and_top_level_tying():
@@ -72,7 +75,7 @@ def converted(tmp_path_factory):
     """OUT/megatron/LAYOUT, OUT/hf/LAYOUT, OUT/logits, OUT/vision.json (qwen_vl_worker.py)."""
     out = tmp_path_factory.mktemp("qwen2_5_vl")
     hf_dir = write_tiny_model(out / "hf_original")
-    run_ranks(4, "tests/families/qwen_vl_worker.py", out, hf_dir, "tests.support.qwen2_5_vl", timeout=400)
+    convert_everywhere(out, hf_dir, "tests.support.qwen2_5_vl", timeout=400)
     return out, hf_dir
 
 
@@ -81,10 +84,7 @@ def converted(tmp_path_factory):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_gives_back_every_tensor_bit_for_bit(converted, layout):
     out, hf_dir = converted
-    original, back = hf_tensors(hf_dir), hf_tensors(out / "hf" / layout)
-    assert sorted(back) == sorted(original) and len(original) == 93
-    for key, tensor in original.items():
-        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+    assert_round_trip_exact(hf_dir, out / "hf" / layout, 93)
 
 
 @pytest.mark.multiprocess
@@ -92,25 +92,13 @@ def test_round_trip_gives_back_every_tensor_bit_for_bit(converted, layout):
 @pytest.mark.parametrize("sample", ["two images", "video"])
 def test_converted_model_logits_equal_transformers_within_1e_4_at_tp_and_pp_1_and_2(converted, sample):
     out, hf_dir = converted
-    reference = hf_logits(hf_dir, samples()[sample])
-    assert reference.std() > 1.0  # logits that differ visibly, so the comparison can fail
-    for layout in [*LAYOUTS, "tp2pp2-at-tp1pp1"]:
-        ours = torch.load(out / "logits" / f"{sample}-{layout}.pt")
-        assert ours.shape == reference.shape
-        assert (ours - reference).abs().max() <= 1e-4, layout
-        assert torch.equal(ours.argmax(-1), reference.argmax(-1)), layout
+    assert_logits_equal(out, sample, hf_logits(hf_dir, samples()[sample]))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(500)
 def test_every_first_stage_rank_holds_the_vision_qkv_whole_and_averages_the_towers_grads_over_tp(converted):
-    out, _ = converted
-    vision = json.loads((out / "vision.json").read_text())
-    whole = [True] * VISION["depth"]
-    assert vision["qkv"] == {"tp1pp1": [whole] * 4, "tp2pp1": [whole] * 4, "tp1pp2": [whole, whole, [], []],
-                             "tp2pp2": [whole, whole, [], []]}
-    assert vision["averaged"] == {"tp1pp1": [True] * 4, "tp2pp1": [True] * 4, "tp1pp2": [True, True, None, None],
-                                  "tp2pp2": [True, True, None, None]}
+    assert_tower_whole_and_averaged(converted[0], VISION["depth"])
 
 
 @pytest.mark.multiprocess
@@ -118,9 +106,7 @@ def test_every_first_stage_rank_holds_the_vision_qkv_whole_and_averages_the_towe
 def test_exported_model_loads_in_transformers_without_missing_keys(converted):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    out, _ = converted
-    _, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(out / "hf" / "tp2pp2", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert_loads_without_missing_keys(Qwen2_5_VLForConditionalGeneration, converted[0] / "hf" / "tp2pp2")
 
 
 def test_the_tiny_model_has_windowed_and_full_blocks_and_a_window_smaller_than_its_images():

@@ -6,17 +6,21 @@ split into frame-pair grids, an image before a video). One launch of 4 ranks con
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from megatron_ext import families
 from megatron_ext.errors import UserError
-from tests.support.helpers import hf_tensors, run_ranks
+from tests.support.helpers import hf_tensors
 from tests.support.qwen3_vl import TEXT, VISION, hf_logits, samples, tiny_config, write_tiny_model
-
-LAYOUTS = ["tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2"]
+from tests.support.qwen_vl import (
+    LAYOUTS,
+    assert_loads_without_missing_keys,
+    assert_logits_equal,
+    assert_round_trip_exact,
+    assert_tower_whole_and_averaged,
+    convert_everywhere,
+)
 
 
 def test_config_is_read_with_interleaved_sections_per_head_norms_and_top_level_tying():
@@ -80,7 +84,7 @@ def converted(tmp_path_factory):
     """OUT/megatron/LAYOUT, OUT/hf/LAYOUT, OUT/logits, OUT/vision.json (qwen_vl_worker.py)."""
     out = tmp_path_factory.mktemp("qwen3_vl")
     hf_dir = write_tiny_model(out / "hf_original")
-    run_ranks(4, "tests/families/qwen_vl_worker.py", out, hf_dir, "tests.support.qwen3_vl", timeout=500)
+    convert_everywhere(out, hf_dir, "tests.support.qwen3_vl", timeout=500)
     return out, hf_dir
 
 
@@ -89,10 +93,7 @@ def converted(tmp_path_factory):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_gives_back_every_tensor_bit_for_bit(converted, layout):
     out, hf_dir = converted
-    original, back = hf_tensors(hf_dir), hf_tensors(out / "hf" / layout)
-    assert sorted(back) == sorted(original) and len(original) == 104
-    for key, tensor in original.items():
-        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+    assert_round_trip_exact(hf_dir, out / "hf" / layout, 104)
 
 
 @pytest.mark.multiprocess
@@ -100,25 +101,13 @@ def test_round_trip_gives_back_every_tensor_bit_for_bit(converted, layout):
 @pytest.mark.parametrize("sample", ["two images", "video", "image and video"])
 def test_converted_model_logits_equal_transformers_within_1e_4_at_tp_and_pp_1_and_2(converted, sample):
     out, hf_dir = converted
-    reference = hf_logits(hf_dir, samples()[sample])
-    assert reference.std() > 1.0  # logits that differ visibly, so the comparison can fail
-    for layout in [*LAYOUTS, "tp2pp2-at-tp1pp1"]:
-        ours = torch.load(out / "logits" / f"{sample}-{layout}.pt")
-        assert ours.shape == reference.shape
-        assert (ours - reference).abs().max() <= 1e-4, layout
-        assert torch.equal(ours.argmax(-1), reference.argmax(-1)), layout
+    assert_logits_equal(out, sample, hf_logits(hf_dir, samples()[sample]))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_every_first_stage_rank_holds_the_vision_qkv_whole_and_averages_the_towers_grads_over_tp(converted):
-    out, _ = converted
-    vision = json.loads((out / "vision.json").read_text())
-    whole = [True] * VISION["depth"]
-    assert vision["qkv"] == {"tp1pp1": [whole] * 4, "tp2pp1": [whole] * 4, "tp1pp2": [whole, whole, [], []],
-                             "tp2pp2": [whole, whole, [], []]}
-    assert vision["averaged"] == {"tp1pp1": [True] * 4, "tp2pp1": [True] * 4, "tp1pp2": [True, True, None, None],
-                                  "tp2pp2": [True, True, None, None]}
+    assert_tower_whole_and_averaged(converted[0], VISION["depth"])
 
 
 @pytest.mark.multiprocess
@@ -126,9 +115,7 @@ def test_every_first_stage_rank_holds_the_vision_qkv_whole_and_averages_the_towe
 def test_exported_model_loads_in_transformers_without_missing_keys(converted):
     from transformers import Qwen3VLForConditionalGeneration
 
-    out, _ = converted
-    _, info = Qwen3VLForConditionalGeneration.from_pretrained(out / "hf" / "tp2pp2", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert_loads_without_missing_keys(Qwen3VLForConditionalGeneration, converted[0] / "hf" / "tp2pp2")
 
 
 def test_the_tiny_model_adds_deepstack_features_after_two_layers_with_sections_chunking_would_place_elsewhere():
