@@ -172,7 +172,7 @@ def hf_logits(hf_dir: Path, batch) -> torch.Tensor:
     """The HF LLaVA's (of whichever class its config names) logits in float32."""
     from megatron_ext import families
 
-    model = families.load_llava(hf_dir, "--hf-dir", dtype=torch.float32).eval()
+    model = families.load_model(hf_dir, "--hf-dir", dtype=torch.float32).eval()
     with torch.no_grad():
         return model(**batch).logits.float()
 

@@ -25,7 +25,7 @@ class HFGenerator(Generator):
         from megatron_ext import families
         from megatron_ext.model.provider import DTYPES
 
-        model = families.load_llava(hf_dir, flag, dtype=DTYPES[dtype])
+        model = families.load_model(hf_dir, flag, dtype=DTYPES[dtype])
         return cls(model, processor)
 
     def _new_tokens(self, prompt: EncodedPrompt, options: SamplingOptions, budget: int, streamer) -> list[int]:

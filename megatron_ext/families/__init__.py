@@ -170,13 +170,9 @@ def llava_kinds() -> dict[str, llava.LlavaKind]:
     return {kind.arch_flag: kind for kind in llava.KINDS.values()}
 
 
-def load_llava(source, flag: str, **kwargs):
-    """An HF LLaVA checkpoint in the class its config names (LLaVA, LLaVA-NeXT, OneVision)."""
-    return load_model(source, flag, **kwargs)
-
-
 def load_model(source, flag: str, **kwargs):
-    """An HF checkpoint in the class its config names: a LLaVA's or a vision-language family's."""
+    """An HF checkpoint in the class its config names: a LLaVA's (LLaVA, LLaVA-NeXT, OneVision) or a
+    vision-language family's."""
     import transformers
 
     from megatron_ext import hf_loading

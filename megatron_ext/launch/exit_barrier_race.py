@@ -11,13 +11,15 @@ from __future__ import annotations
 import re
 
 MARK = b"Error waiting on exit barrier"
-# The lines of that report: the store's failed read with its C++ frames, then the agent's log record
-# (every line of which torch's log format prefixes with the agent's source location).
-_LINE = re.compile(rb"\[W\d+ \S+ TCPStore\.cpp:\d+\] \[c10d\] recvValueWithTimeout failed |Exception raised from recvBytes at "
-                   rb"|frame #\d+: |<omitting python frames>|E\d+ \S+ \d+ torch/distributed/elastic/agent/server/api\.py:\d+\] ")
+# The report's first lines: the store's failed read, and the agent's log record (every line of which
+# torch's log format prefixes with the agent's source location).
+_STORE_READ = rb"\[W\d+ \S+ TCPStore\.cpp:\d+\] \[c10d\] recvValueWithTimeout failed "
+_AGENT = rb"E\d+ \S+ \d+ torch/distributed/elastic/agent/server/api\.py:\d+\] "
+# Any line of the report: those, and the failed read's C++ frames.
+_LINE = re.compile(rb"|".join([_STORE_READ, rb"Exception raised from recvBytes at ", rb"frame #\d+: ",
+                               rb"<omitting python frames>", _AGENT]))
 # Where such a report begins in a chunk of output: at a line's start.
-_BEGINS = re.compile(rb"(?m)^(?:\[W\d+ \S+ TCPStore\.cpp:\d+\] \[c10d\] recvValueWithTimeout failed "
-                     rb"|E\d+ \S+ \d+ torch/distributed/elastic/agent/server/api\.py:\d+\] Error waiting on exit barrier)")
+_BEGINS = re.compile(rb"(?m)^(?:" + _STORE_READ + rb"|" + _AGENT + MARK + rb")")
 
 NOTE = (b"run.py: torchrun logged its exit-barrier race after every rank of this node ended with status 0; "
         b"not a failure (docs/launcher.md)\n")

@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 
+from megatron_ext.launch import network
 from megatron_ext.launch.topology import JOIN_TIMEOUT_S, Topology
 
 KEY = "megatron_ext/start_failure"
@@ -30,8 +31,6 @@ def _endpoint(t: Topology) -> tuple[str, int]:
 
 def _serves_store(t: Topology) -> bool:
     """Whether torchrun on this node would serve the rendezvous store."""
-    from megatron_ext.launch import network
-
     return t.node_rank == 0 if t.rdzv_port is None else network.is_this_host(t.master_addr)
 
 

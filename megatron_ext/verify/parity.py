@@ -290,7 +290,7 @@ def our_weights(ours: OurRun) -> dict[str, torch.Tensor]:
 
     from megatron_ext.convert.lora_export import ADAPTER_WEIGHTS_FILE
 
-    base = families.load_llava(ours.source, "--hf-dir", dtype=torch.float32)
+    base = families.load_model(ours.source, "--hf-dir", dtype=torch.float32)
     weights = {hf_key(name): p.detach() for name, p in base.named_parameters()}
     weights.update({hf_key(key): t for key, t in load_file(ours.hf_out / ADAPTER_WEIGHTS_FILE).items()})
     return weights

@@ -46,7 +46,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 def _hf(llava_dir: Path):
     from megatron_ext import families
 
-    return families.load_llava(llava_dir, "--hf-dir", dtype=torch.float32).eval()
+    return families.load_model(llava_dir, "--hf-dir", dtype=torch.float32).eval()
 
 
 @pytest.fixture

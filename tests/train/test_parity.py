@@ -95,7 +95,7 @@ def _trained_count(ours) -> int:
     from megatron_ext import families
 
     cfg = ours.plan.config
-    model = families.load_llava(ours.source, "--hf-dir")
+    model = families.load_model(ours.source, "--hf-dir")
     return sum(not hf_loop.frozen(name, cfg.stage, cfg.unfreeze_vit) for name, _ in model.named_parameters())
 
 

@@ -22,7 +22,7 @@ BETA, LR, STEPS = 0.1, 1e-3, 3
 def _hf(llava_dir: Path):
     from megatron_ext import families
 
-    return families.load_llava(llava_dir, "--hf-dir", dtype=torch.float32).eval()
+    return families.load_model(llava_dir, "--hf-dir", dtype=torch.float32).eval()
 
 
 def _space(llava_dir: Path) -> dict:
