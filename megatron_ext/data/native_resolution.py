@@ -202,9 +202,15 @@ def expand_placeholders(text: str, vision: QwenVision, image_grid_thw=(), video_
         frame_tokens = h * w // vision.merge_size**2
         if match.group() == IMAGE_TOKEN or vision.tokens_per_second is not None:
             return match.group() * (t * frame_tokens)
-        return "".join(f"<{s:.1f} seconds>{VISION_START}{VIDEO_TOKEN * frame_tokens}{VISION_END}" for s in next(seconds))
+        return frame_pair_runs(next(seconds), VIDEO_TOKEN * frame_tokens)
 
     return re.sub(f"{re.escape(IMAGE_TOKEN)}|{re.escape(VIDEO_TOKEN)}", expand, text)
+
+
+def frame_pair_runs(seconds: list[float], pads: str) -> str:
+    """What Qwen3-VL's processor writes for one video's `<|video_pad|>`: each frame pair's time
+    (`seconds`, `VideoClip.frame_pair_seconds`) as `<s.s seconds>`, then `pads` between vision start and end."""
+    return "".join(f"<{s:.1f} seconds>{VISION_START}{pads}{VISION_END}" for s in seconds)
 
 
 def token_types(input_ids, image_token_id: int, video_token_id: int) -> np.ndarray:
@@ -224,7 +230,7 @@ def mrope_positions(types, vision: QwenVision, image_grid_thw=(), video_grid_thw
     start + max(h, w)/m. The interval is 1, but tokens_per_second x second_per_grid_ts for a
     Qwen2.5-VL video; Qwen3-VL takes each frame pair of a video as a grid of its own."""
     types = np.asarray(types)
-    grids = {IMAGE: iter(_rows(image_grid_thw)), VIDEO: iter(_video_grids(video_grid_thw, vision))}
+    grids = {IMAGE: iter(_rows(image_grid_thw)), VIDEO: iter(video_run_grids(video_grid_thw, vision))}
     seconds = iter(torch.as_tensor(second_per_grid_ts, dtype=torch.float32) if second_per_grid_ts is not None else [])
     pieces, start = [], 0
     for kind, length in _runs(types):
@@ -260,7 +266,8 @@ def _rows(grid_thw) -> list[tuple[int, int, int]]:
     return [tuple(int(v) for v in row) for row in (grid_thw.tolist() if hasattr(grid_thw, "tolist") else grid_thw)]
 
 
-def _video_grids(video_grid_thw, vision: QwenVision) -> list[tuple[int, int, int]]:
+def video_run_grids(video_grid_thw, vision: QwenVision) -> list[tuple[int, int, int]]:
+    """The grid of each run of video tokens: a video's, or (Qwen3-VL) each of its frame pairs'."""
     grids = _rows(video_grid_thw)
     if vision.tokens_per_second is None:
         return [(1, h, w) for t, h, w in grids for _ in range(t)]

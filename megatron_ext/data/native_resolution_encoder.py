@@ -28,7 +28,9 @@ num_truncated, num_skipped.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -40,10 +42,12 @@ from megatron_ext.data.conversation import IMAGE_MARKER, VIDEO_MARKER
 from megatron_ext.data.native_resolution import (
     IMAGE_TOKEN,
     QWEN2_5_VL,
+    QWEN3_VL,
     VIDEO_TOKEN,
     VISION_END,
     VISION_START,
     QwenVision,
+    frame_pair_runs,
     image_inputs,
     image_processor,
     mrope_positions,
@@ -51,6 +55,7 @@ from megatron_ext.data.native_resolution import (
     read_clip,
     token_types,
     video_inputs,
+    video_run_grids,
 )
 from megatron_ext.data.packing import knapsack_bins
 from megatron_ext.data.shard_format import ImageModeKeepingDecoder, conversation_of, videos_of
@@ -100,15 +105,15 @@ class NativeResolutionBatch(Batch):
 _BATCH_FIELDS = ("input_ids", "labels", "loss_mask", "segment_ids", "position_ids", "pixel_values", "image_grid_thw",
                  "pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "num_samples", "num_truncated",
                  "num_skipped")
-# What a marker of the messages becomes before the template renders them.
-_RUNS = {IMAGE_MARKER: VISION_START + IMAGE_TOKEN + VISION_END, VIDEO_MARKER: VISION_START + VIDEO_TOKEN + VISION_END}
 
 
-def vision_of(vision_config: dict) -> QwenVision:
-    """Qwen2.5-VL's input settings with a checkpoint's patch, merge and temporal sizes and time scale."""
-    return replace(QWEN2_5_VL, patch_size=vision_config["patch_size"], merge_size=vision_config["spatial_merge_size"],
-                   temporal_patch_size=vision_config["temporal_patch_size"],
-                   tokens_per_second=vision_config["tokens_per_second"])
+def vision_of(arch) -> QwenVision:
+    """The input settings of `arch`'s family (Qwen2.5-VL's or Qwen3-VL's, by its name) with its
+    checkpoint's patch, merge and temporal sizes and (Qwen2.5-VL's) video time scale."""
+    config = arch.vision_config
+    base = next(v for v in (QWEN2_5_VL, QWEN3_VL) if v.name == arch.name)
+    return replace(base, patch_size=config["patch_size"], merge_size=config["spatial_merge_size"],
+                   temporal_patch_size=config["temporal_patch_size"], tokens_per_second=config.get("tokens_per_second"))
 
 
 class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, NativeResolutionBatch,
@@ -147,7 +152,7 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
         """Encoder for a native-resolution model's arch (`families.qwen2_5_vl.Qwen2_5_VLArch`)."""
         from megatron_ext import families
 
-        return cls(tokenizer_dir, vision=vision_of(arch.vision_config), image_token_id=arch.image_token_id,
+        return cls(tokenizer_dir, vision=vision_of(arch), image_token_id=arch.image_token_id,
                    video_token_id=arch.video_token_id, family_template=families.of(arch).text.chat_template, **kwargs)
 
     @stateless
@@ -158,11 +163,14 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
     def encode_conversation(self, sample: Sample, messages: list[dict], images: list,
                             videos: list) -> NativeResolutionSample:
         """One conversation's tokens, labels, loss mask, positions and pixels, fitted to the sequence length."""
-        ids, assistant = self.chat.encode([{**m, "content": _with_runs(m["content"])} for m in messages])
-        media = self._media(images, videos, sample.__key__)
+        media, video_pads = self._media(images, videos, sample.__key__)
+        pads = iter(video_pads)
+        ids, assistant = self.chat.encode([{**m, "content": _with_runs(m["content"], pads)} for m in messages])
         counts = np.ones(len(ids), dtype=np.int64)
-        for token, grids in ((self.image_token_id, media["image_grid_thw"]), (self.video_token_id, media["video_grid_thw"])):
-            counts[ids == token] = [int(g.prod()) // self.vision.merge_size**2 for g in grids]
+        # One pad token per image and per video run (a Qwen3-VL video's frame pair), repeated to its merged patches.
+        for token, grids in ((self.image_token_id, media["image_grid_thw"].tolist()),
+                             (self.video_token_id, video_run_grids(media["video_grid_thw"], self.vision))):
+            counts[ids == token] = [int(np.prod(g)) // self.vision.merge_size**2 for g in grids]
         ids, assistant = np.repeat(ids, counts), np.repeat(assistant, counts)
         labels = np.append(ids[1:], self.pad_token_id)
         loss_mask = np.append(assistant[1:], False)  # position t trains when token t + 1 is the assistant's
@@ -182,17 +190,22 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
             pixel_values_videos=media["pixel_values_videos"], video_grid_thw=media["video_grid_thw"],
             second_per_grid_ts=media["second_per_grid_ts"], num_truncated=int(truncated), lengths=[len(ids)])
 
-    def _media(self, images: list, videos: list, key: str) -> dict:
-        """Pixel rows and grids of a sample's images and videos (empty ones where it has none)."""
+    def _media(self, images: list, videos: list, key: str) -> tuple[dict, list[str]]:
+        """Pixel rows and grids of a sample's images and videos (empty ones where it has none), and
+        what each video's `<|video_pad|>` becomes in the text before the pads are repeated: itself,
+        or Qwen3-VL's frame pairs, each with its time (`native_resolution.frame_pair_runs`)."""
         media = {"pixel_values": torch.zeros(0, self.row_width), "image_grid_thw": torch.zeros(0, 3, dtype=torch.long),
                  "pixel_values_videos": torch.zeros(0, self.row_width), "video_grid_thw": torch.zeros(0, 3, dtype=torch.long),
                  "second_per_grid_ts": torch.zeros(0)}
         if images:
             media.update(image_inputs(images, self.vision, self.processor))
-        clips = [video_inputs(read_clip(video, self.video_frames, key), self.vision) for video in videos]
-        if clips:
-            media.update({name: torch.cat([clip[name] for clip in clips]) for name in clips[0]})
-        return media
+        clips = [read_clip(video, self.video_frames, key) for video in videos]
+        inputs = [video_inputs(clip, self.vision) for clip in clips]
+        if inputs:
+            media.update({name: torch.cat([clip[name] for clip in inputs]) for name in inputs[0]})
+        if self.vision.tokens_per_second is not None:
+            return media, [VIDEO_TOKEN] * len(clips)
+        return media, [frame_pair_runs(c.frame_pair_seconds(self.vision.temporal_patch_size), VIDEO_TOKEN) for c in clips]
 
     def select_samples_to_pack(self, samples: list[NativeResolutionSample]) -> list[list[NativeResolutionSample]]:
         bins = knapsack_bins([len(s.input_ids) for s in samples], self.max_length)
@@ -234,7 +247,8 @@ _TOKEN_FIELDS = ("input_ids", "labels", "loss_mask")
 _MEDIA_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
-def _with_runs(content: str) -> str:
-    for marker, run in _RUNS.items():
-        content = content.replace(marker, run)
-    return content
+def _with_runs(content: str, video_pads: Iterator[str]) -> str:
+    """`content` with each marker become the model's vision run (as Qwen's own template renders an
+    image or video part), a video's pad as `video_pads` gives it in turn."""
+    content = content.replace(IMAGE_MARKER, VISION_START + IMAGE_TOKEN + VISION_END)
+    return re.sub(re.escape(VIDEO_MARKER), lambda _: VISION_START + next(video_pads, VIDEO_TOKEN) + VISION_END, content)

@@ -15,4 +15,7 @@ FAMILY = QwenVLFamily(
     tower_class="transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLVisionModel",
     hf_prefixes=(("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head.")),
     visual_prefix="model.visual.",
+    # Each DeepStack merger is a patch merger as the main one is (transformers' same class): each maps
+    # merged ViT features into the decoder's width, so all of them are the projector.
+    projections=("merger", "deepstack_merger_list"),
 )

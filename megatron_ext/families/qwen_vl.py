@@ -105,8 +105,8 @@ class QwenVLFamily:
     visual_prefix: str  # where checkpoints store the tower's tensors
     # transformers' in-memory names -> the names its checkpoints store (save_pretrained writes these).
     stored_prefixes: tuple[tuple[str, str], ...] = ()
-    # The tower's module that projects into the decoder's width: it trains with the projector.
-    projection: str = "merger"
+    # The tower's modules that project into the decoder's width: they train with the projector.
+    projections: tuple[str, ...] = ("merger",)
     tiled: bool = False  # as a LLaVA kind says it: its images keep their sizes, no tiles
 
     def complete(self, cfg: Any) -> dict:
@@ -160,7 +160,7 @@ class QwenVLFamily:
             raise UserError("; ".join(problems))
         arch.check_parallel(parallel_state.get_tensor_model_parallel_world_size(),
                             parallel_state.get_pipeline_model_parallel_world_size())
-        return mrope_vlm.build(arch.text, self.text, lambda: self.tower(arch), self.projection, arch.image_token_id,
+        return mrope_vlm.build(arch.text, self.text, lambda: self.tower(arch), self.projections, arch.image_token_id,
                                arch.video_token_id, opts, vp_stage, interleaved_mrope=self.text.interleaved_mrope)
 
     def option_problems(self, opts, arch: QwenVLArch) -> list[str]:

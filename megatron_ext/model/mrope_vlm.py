@@ -25,18 +25,19 @@ from megatron_ext.model.family_hooks import TextHooks
 
 
 class MRopeVisionLanguageModel(torch.nn.Module):
-    def __init__(self, language_model, vision_model, projection: str, image_token_id: int, video_token_id: int):
-        """`projection`: the name of the encoder's module that maps its features into the decoder's
+    def __init__(self, language_model, vision_model, projections: tuple[str, ...], image_token_id: int,
+                 video_token_id: int):
+        """`projections`: the names of the encoder's modules that map its features into the decoder's
         width (trained with the projector, as LLaVA's)."""
         super().__init__()
         # What megatron-core's schedules read off a model.
         self.config, self.model_type = language_model.config, language_model.model_type
         self.language_model = language_model
         self.vision_model = vision_model  # None off the first pipeline stage
-        # The projection is part of the encoder here: nothing apart from it (the trainer's forward step
+        # The projections are part of the encoder here: nothing apart from it (the trainer's forward step
         # looks for a LLaVA's separate projector).
         self.vision_projection = None
-        self.projection = projection
+        self.projections = projections
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
         # (where [B, S], features [tokens, hidden]) per media kind, for each DeepStack feature of the
         # forward under way; read by the hooks on the first decoder layers.
@@ -51,11 +52,11 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         return self.vision_model is not None
 
     def freeze(self, freeze_language_model: bool, freeze_vision_model: bool, freeze_vision_projection: bool) -> None:
-        """megatron-core's LLaVAModel.freeze: the projection follows its own flag, inside the encoder too."""
+        """megatron-core's LLaVAModel.freeze: the projections follow their own flag, inside the encoder too."""
         encoder = self.vision_model
-        projection = getattr(encoder, self.projection) if encoder is not None else None
+        projections = [getattr(encoder, name) for name in self.projections] if encoder is not None else []
         for module, frozen in ((self.language_model, freeze_language_model), (encoder, freeze_vision_model),
-                               (projection, freeze_vision_projection)):
+                               *((p, freeze_vision_projection) for p in projections)):
             if module is not None:
                 module.requires_grad_(not frozen)
 
@@ -138,12 +139,12 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         return by_sample.transpose(0, 1).contiguous()
 
 
-def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], projection: str, image_token_id: int,
+def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], projections: tuple[str, ...], image_token_id: int,
           video_token_id: int, opts, vp_stage: int | None = None,
           interleaved_mrope: bool = False) -> MRopeVisionLanguageModel:
     """This rank's model under the current megatron parallel state: `family`'s language config
     must give `mrope_section`; `vision()` makes the encoder (called on the first stage only), whose
-    module `projection` maps its features into the decoder's width; `interleaved_mrope`: the sections
+    modules `projections` map its features into the decoder's width; `interleaved_mrope`: the sections
     interleave over the channels (Qwen3-VL) instead of chunking."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -184,7 +185,7 @@ def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], projection:
         use_masked_fill(language)
     if last:
         mask_padded_vocab(language.output_layer, t.vocab_size, t.padded_vocab_size)
-    model = MRopeVisionLanguageModel(language, _replicated(vision(), projection) if first else None, projection,
+    model = MRopeVisionLanguageModel(language, _replicated(vision(), projections) if first else None, projections,
                                      image_token_id, video_token_id)
     model.attention_backend = backend  # how batches must express packing to it (`mrope_inputs`)
     if not opts.init_weights:
@@ -192,12 +193,13 @@ def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], projection:
     return model.to(device())
 
 
-def _replicated(module: torch.nn.Module, projection: str) -> torch.nn.Module:
+def _replicated(module: torch.nn.Module, projections: tuple[str, ...]) -> torch.nn.Module:
     """`module` marked as held whole by every tensor rank: megatron-core's `finalize_model_grads`
     averages such parameters' gradients over the tensor-parallel group, which keeps the copies equal.
-    Its `projection`'s parameters are marked too: --vision-lr leaves them at the projector's rate."""
+    Its `projections`' parameters are marked too: --vision-lr leaves them at the projector's rate."""
     for param in module.parameters():
         param.average_gradients_across_tp_domain = True
-    for param in getattr(module, projection).parameters():
-        param.is_vision_projection = True
+    for name in projections:
+        for param in getattr(module, name).parameters():
+            param.is_vision_projection = True
     return module

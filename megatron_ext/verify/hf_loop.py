@@ -175,10 +175,12 @@ def native_samples(micro_batch: dict, image_token_id: int, video_token_id: int, 
     token types."""
     from megatron_ext.data.native_resolution import token_types
 
-    media = [(token, pixels, grids, _GridMedia(micro_batch[pixels], micro_batch[grids], merge_size, seconds))
-             for token, pixels, grids, seconds in (
-                 (image_token_id, "pixel_values", "image_grid_thw", None),
-                 (video_token_id, "pixel_values_videos", "video_grid_thw", micro_batch["second_per_grid_ts"]))]
+    # Qwen3-VL's videos carry no seconds per frame pair (their times are text).
+    seconds = micro_batch["second_per_grid_ts"]
+    seconds = seconds if len(seconds) == len(micro_batch["video_grid_thw"]) > 0 else None
+    media = [(token, pixels, grids, _GridMedia(micro_batch[pixels], micro_batch[grids], merge_size, held_seconds))
+             for token, pixels, grids, held_seconds in ((image_token_id, "pixel_values", "image_grid_thw", None),
+                                                         (video_token_id, "pixel_values_videos", "video_grid_thw", seconds))]
     out = []
     for ids, labels, mask, segments in zip(micro_batch["input_ids"], micro_batch["labels"], micro_batch["loss_mask"],
                                            micro_batch["segment_ids"]):
@@ -237,9 +239,9 @@ def _expand(ids, labels, mask, image_token_index: int, img_seq_len: int) -> tupl
     return torch.tensor([tokens]), hf_labels[None]
 
 
-# transformers' names of the parts our stages train apart: LLaVA's, then Qwen2.5-VL's, whose
-# projector (the patch merger) lies inside its tower, so projectors are looked for first.
-PROJECTORS = ("multi_modal_projector.", "visual.merger.")
+# transformers' names of the parts our stages train apart: LLaVA's, then Qwen-VL's, whose projector
+# (the patch merger; Qwen3-VL's DeepStack mergers too) lies inside its tower, so projectors are looked for first.
+PROJECTORS = ("multi_modal_projector.", "visual.merger.", "visual.deepstack_merger_list.")
 TOWERS = ("vision_tower.", "visual.")
 
 

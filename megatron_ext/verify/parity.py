@@ -268,8 +268,8 @@ def module_of(name: str) -> str:
     layer = re.search(r"^(?:language_model\.)?(?:model\.)?layers\.(\d+)\.", name)
     if layer:
         return f"language_model.layers.{layer.group(1)}" + (" (LoRA)" if ".lora_" in name else "")
-    for part in ("vision_tower", "multi_modal_projector", "visual.merger", "visual", "image_newline", "embed_tokens",
-                 "lm_head"):
+    for part in ("vision_tower", "multi_modal_projector", "visual.merger", "visual.deepstack_merger_list", "visual",
+                 "image_newline", "embed_tokens", "lm_head"):
         if part in name:
             return part
     return name.replace("language_model.model.", "language_model.")

@@ -15,7 +15,8 @@ from megatron_ext import families
 from megatron_ext.data.native_resolution import QWEN2_5_VL, image_inputs, mrope_positions, token_types
 from megatron_ext.data.native_resolution_encoder import NativeResolutionTaskEncoder
 from megatron_ext.errors import UserError
-from tests.support.qwen2_5_vl import IMAGE_TOKEN, VIDEO_TOKEN, tiny_config, tiny_tokenizer
+from tests.support.qwen2_5_vl import IMAGE_TOKEN, VIDEO_TOKEN, tiny_config
+from tests.support.qwen_vl import tiny_tokenizer
 
 VISION_START, VISION_END, IM_END = 502, 503, 505
 QUESTION = [{"role": "user", "content": "<image>\nWhat is this? <image>"}, {"role": "assistant", "content": "A cat."}]
@@ -119,3 +120,33 @@ def test_a_video_becomes_its_frame_pairs_tokens_with_its_seconds_per_pair(tokeni
     # The second frame pair's T: 4 tokens per second x 0.6 s, floored: 2 after the first's.
     first = sample.input_ids.tolist().index(VIDEO_TOKEN)
     assert sample.position_ids[0, first + 140] - sample.position_ids[0, first] == 2
+
+
+def test_a_qwen3_vl_video_becomes_its_frame_pairs_each_after_its_time_in_text(tmp_path):
+    """As transformers 5.24's Qwen3VLProcessor writes it: inside the video's vision run, each frame pair's
+    `<s.s seconds>` (the mean of its frames' times) and its own run of pads; no seconds per pair in the
+    batch; each pair's positions a grid of its own (T constant) starting after its time's tokens."""
+    from tests.support import qwen3_vl
+    from tests.support.tiled_data import write_video
+
+    qwen3_vl.tiny_config().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    write_video(tmp_path / "clip.mp4")  # 6 frames of 64 x 48 at 5 fps: frames 0, 1, 3, 5 sampled
+    encoder = _encoder(tmp_path, video_frames=4, seq_length=512)
+    messages = [{"role": "user", "content": "<video>\nWhat happens?"}, {"role": "assistant", "content": "It brightens."}]
+    sample = encoder.encode_conversation(Sample(__key__="v", __restore_key__=()), messages, [],
+                                         [(tmp_path / "clip.mp4").read_bytes()])
+    # Resized up to the video pixel floor: 160 x 224, two frame pairs of 10 x 14 patches, 35 tokens each.
+    assert sample.video_grid_thw.tolist() == [[2, 10, 14]] and sample.pixel_values_videos.shape == (280, 1536)
+    assert sample.second_per_grid_ts.numel() == 0
+    ids = sample.input_ids.tolist()
+    pads = "<|video_pad|>" * 35
+    video = (f"<|vision_start|><0.1 seconds><|vision_start|>{pads}<|vision_end|><0.8 seconds><|vision_start|>{pads}"
+             "<|vision_end|><|vision_end|>")
+    assert video in encoder.chat.tokenizer.decode(ids) and ids.count(VIDEO_TOKEN) == 70
+    first = ids.index(VIDEO_TOKEN)
+    second = ids.index(VIDEO_TOKEN, first + 35)
+    for start in (first, second):
+        pair = sample.position_ids[:, start:start + 35]
+        assert (pair[0] == pair[0, 0]).all() and pair[:, 0].tolist() == [sample.position_ids[0, start - 1] + 1] * 3
+    assert pair[1:, -1].tolist() == [pair[0, 0] + 4, pair[0, 0] + 6]  # the last merged patch: row 4, column 6

@@ -50,23 +50,8 @@ def write_tiny_model(out: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     Qwen2_5_VLForConditionalGeneration(tiny_config()).save_pretrained(out)
-    tiny_tokenizer().save_pretrained(out)
+    qwen_vl.tiny_tokenizer().save_pretrained(out)
     return out
-
-
-def tiny_tokenizer():
-    """The demo's tiny tokenizer with Qwen2.5-VL's special tokens at the tiny model's ids (fillers
-    up to IMAGE_TOKEN), ChatML's turn tokens and a pad token; no template of its own, so training
-    takes the family's ChatML."""
-    from megatron_ext.demo.tiny_models import train_tokenizer
-
-    tokenizer = train_tokenizer(400)
-    tokenizer.add_tokens([f"<filler{i}>" for i in range(IMAGE_TOKEN - len(tokenizer))])
-    tokenizer.add_tokens(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>",
-                          "<|im_end|>", "<|endoftext|>"], special_tokens=True)
-    tokenizer.pad_token = "<|endoftext|>"
-    tokenizer.chat_template = None
-    return tokenizer
 
 
 def samples() -> dict[str, dict]:

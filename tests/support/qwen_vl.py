@@ -28,6 +28,21 @@ def vision_run(token: int, grid, merge_size: int = 2) -> list[int]:
     return [VISION_START] + [token] * (t * h * w // merge_size ** 2) + [VISION_END]
 
 
+def tiny_tokenizer():
+    """The demo's tiny tokenizer with the Qwen-VL special tokens at the tiny model's ids (fillers
+    up to IMAGE_TOKEN), ChatML's turn tokens and a pad token; no template of its own, so training
+    takes the family's ChatML."""
+    from megatron_ext.demo.tiny_models import train_tokenizer
+
+    tokenizer = train_tokenizer(400)
+    tokenizer.add_tokens([f"<filler{i}>" for i in range(IMAGE_TOKEN - len(tokenizer))])
+    tokenizer.add_tokens(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>",
+                          "<|im_end|>", "<|endoftext|>"], special_tokens=True)
+    tokenizer.pad_token = "<|endoftext|>"
+    tokenizer.chat_template = None
+    return tokenizer
+
+
 def sample(ids: list[int], vision: QwenVision, **media) -> dict:
     """One sample's model inputs: ids [1, S], mRoPE positions [3, 1, S], token types and `media`."""
     types = token_types(ids, IMAGE_TOKEN, VIDEO_TOKEN)

@@ -1,28 +1,51 @@
-"""Qwen2.5-VL trains (stage 2): the tiny model converted from transformers, trained by the real
-trainer on one synthetic conversation with an image, repeated in every micro batch, in float32 on CPU ranks."""
+"""Qwen2.5-VL and Qwen3-VL train (stage 2): each tiny model converted from transformers, trained by the
+real trainer on one synthetic conversation with an image, repeated in every micro batch, in float32 on
+CPU ranks. Stage 2 trains the decoder and the projector, which lies inside the tower: Qwen2.5-VL's patch
+merger; Qwen3-VL's merger and its DeepStack mergers (each maps merged ViT features into the decoder's
+width, as the main merger does)."""
 
 from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from tests.support.helpers import hf_tensors
-from tests.support.qwen2_5_vl import write_tiny_model
 from tests.support.training import metrics, train, trainer_args
 
 ITERS = 4
 
 
-@pytest.fixture(scope="module")
-def qwen_hf(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("qwen2_5_vl_hf"))
+@dataclass(frozen=True)
+class Tiny:
+    support: str  # the tests.support module of its tiny model
+    tower: str  # the prefix its checkpoints store the tower's tensors under
+    projections: tuple[str, ...]  # ... and the projector's, inside the tower
+    merger_tensors: int
+    trained: int  # tensors stage 2 trains: the decoder's and the projector's
+
+
+FAMILIES = {
+    "qwen2_5_vl": Tiny("tests.support.qwen2_5_vl", "visual.", ("visual.merger.",), 5, 56),
+    "qwen3_vl": Tiny("tests.support.qwen3_vl", "model.visual.",
+                     ("model.visual.merger.", "model.visual.deepstack_merger_list."), 18, 65),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def qwen_hf(request, tmp_path_factory):
+    """(the family's Tiny, its tiny model's directory)."""
+    tiny = FAMILIES[request.param]
+    return tiny, importlib.import_module(tiny.support).write_tiny_model(tmp_path_factory.mktemp(f"{request.param}_hf"))
 
 
 @pytest.fixture(scope="module")
 def qwen_megatron(tmp_path_factory, qwen_hf):
     from megatron_ext.convert.to_megatron import convert
 
-    return convert(qwen_hf, tmp_path_factory.mktemp("qwen2_5_vl_megatron") / "tp1", 1, 1)
+    return convert(qwen_hf[1], tmp_path_factory.mktemp("qwen_vl_megatron") / "tp1", 1, 1)
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +85,18 @@ def _hf_changed(before, after) -> set[str]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-def test_stage_2_trains_the_decoder_and_the_merger_and_not_the_tower(tmp_path, qwen_hf, tp2_run):
+def test_stage_2_trains_the_decoder_and_the_mergers_and_not_the_rest_of_the_tower(tmp_path, qwen_hf, tp2_run):
     from megatron_ext.convert.to_hf import convert
 
-    save, steps = tp2_run
+    (tiny, hf_dir), (save, steps) = qwen_hf, tp2_run
     losses = [steps[i]["loss"] for i in range(1, ITERS + 1)]
     assert all(a > b for a, b in zip(losses, losses[1:])), losses
     assert all(steps[i]["loss_tokens"] == steps[1]["loss_tokens"] for i in steps)  # the same batch every step
-    changed = _hf_changed(qwen_hf, convert(save, tmp_path / "hf"))
-    tower = {name for name in hf_tensors(qwen_hf) if name.startswith("visual.")}
-    merger = {name for name in tower if name.startswith("visual.merger.")}
-    assert changed == set(hf_tensors(qwen_hf)) - tower | merger and len(merger) == 5 and len(changed) == 56
+    changed = _hf_changed(hf_dir, convert(save, tmp_path / "hf"))
+    tower = {name for name in hf_tensors(hf_dir) if name.startswith(tiny.tower)}
+    mergers = {name for name in tower if name.startswith(tiny.projections)}
+    assert changed == set(hf_tensors(hf_dir)) - tower | mergers
+    assert len(mergers) == tiny.merger_tensors and len(changed) == tiny.trained
 
 
 @pytest.mark.multiprocess
@@ -80,12 +104,13 @@ def test_stage_2_trains_the_decoder_and_the_merger_and_not_the_tower(tmp_path, q
 def test_vision_lr_sets_the_towers_rate_and_not_the_mergers(tmp_path, qwen_hf, qwen_megatron, one_batch):
     from megatron_ext.convert.to_hf import convert
 
+    tiny, hf_dir = qwen_hf
     save = tmp_path / "run"
     _train(save, qwen_megatron, one_batch, 2, unfreeze_vit=True, vision_lr=0.0, train_iters=1)
-    changed = _hf_changed(qwen_hf, convert(save, tmp_path / "hf"))
-    assert {name for name in changed if name.startswith("visual.")} == {
-        f"visual.merger.{name}" for name in ("ln_q.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")}
-    assert len(changed) == 56
+    changed = _hf_changed(hf_dir, convert(save, tmp_path / "hf"))
+    moved = {name for name in changed if name.startswith(tiny.tower)}
+    assert moved == {name for name in hf_tensors(hf_dir) if name.startswith(tiny.projections)}
+    assert len(moved) == tiny.merger_tensors and len(changed) == tiny.trained
 
 
 @pytest.mark.multiprocess
@@ -122,4 +147,4 @@ def test_a_run_is_planned_with_the_pad_token_given_and_said_to_have_no_memory_pl
     plan = make_plan(config, 2, on_gpu=False, te=False)
     assert (plan.config.image_token_id, plan.config.pad_token_id, plan.arch.pad_token_id) == (500, 506, None)
     assert check_memory(plan, 80 * 2**30) == [
-        "no memory plan for qwen2_5_vl models yet: this launch is not checked against the GPU's memory"]
+        f"no memory plan for {plan.arch.model_type} models yet: this launch is not checked against the GPU's memory"]
