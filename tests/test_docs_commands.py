@@ -90,8 +90,8 @@ EXCLUDED = {
         "lmms-eval's own tasks download their data from the Hub; the --include-path command runs on local task data",
     SLURM_SCRIPT: "a SLURM job script's own lines (trap, wait, scontrol requeue) need sbatch; its run.py line runs",
     r"(megatron-ext-convert \S+|python scripts/train/run\.py) .*--(hf|megatron|megatron-load)-dir <qwen":
-        "a Qwen2.5-VL checkpoint, which the docs' workdir does not build; tests/train/test_qwen2_5_vl_training.py "
-        "converts, trains and exports the tiny one through the same functions",
+        "a Qwen2.5-VL or Qwen3-VL checkpoint, which the docs' workdir does not build; tests/train/test_qwen_vl_training.py "
+        "converts, trains and exports the tiny ones through the same functions",
 }
 
 

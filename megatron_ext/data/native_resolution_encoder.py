@@ -1,13 +1,14 @@
 """The energon task encoder that turns conversations with images and videos into batches for a
-native-resolution model (Qwen2.5-VL): every image keeps its own size, so a micro batch holds many.
+native-resolution model (Qwen2.5-VL, Qwen3-VL): every image keeps its own size, so a micro batch holds many.
 
 Per sample (`preencode_sample`):
 1. each `<image>` / `<video>` marker of the messages becomes the model's vision run
-   (`<|vision_start|><|image_pad|><|vision_end|>`, as Qwen's own template renders an image part),
-   then the chat template renders the conversation and marks the assistant's tokens
+   (`<|vision_start|><|image_pad|><|vision_end|>`, as Qwen's own template renders an image part;
+   inside a Qwen3-VL video's, each frame pair's `<s.s seconds>` and its own pad, as its processor
+   writes them), then the chat template renders the conversation and marks the assistant's tokens
    (`chat_template.ChatTokenizer`, as for LLaVA);
 2. pixel rows and grids as transformers' processors give them (`native_resolution`), and each pad
-   token repeated to its image's (video's) merged patch count;
+   token repeated to its image's (video's, frame pair's) merged patch count;
 3. next-token labels, the loss mask (assistant tokens only), truncation at the end (never inside
    an image: such a sample is dropped as bad), and the sample's own mRoPE positions [3, L].
 

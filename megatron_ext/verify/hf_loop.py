@@ -1,5 +1,5 @@
 """The parity check's reference: a plain PyTorch loop on transformers' model of the checkpoint
-(LlavaForConditionalGeneration and its tiled kin, Qwen2_5_VLForConditionalGeneration), trained as
+(LlavaForConditionalGeneration and its tiled kin, the Qwen-VL models), trained as
 transformers' Trainer trains it, on the global batches our trainer recorded.
 
 What it copies from the Trainer: the loss is the model's own (`labels`, with `num_items_in_batch` =
@@ -7,7 +7,7 @@ the trained tokens of the whole global batch, so every token weighs the same); A
 (torch.optim.AdamW), or torch.optim.SGD, with weight decay on the parameters
 `Trainer.get_decay_parameter_names` names; `clip_grad_norm_` over every trained parameter; the
 schedule from `transformers.get_scheduler`. Each sample runs alone (no padding, no packing), as a
-micro batch of one. A native-resolution sample (Qwen2.5-VL) goes with its token types and grids, and
+micro batch of one. A native-resolution sample (Qwen-VL) goes with its token types and grids, and
 transformers computes its mRoPE positions itself (`get_rope_index`), not from our batch's. In bf16 (on a GPU) the weights and the optimizer stay fp32 and the forward runs
 under `torch.autocast`, as the Trainer's `bf16=True`. With `Adapters` the model is a PEFT LoRA model
 that starts from our run's initial adapters. The first step's gradients are kept (`first_grads`).

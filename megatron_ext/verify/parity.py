@@ -265,7 +265,7 @@ def compare_grads(ours: dict[str, torch.Tensor], hf: dict[str, torch.Tensor], rt
 def module_of(name: str) -> str:
     """The part of an HF LLaVA a parameter belongs to, as the report groups them (a layer's LoRA
     adapters apart from its frozen weights)."""
-    layer = re.search(r"^(?:language_model\.)?(?:model\.)?layers\.(\d+)\.", name)
+    layer = re.search(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.", name)
     if layer:
         return f"language_model.layers.{layer.group(1)}" + (" (LoRA)" if ".lora_" in name else "")
     for part in ("vision_tower", "multi_modal_projector", "visual.merger", "visual.deepstack_merger_list", "visual",
