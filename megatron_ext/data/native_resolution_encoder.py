@@ -158,7 +158,7 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
     def encode_conversation(self, sample: Sample, messages: list[dict], images: list,
                             videos: list) -> NativeResolutionSample:
         """One conversation's tokens, labels, loss mask, positions and pixels, fitted to the sequence length."""
-        ids, assistant = self.chat.encode([{**m, "content": _with_runs(m["content"])} for m in messages])
+        ids, assistant = self.chat.encode([{**m, "content": with_vision_runs(m["content"])} for m in messages])
         media = self._media(images, videos, sample.__key__)
         counts = np.ones(len(ids), dtype=np.int64)
         for token, grids in ((self.image_token_id, media["image_grid_thw"]), (self.video_token_id, media["video_grid_thw"])):
@@ -234,7 +234,8 @@ _TOKEN_FIELDS = ("input_ids", "labels", "loss_mask")
 _MEDIA_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
-def _with_runs(content: str) -> str:
+def with_vision_runs(content: str) -> str:
+    """A message's text with each `<image>` / `<video>` marker as the vision run the template renders."""
     for marker, run in _RUNS.items():
         content = content.replace(marker, run)
     return content
