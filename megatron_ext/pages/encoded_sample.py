@@ -164,22 +164,26 @@ class SampleReader:
         """Positions an encoded sample takes in a packed row, alignment padding left out."""
         return self.encoder.layout.combined_length(encoded) - sum(encoded.pads)
 
-    def _encoded(self, found: Inspected, sample):
-        """The encoder's sample, or None with `found`'s skip reason set."""
-        try:
-            return self.encoder.preencode_sample(sample)
-        except Exception as exc:  # energon's error handler skips a sample for any error; so does the page
-            found.skip_reason, found.skip_detail = skip_reason(exc)
-            return None
-
     def read(self, index: int, key: str, shown: bool, sample) -> Inspected:
         found = Inspected(index, key, shown, record_id=getattr(sample, "record_id", ""))
-        encoded = self._encoded(found, sample)
-        if encoded is None:
+        try:
+            encoded = self.encoder.preencode_sample(sample)
+        except Exception as exc:  # energon's error handler skips a sample for any error; so does the page
+            found.skip_reason, found.skip_detail = skip_reason(exc)
             return found
         if self.encoder.packing:
-            found.packable = copy.copy(encoded)
-            found.packable.images = [None] * len(encoded.images)  # packing reads how many, not their pixels
+            found.packable = self._packable(encoded)
+        self._fill(found, sample, encoded)
+        return found
+
+    def _packable(self, encoded):
+        packable = copy.copy(encoded)
+        packable.images = [None] * len(encoded.images)  # packing reads how many, not their pixels
+        return packable
+
+    def _fill(self, found: Inspected, sample, encoded) -> None:
+        """`found`'s sequences, counts and (shown) media from the encoder's sample `encoded`."""
+        shown = found.shown
         conversations, videos = self._conversations(sample)
         # Each sequence holds the sample's media in turn (a pair's two: the same prompt's): PIL
         # images (LLaVA-1.5) or one MediaGroup (tiled) before postencode, and their media rows.
@@ -204,7 +208,6 @@ class SampleReader:
             processed = self.encoder.postencode_sample(encoded).images
             tiles = torch.stack(processed) if processed else None
             found.media = self._media(videos, sources, rows, tiles, positions)
-        return found
 
     def _conversations(self, sample) -> tuple[list[tuple[str, list[dict]]], list]:
         """(the sample's sequences as (name, chat messages), as the encoder renders them; its videos)."""

@@ -47,14 +47,12 @@ class NativeSampleReader(SampleReader):
     def packed_length(self, encoded) -> int:
         return len(encoded.input_ids)
 
-    def read(self, index: int, key: str, shown: bool, sample) -> Inspected:
-        found = Inspected(index, key, shown, record_id=getattr(sample, "record_id", ""))
-        encoded = self._encoded(found, sample)
-        if encoded is None:
-            return found
-        if self.encoder.packing:
-            found.packable = copy.copy(encoded)  # packing reads token counts, not pixels
-            found.packable.pixel_values = found.packable.pixel_values_videos = None
+    def _packable(self, encoded):
+        packable = copy.copy(encoded)
+        packable.pixel_values = packable.pixel_values_videos = None  # packing reads token counts, not pixels
+        return packable
+
+    def _fill(self, found: Inspected, sample, encoded) -> None:
         images, messages = conversation_of(sample)
         messages = [{**m, "content": with_vision_runs(m["content"])} for m in messages]
         grids = self._grids(encoded)
@@ -64,14 +62,13 @@ class NativeSampleReader(SampleReader):
         # Truncation never cuts an image or video (the encoder skips such a sample).
         sequence = Sequence("", int((~np.isin(ids, list(self.media_tokens))).sum()), int(loss_mask.sum()),
                             sum(positions))
-        if shown:
+        if found.shown:
             sequence.pieces = self._pieces(messages, len(ids), loss_mask, positions)
         found.sequences = [sequence]
         found.images = len(encoded.image_grid_thw)
         found.truncated = bool(encoded.num_truncated)
-        if shown:
-            found.media = self._shown(images, videos_of(sample), encoded, grids, key)
-        return found
+        if found.shown:
+            found.media = self._shown(images, videos_of(sample), encoded, grids, found.key)
 
     def _grids(self, encoded) -> list[tuple[str, NativeGrid]]:
         """(kind, grid) of each image and video in token order: one a run of its pad tokens."""

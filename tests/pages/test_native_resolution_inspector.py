@@ -22,7 +22,7 @@ from megatron_ext.pages.inspector_page import write_inspection
 from megatron_ext.pages.native_sample import frames_of
 from megatron_ext.pages.sample_encoding import EncoderSetup
 from megatron_ext.pages.sample_sources import Selection
-from tests.support.qwen2_5_vl import IMAGE_TOKEN, VIDEO_TOKEN, tiny_config, tiny_tokenizer
+from tests.support.qwen2_5_vl import IMAGE_TOKEN, VIDEO_TOKEN, write_tiny_model
 from tests.support.qwen_vl import noise
 from tests.support.tiled_data import turns, write_video
 
@@ -35,10 +35,7 @@ SIZES = ((37, 91), (1000, 17))
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("qwen2_5_vl_tokenizer")
-    tiny_config().save_pretrained(out)
-    tiny_tokenizer().save_pretrained(out)
-    return out
+    return write_tiny_model(tmp_path_factory.mktemp("qwen2_5_vl"))
 
 
 @pytest.fixture(scope="module")
