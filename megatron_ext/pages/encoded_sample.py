@@ -58,7 +58,7 @@ class ShownMedia:
     tiles: np.ndarray  # uint8 [n, H, W, 3] rendered back from the pixel values
     row: tiling.Media | None = None  # its media-layout row (tiled models)
     times: list[float] | None = None  # a video's sampled frames (a native-resolution one's frame pairs), seconds
-    grid: "NativeGrid | None" = None  # a native-resolution model's patch grid
+    grid: NativeGrid | None = None  # a native-resolution model's patch grid
 
 
 @dataclass(frozen=True)
