@@ -84,6 +84,8 @@ EXCLUDED = {
     r"pip install ": "installs packages from the network (CI's setup runs pip the same way)",
     r"bash scripts/setup_env.sh ": "sets up the environment these tests run in; tests/test_readme.py checks that CI "
                                    "runs this line, which runs the demo (tests/demo/test_demo.py) and this suite",
+    r"\.venv/bin/python scripts/demo/run_demo\.py --family qwen2_5_vl$": "the Qwen2.5-VL demo, which "
+                                                                     "tests/demo/test_demo.py runs",
     r"singularity build ": "builds a container image: needs singularity and the network",
     r"python bench/gpu_bench.py( --sweep)?$": "needs a CUDA GPU (its `--preset tiny` runs)",
     r"python scripts/eval/benchmark.py .*--tasks [\w,]*textvqa_val":

@@ -166,7 +166,7 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
         """One conversation's tokens, labels, loss mask, positions and pixels, fitted to the sequence length."""
         media, video_pads = self._media(images, videos, sample.__key__)
         pads = iter(video_pads)
-        ids, assistant = self.chat.encode([{**m, "content": _with_runs(m["content"], pads)} for m in messages])
+        ids, assistant = self.chat.encode([{**m, "content": with_vision_runs(m["content"], pads)} for m in messages])
         counts = np.ones(len(ids), dtype=np.int64)
         # One pad token per image and per video run (a Qwen3-VL video's frame pair), repeated to its merged patches.
         for token, grids in ((self.image_token_id, media["image_grid_thw"].tolist()),
@@ -248,8 +248,10 @@ _TOKEN_FIELDS = ("input_ids", "labels", "loss_mask")
 _MEDIA_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
-def _with_runs(content: str, video_pads: Iterator[str]) -> str:
-    """`content` with each marker become the model's vision run (as Qwen's own template renders an
-    image or video part), a video's pad as `video_pads` gives it in turn."""
+def with_vision_runs(content: str, video_pads: Iterator[str] | None = None) -> str:
+    """A message's text with each `<image>` / `<video>` marker as the vision run the template renders
+    (as Qwen's own template renders an image or video part), a video's pad as `video_pads` gives it in
+    turn (a Qwen3-VL video's timed frame pairs), else one `<|video_pad|>`."""
     content = content.replace(IMAGE_MARKER, VISION_START + IMAGE_TOKEN + VISION_END)
-    return re.sub(re.escape(VIDEO_MARKER), lambda _: VISION_START + next(video_pads, VIDEO_TOKEN) + VISION_END, content)
+    pads = video_pads or iter(())
+    return re.sub(re.escape(VIDEO_MARKER), lambda _: VISION_START + next(pads, VIDEO_TOKEN) + VISION_END, content)

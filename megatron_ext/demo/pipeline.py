@@ -8,6 +8,10 @@ about an image with the HF model -> evaluate.py scores the Megatron checkpoint o
 about the same pictures, prepared -> run.py --stage dpo tunes the stage 2 checkpoint on them (2
 processes, TP2), its held-out pairs evaluated before and after.
 
+`--family qwen2_5_vl` runs a native-resolution model instead (`run_qwen2_5_vl_demo`): a tiny
+Qwen2.5-VL -> TP2 -> the same synthetic images at their own sizes -> stage 2 -> HF -> an answer
+from transformers' generate.
+
 Each step runs the real command in a subprocess (`python -m megatron_ext.commands.<group> <command>`,
 what the megatron-ext-* console scripts and the files under scripts/ run), so the demo works from an
 installed package as from a checkout, and is printed as a copyable shell command.
@@ -77,17 +81,31 @@ def held_out_rewards(save_dir: Path) -> tuple[dict, dict]:
     return val[0], val[-1]
 
 
+def _log_in(out: Path) -> Path:
+    """The demo's log in `out` (made if missing), which every step's output goes to."""
+    out.mkdir(parents=True, exist_ok=True)
+    return out / "demo.log"
+
+
+def _converted_and_data(out: Path) -> dict[str, Path]:
+    """Where either demo puts the converted checkpoint and the synthetic dataset, raw and prepared."""
+    return {"Megatron checkpoint (TP2)": out / "megatron-tp2", "synthetic dataset": out / "data-src",
+            "prepared energon dataset": out / "energon"}
+
+
+def _train_common(s: DemoSettings) -> list:
+    """run.py's options of every training step: its processes and layout, batches, checkpoints, logs."""
+    return ["-g", s.processes, "--tp", s.tp, "--pp", 1, "--save", "--micro-batch-size", s.micro_batch_size,
+            "--global-batch-size", s.global_batch_size, "--num-workers", 0, "--log-interval", 10]
+
+
 def run_demo(out: Path, settings: DemoSettings = DemoSettings()) -> dict[str, Path]:
     """Run every step into `out`; returns where each artifact is."""
-    out.mkdir(parents=True, exist_ok=True)
-    log = out / "demo.log"
-    s = settings
+    log, s = _log_in(out), settings
     paths = {
         "tiny HF models": out / "tiny",
         "HF LLaVA": out / "hf-llava",
-        "Megatron checkpoint (TP2)": out / "megatron-tp2",
-        "synthetic dataset": out / "data-src",
-        "prepared energon dataset": out / "energon",
+        **_converted_and_data(out),
         "stage 1 checkpoints": out / "stage1",
         "stage 2 checkpoints": out / "stage2",
         "trained HF LLaVA": out / "hf-trained",
@@ -99,9 +117,7 @@ def run_demo(out: Path, settings: DemoSettings = DemoSettings()) -> dict[str, Pa
         "DPO checkpoints": out / "dpo",
     }
     p = list(paths.values())
-    train_common = ["-g", s.processes, "--tp", s.tp, "--pp", 1, "--save",
-                    "--micro-batch-size", s.micro_batch_size, "--global-batch-size", s.global_batch_size,
-                    "--num-workers", 0, "--log-interval", 10]
+    train_common = _train_common(s)
     _run("1/14 tiny random HF models (Llama text with GQA, CLIP and SigLIP towers)", "demo tiny-models",
          "--save-dir", p[0], "--force", log=log)
     _run("2/14 assemble an HF LLaVA checkpoint", "convert build-llava", "--save-dir", p[1],
@@ -142,5 +158,43 @@ def run_demo(out: Path, settings: DemoSettings = DemoSettings()) -> dict[str, Pa
          "--megatron-load-dir", p[6], "--save-dir", p[13], "--",
          "--train-iters", s.dpo_iters, "--lr", s.dpo_lr, "--dpo-beta", s.dpo_beta, "--seq-length", s.seq_length,
          "--eval-interval", s.dpo_iters, "--eval-on-start", log=log)
+    paths["demo log"] = log
+    return paths
+
+
+# The Qwen2.5-VL demo: fewer samples and steps, so that it stays within about two minutes on 2 cores.
+QWEN2_5_VL_SETTINGS = DemoSettings(samples=64, stage2_iters=30)
+
+
+def run_qwen2_5_vl_demo(out: Path, settings: DemoSettings = QWEN2_5_VL_SETTINGS) -> dict[str, Path]:
+    """A native-resolution model through the pipeline: a tiny random Qwen2.5-VL -> Megatron (TP2) ->
+    the synthetic dataset, prepared -> stage 2 (2 processes, TP2) -> HF -> one answer from
+    transformers' generate. Returns where each artifact is."""
+    log, s = _log_in(out), settings
+    paths = {
+        "tiny HF Qwen2.5-VL": out / "hf-qwen2_5_vl",
+        **_converted_and_data(out),
+        "stage 2 checkpoints": out / "stage2",
+        "trained HF Qwen2.5-VL": out / "hf-trained",
+        "answer (transformers)": out / "answer.jsonl",
+    }
+    p = list(paths.values())
+    _run("1/7 a tiny random Qwen2.5-VL (windowed tower, mRoPE decoder, byte-level BPE tokenizer in ChatML)",
+         "demo tiny-qwen2-5-vl", "--save-dir", p[0], "--force", log=log)
+    _run("2/7 convert it to a Megatron checkpoint for TP2 (the tower whole on every rank)", "convert hf-to-megatron",
+         "--tp", s.tp, "--pp", 1, "--hf-dir", p[0], "--megatron-dir", p[1], "--force", log=log)
+    _run("3/7 a synthetic image dataset (LLaVA JSON; images of many sizes)", "data synthetic", "--output-dir", p[2],
+         "--num-samples", s.samples, "--force", log=log)
+    _run("4/7 energon shards, prepared", "data build", p[2] / "llava.json", "--output-dir", p[3],
+         "--samples-per-shard", 16, "--num-workers", 0, "--force", log=log)
+    _run("5/7 stage 2: each image at its own resolution; train the decoder and the tower's merger", "train",
+         *_train_common(s), "--stage", 2, "--data-path", p[3], "--megatron-load-dir", p[1], "--save-dir", p[4], "--",
+         "--train-iters", s.stage2_iters, "--lr", 1e-3, "--seq-length", s.seq_length, log=log)
+    _run("6/7 convert the trained checkpoint back to HF", "convert megatron-to-hf", "--tp", s.tp, "--pp", 1,
+         "--megatron-dir", p[4], "--hf-dir", p[5], "--force", log=log)
+    image, question, _ = first_sample(p[2])
+    _run("7/7 answer a question about an image with the trained HF model (transformers' generate, greedy)",
+         "demo answer", "--hf-dir", p[5], "--image", image, "--prompt", question, "--max-new-tokens",
+         s.max_new_tokens, "--output-jsonl", p[6], log=log)
     paths["demo log"] = log
     return paths

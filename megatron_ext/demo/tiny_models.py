@@ -277,3 +277,36 @@ def make_all(save_dir: Path, text_spec: TinyTextSpec = TinyTextSpec(), seed: int
     for i, kind in enumerate(sorted(f.full_model_type for f in vision_families().values()), start=1):
         made[f"vision-{kind}"] = make_vision_model(save_dir / f"vision-{kind}", kind, seed=seed + i)
     return made
+
+
+# A tiny Qwen2.5-VL: a 2-layer decoder with GQA and mRoPE sections (T 2, H 3, W 3 of a head's 8
+# frequency channels), a 2-block tower with 56-pixel windows and one full-attention block.
+QWEN2_5_VL_TEXT = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "intermediate_size": 128, "head_dim": 16, "max_position_embeddings": 1024,
+                   "initializer_range": TinyTextSpec.initializer_range,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}}
+QWEN2_5_VL_VISION = {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+                     "fullatt_block_indexes": [1], "window_size": 56, "tokens_per_second": 4}
+QWEN_VL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def make_qwen2_5_vl(save_dir: Path, seed: int = 0) -> Path:
+    """Write a random Qwen2.5-VL with the byte-level BPE tokenizer in ChatML's format (no BOS,
+    <|im_end|> ends a turn) and Qwen-VL's vision tokens added after it."""
+    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = train_tokenizer(400, "chatml")
+    tokenizer.add_tokens(list(QWEN_VL_TOKENS), special_tokens=True)
+    image, video, start, end = tokenizer.convert_tokens_to_ids(list(QWEN_VL_TOKENS))
+    special = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    # The vocabulary rounded up to a multiple of 64, as published checkpoints pad theirs.
+    text = {**copy.deepcopy(QWEN2_5_VL_TEXT), "vocab_size": -(-len(tokenizer) // 64) * 64, **special}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=copy.deepcopy(QWEN2_5_VL_VISION), image_token_id=image,
+                              video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+                              tie_word_embeddings=False, **special)
+    _seeded(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(**special)
+    model.save_pretrained(save_dir)
+    tokenizer.save_pretrained(save_dir)
+    return save_dir

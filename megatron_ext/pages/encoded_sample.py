@@ -57,7 +57,24 @@ class ShownMedia:
     original: object  # PIL image, or uint8 frames [n, H, W, 3] as sampled from the video
     tiles: np.ndarray  # uint8 [n, H, W, 3] rendered back from the pixel values
     row: tiling.Media | None = None  # its media-layout row (tiled models)
-    times: list[float] | None = None  # a video's sampled frames, seconds
+    times: list[float] | None = None  # a video's sampled frames (a native-resolution one's frame pairs), seconds
+    grid: NativeGrid | None = None  # a native-resolution model's patch grid
+
+
+@dataclass(frozen=True)
+class NativeGrid:
+    """A native-resolution image's (video's) grid_thw and how its patches merge into tokens."""
+
+    t: int  # frame pairs (1 for an image)
+    h: int  # patches down
+    w: int  # patches across
+    patch: int  # pixels per patch side
+    merge: int  # patches per merged token side
+
+    @property
+    def tokens(self) -> int:
+        """Merged tokens: its pad tokens in the text."""
+        return self.t * self.h * self.w // self.merge**2
 
 
 @dataclass
@@ -120,10 +137,32 @@ class SampleReader:
         self.arch = arch
         self.pixels = pixels
         self.tokenizer = encoder.chat.tokenizer
-        media_tokens = [arch.image_token_index]
-        if encoder.media is not None and encoder.media.video_token is not None:
-            media_tokens.append(encoder.media.video_token)
-        self.media_tokens = set(media_tokens)
+        self.media_tokens = self._media_tokens()
+
+    def _media_tokens(self) -> set[int]:
+        tokens = {self.arch.image_token_index}
+        if self.encoder.media is not None and self.encoder.media.video_token is not None:
+            tokens.add(self.encoder.media.video_token)
+        return tokens
+
+    @property
+    def expanded(self) -> bool:
+        """The encoder's ids hold each image's every position (tiled), not one token (LLaVA-1.5)."""
+        return self.encoder.media is not None
+
+    @property
+    def tiled(self):
+        """The encoder's `anyres.FeatureLayout` (tiled models), for drawing grids, else None."""
+        return self.encoder.media.layout if self.encoder.media is not None else None
+
+    @property
+    def row_capacity(self) -> int:
+        """Positions a packed row holds."""
+        return self.encoder.layout.max_length
+
+    def packed_length(self, encoded) -> int:
+        """Positions an encoded sample takes in a packed row, alignment padding left out."""
+        return self.encoder.layout.combined_length(encoded) - sum(encoded.pads)
 
     def read(self, index: int, key: str, shown: bool, sample) -> Inspected:
         found = Inspected(index, key, shown, record_id=getattr(sample, "record_id", ""))
@@ -133,8 +172,18 @@ class SampleReader:
             found.skip_reason, found.skip_detail = skip_reason(exc)
             return found
         if self.encoder.packing:
-            found.packable = copy.copy(encoded)
-            found.packable.images = [None] * len(encoded.images)  # packing reads how many, not their pixels
+            found.packable = self._packable(encoded)
+        self._fill(found, sample, encoded)
+        return found
+
+    def _packable(self, encoded):
+        packable = copy.copy(encoded)
+        packable.images = [None] * len(encoded.images)  # packing reads how many, not their pixels
+        return packable
+
+    def _fill(self, found: Inspected, sample, encoded) -> None:
+        """`found`'s sequences, counts and (shown) media from the encoder's sample `encoded`."""
+        shown = found.shown
         conversations, videos = self._conversations(sample)
         # Each sequence holds the sample's media in turn (a pair's two: the same prompt's): PIL
         # images (LLaVA-1.5) or one MediaGroup (tiled) before postencode, and their media rows.
@@ -159,7 +208,6 @@ class SampleReader:
             processed = self.encoder.postencode_sample(encoded).images
             tiles = torch.stack(processed) if processed else None
             found.media = self._media(videos, sources, rows, tiles, positions)
-        return found
 
     def _conversations(self, sample) -> tuple[list[tuple[str, list[dict]]], list]:
         """(the sample's sequences as (name, chat messages), as the encoder renders them; its videos)."""
@@ -188,7 +236,7 @@ class SampleReader:
                 pieces += self._text_pieces(text)
                 text = []
                 number, count = next(media)
-                width = count if self.encoder.media is not None else 1  # tiled ids hold every feature
+                width = count if self.expanded else 1
                 kind = VIDEO if token != self.arch.image_token_index else IMAGE
                 pieces.append(Piece(kind, kind, cut=at >= kept, media=number, positions=count))
                 at += width

@@ -37,12 +37,17 @@ td, th { border: 1px solid #ccc; padding: 0.2em 0.5em; text-align: left; vertica
 figure { margin: 0; }
 figcaption, .caption { font-size: 0.85em; color: #555; max-width: 30em; }
 img.tile, img.original { image-rendering: pixelated; min-width: 10em; max-width: 24em; border: 1px solid #ccc; }
+img.original { max-height: 24em; object-fit: contain; }  /* a thin image stays its shape */
 svg.grid { width: 24em; height: auto; }
 svg.grid .tile-edge { stroke: #fff; stroke-width: 1; stroke-dasharray: 3 2; }
 svg.grid .unpadded { fill: none; stroke: #2a2; stroke-width: 1.5; }
 svg.grid .newline { fill: #d22; }
 .strip { display: flex; flex-wrap: wrap; gap: 0.3em; }
 img.frame { width: 7em; image-rendering: pixelated; }
+svg.native { max-width: 100%; height: auto; image-rendering: pixelated; border: 1px solid #ccc; }
+svg.native .patch { stroke: #fff; stroke-opacity: 0.6; stroke-width: 1; vector-effect: non-scaling-stroke; }
+svg.native .token { fill: none; stroke: #2a2; stroke-width: 2; vector-effect: non-scaling-stroke; }
+figure.pair svg.native { margin-right: 0.2em; }
 .tokens { white-space: pre-wrap; font-family: ui-monospace, monospace; font-size: 0.9em; line-height: 1.8; }
 .tok { border-bottom: 3px solid transparent; box-shadow: inset -1px 0 rgba(0, 0, 0, 0.18); }
 .tok.joined { outline: 1px dotted #777; outline-offset: -1px; }

@@ -12,11 +12,16 @@ import io
 import numpy as np
 import torch
 
+from megatron_ext.data.native_resolution import IMAGE_TOKEN, VIDEO_TOKEN
 from megatron_ext.model import tiling
-from megatron_ext.pages.encoded_sample import IMAGE, ShownMedia
+from megatron_ext.pages.encoded_sample import IMAGE, NativeGrid, ShownMedia
 
 ORIGINAL_SIDE = 320  # originals are shown at most this large (the tiles at their own size)
 FRAME_SIDE = 112  # a video strip's frames
+# A native-resolution image's longer side on the page: up to this, at most 4x its own, never below its
+# own (a thin image's tokens stay visible; the page's width still fits a wide one); a video frame's at most.
+NATIVE_SIDE = 480
+NATIVE_FRAME_SIDE = 196
 
 
 def _affine(mean, std, scale):
@@ -26,18 +31,32 @@ def _affine(mean, std, scale):
     return std / (scale or 1.0), mean / (scale or 1.0)
 
 
+def _processor_affine(processor):
+    normalize = processor.do_normalize
+    return _affine(processor.image_mean if normalize else None, processor.image_std if normalize else None,
+                   processor.rescale_factor if processor.do_rescale else None)
+
+
 class PixelsBack:
     """pixel values [n, 3, H, W] -> uint8 pixels [n, H, W, 3] for an encoder's image and video processors."""
 
-    def __init__(self, encoder):
+    def __init__(self, image_affine, video_affine=None):
+        self._image, self._video = image_affine, video_affine
+
+    @classmethod
+    def of(cls, encoder) -> "PixelsBack":
+        from megatron_ext.data.native_resolution_encoder import NativeResolutionTaskEncoder
+
+        if isinstance(encoder, NativeResolutionTaskEncoder):
+            # Its videos are rescaled and normalized with the images' settings (`native_resolution.video_inputs`).
+            image = _processor_affine(encoder.processor)
+            return cls(image, image)
         processor = encoder.images.processor if encoder.media is None else encoder.media.anyres.processor
-        normalize = processor.do_normalize
-        self._image = _affine(processor.image_mean if normalize else None, processor.image_std if normalize else None,
-                              processor.rescale_factor if processor.do_rescale else None)
         video = encoder.media.video if encoder.media is not None else None
-        if video is not None:
-            fused = video.normalize  # mean and std already carry the rescale factor (FusedNormalize)
-            self._video = _affine(fused.mean, fused.std, fused.scale if fused.mean is None else None)
+        if video is None:
+            return cls(_processor_affine(processor))
+        fused = video.normalize  # mean and std already carry the rescale factor (FusedNormalize)
+        return cls(_processor_affine(processor), _affine(fused.mean, fused.std, fused.scale if fused.mean is None else None))
 
     @staticmethod
     def _back(values: torch.Tensor, affine) -> np.ndarray:
@@ -86,6 +105,8 @@ def model_html(media: ShownMedia, layout) -> str:
     """What the model gets; `layout`: the encoder's `anyres.FeatureLayout` (tiled models) or None."""
     tiles = media.tiles
     side = f"{tiles.shape[2]}x{tiles.shape[1]}"
+    if media.grid is not None:
+        return _native_pairs(media) if media.kind != IMAGE else _native_image(media)
     if media.kind != IMAGE:
         return _video_strip(media)
     if layout is None or len(tiles) == 1:
@@ -142,3 +163,49 @@ def _video_strip(media: ShownMedia) -> str:
     return (f'<div class="strip">{"".join(frames)}</div>'
             f'<p class="caption">video {media.number}: {len(media.tiles)} frames of {size}, pooled, + 1 newline: '
             f'{media.positions:,} positions</p>')
+
+
+def _patch_grid(pixels: np.ndarray, grid: NativeGrid, scale: float) -> str:
+    """`pixels` [H, W, 3] as an SVG `scale` times its size, with its patches' edges (thin) and its
+    merged tokens (boxes) drawn."""
+    height, width = pixels.shape[:2]
+    p, block = grid.patch, grid.patch * grid.merge
+    edges = [f'<line class="patch" x1="{x}" y1="0" x2="{x}" y2="{height}"/>' for x in range(p, width, p)]
+    edges += [f'<line class="patch" x1="0" y1="{y}" x2="{width}" y2="{y}"/>' for y in range(p, height, p)]
+    tokens = [f'<rect class="token" x="{c * block}" y="{r * block}" width="{block}" height="{block}"/>'
+              for r in range(grid.h // grid.merge) for c in range(grid.w // grid.merge)]
+    return (f'<svg class="native" viewBox="0 0 {width} {height}" width="{width * scale:.0f}" '
+            f'height="{height * scale:.0f}" data-size="{width}x{height}" data-patches="{grid.h}x{grid.w}">'
+            f'<image href="{data_uri(pixels)}" width="{width}" height="{height}"/>{"".join(edges)}{"".join(tokens)}</svg>')
+
+
+def _grid_words(grid: NativeGrid) -> str:
+    m = grid.merge
+    return (f"{grid.h}x{grid.w} patches of {grid.patch} px (thin lines), merged {m}x{m} into "
+            f"{grid.h // m}x{grid.w // m} tokens (boxes)")
+
+
+def _native_image(media: ShownMedia) -> str:
+    grid, (pixels,) = media.grid, media.tiles
+    height, width = pixels.shape[:2]
+    caption = (f"as the model gets it: resized to {width}x{height} (smart resize, multiples of {grid.patch * grid.merge} "
+               f"px); grid_thw [{grid.t}, {grid.h}, {grid.w}]: {_grid_words(grid)}: {media.positions:,} positions, "
+               f"its {media.positions:,} {IMAGE_TOKEN} in the text")
+    return _figure(f'<div class="native" data-grid-thw="{grid.t},{grid.h},{grid.w}" data-tokens="{media.positions}">'
+                   f"{_patch_grid(pixels, grid, min(4.0, max(1.0, NATIVE_SIDE / max(height, width))))}</div>",
+                   caption, "model native")
+
+
+def _native_pairs(media: ShownMedia) -> str:
+    """A native-resolution video: its frame pairs (one temporal patch each), each with its time."""
+    grid, frames = media.grid, media.tiles
+    height, width = frames.shape[1:3]
+    scale = min(4.0, NATIVE_FRAME_SIDE / max(height, width))
+    per_pair = len(frames) // grid.t
+    pairs = [_figure("".join(_patch_grid(frame, grid, scale) for frame in frames[k * per_pair:(k + 1) * per_pair]),
+                     f"pair {k + 1}: {media.times[k]:.2f} s", "pair") for k in range(grid.t)]
+    caption = (f"video {media.number}: {len(frames)} frames resized to {width}x{height}, {grid.t} frame pairs "
+               f"(grid_thw [{grid.t}, {grid.h}, {grid.w}]) of {_grid_words(grid)} each: {media.positions:,} positions, "
+               f"its {media.positions:,} {VIDEO_TOKEN} in the text")
+    return (f'<div class="strip native" data-grid-thw="{grid.t},{grid.h},{grid.w}" data-tokens="{media.positions}">'
+            f'{"".join(pairs)}</div><p class="caption">{html.escape(caption)}</p>')

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_ext.data.loader import PACKING_BUFFER
+from megatron_ext.data.native_resolution_encoder import NativeResolutionTaskEncoder
 from megatron_ext.errors import UserError
 from megatron_ext.model.sequence_alignment import SequenceAlignment
 from megatron_ext.pages.encoded_sample import Inspected, SampleReader
 from megatron_ext.pages.media_views import PixelsBack
+from megatron_ext.pages.native_sample import NativeSampleReader
 from megatron_ext.pages.sample_sources import SampleSource
 from megatron_ext.progress import progress
 
@@ -59,7 +61,7 @@ def build_encoder(setup: EncoderSetup, pairs: bool = False) -> InspectorEncoder:
         tokenizer_dir = Path(setup.tokenizer_load_dir)
         config = tokenizer_dir / "config.json"
         if not config.is_file():
-            raise UserError(f"--tokenizer-load-dir {tokenizer_dir} has no config.json: give an HF LLaVA directory, "
+            raise UserError(f"--tokenizer-load-dir {tokenizer_dir} has no config.json: give an HF LLaVA or Qwen-VL directory, "
                             "or --megatron-load-dir")
         hf_config, model = json.loads(config.read_text()), str(tokenizer_dir)
     else:
@@ -70,19 +72,24 @@ def build_encoder(setup: EncoderSetup, pairs: bool = False) -> InspectorEncoder:
     cfg = TrainConfig(**{k: v for k, v in saved.items() if k in known})
     cfg = dataclasses.replace(cfg, **{k: v for k, v in setup.options.items() if v is not None})
     cfg = dataclasses.replace(cfg, stage="dpo" if pairs else 2)  # stage 2: any stage that trains on conversations
-    arch = families.read_llava(hf_config)
+    arch = families.read_model(hf_config)
     seq_length = cfg.seq_length or default_seq_length(arch, SequenceAlignment().total)
     encoder = task_encoder(tokenizer_dir, arch, cfg, seq_length, SequenceAlignment())
     description = [("model", model), ("samples", "preference pairs (--stage dpo)" if pairs else "conversations"),
                    ("chat template", encoder.template_name), ("sequence length", str(seq_length)),
                    ("packing", f"rows of {cfg.packing_seq_length}" if cfg.packing_seq_length else "off")]
+    if isinstance(encoder, NativeResolutionTaskEncoder):
+        vision = encoder.vision
+        description += [("image pixels", f"{vision.min_pixels:,} to {vision.max_pixels:,} (smart resize to multiples of "
+                                         f"{vision.factor} px)"), ("video frames", str(cfg.video_frames))]
+        return InspectorEncoder(NativeSampleReader(encoder, arch, PixelsBack.of(encoder)), description)
     if arch.tiling is None:
         description.append(("image aspect", cfg.image_aspect))
     else:
         description.append(("video frames", str(cfg.video_frames)))
     if cfg.max_tiles_per_sequence:
         description.append(("most tiles per sequence", str(cfg.max_tiles_per_sequence)))
-    return InspectorEncoder(SampleReader(encoder, arch, PixelsBack(encoder)), description)
+    return InspectorEncoder(SampleReader(encoder, arch, PixelsBack.of(encoder)), description)
 
 
 @dataclass(frozen=True)
@@ -128,21 +135,19 @@ class Inspection:
 
 def _packed_rows(reader: SampleReader, samples: list[Inspected]) -> list[PackedRow]:
     """The rows energon's packing would make of `samples`, a packing buffer at a time, in order."""
-    encoder = reader.encoder
-    capacity = encoder.layout.max_length
     rows = []
     for start in range(0, len(samples), PACKING_BUFFER):
         buffer = [s.packable for s in samples[start:start + PACKING_BUFFER]]
-        for pack in encoder.select_samples_to_pack(buffer):
-            lengths = [encoder.layout.combined_length(s) - sum(s.pads) for s in pack]
-            rows.append(PackedRow([s.__key__ for s in pack], lengths, capacity))
+        for pack in reader.encoder.select_samples_to_pack(buffer):
+            lengths = [reader.packed_length(s) for s in pack]
+            rows.append(PackedRow([s.__key__ for s in pack], lengths, reader.row_capacity))
     return rows
 
 
 def run_inspection(source: SampleSource, encoder: InspectorEncoder, everything: bool, keys: tuple[str, ...]) -> Inspection:
     reader = encoder.reader
     found = Inspection(source.description, encoder.description, everything, pairs=reader.pairs)
-    found.tiled = reader.encoder.media.layout if reader.encoder.media is not None else None
+    found.tiled = reader.tiled
     total = source.total if everything else None
     for record in progress(source.records, total=total, desc="samples", unit="sample"):
         if record.sample is None:

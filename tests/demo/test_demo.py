@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from megatron_ext.checkpoint import layout
 from tests.support.helpers import run_script
@@ -58,3 +59,33 @@ def test_demo_runs_the_whole_pipeline(tmp_path):
     assert before["loss"] == pytest.approx(math.log(2), abs=1e-4)
     assert after["rewards/margins"] > 0 and after["loss"] < before["loss"] and after["rewards/accuracies"] > 0.5
     assert f"rewards/accuracies {after['rewards/accuracies']:.3f}" in proc.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)  # about 2 minutes on 2 idle cores; 8 with 5 other suites on them
+def test_the_qwen2_5_vl_demo_trains_at_tp2_converts_back_and_answers_with_transformers(tmp_path):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from tests.support.helpers import hf_tensors
+
+    out = tmp_path / "demo"
+    proc = run_script("demo/run_demo.py", "--family", "qwen2_5_vl", "--output-dir", out, "--stage2-iters", 4,
+                      timeout=600)
+    answer = json.loads((out / "answer.jsonl").read_text())["answer"]
+    assert f"answer:    {answer}\n" in proc.stdout and "demo finished" in proc.stdout
+    assert "megatron_ext.commands.demo answer --hf-dir " + str(out / "hf-trained") in proc.stdout
+    # run.py -g 2 --tp 2 --stage 2 trained the converted checkpoint and saved it.
+    snapshot = layout.find_snapshot(out / "stage2")
+    assert (snapshot.iteration, snapshot.tp, snapshot.meta["kind"]) == (4, 2, "trained")
+    assert snapshot.meta["run_config"]["start"].startswith(str(out / "megatron-tp2"))
+    records = [json.loads(line) for line in (out / "stage2" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if r["split"] == "train"][-1] == 4
+    # Back in HF, stage 2 moved the decoder and the tower's merger, and no other tower tensor.
+    before, after = hf_tensors(out / "hf-qwen2_5_vl"), hf_tensors(out / "hf-trained")
+    assert before.keys() == after.keys()
+    tower = {name for name in before if name.startswith("visual.")}
+    merger = {name for name in tower if name.startswith("visual.merger.")}
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed == set(before) - tower | merger and merger
+    _, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(out / "hf-trained", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
