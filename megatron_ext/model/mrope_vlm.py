@@ -59,6 +59,20 @@ class MRopeVisionLanguageModel(torch.nn.Module):
             if module is not None:
                 module.requires_grad_(not frozen)
 
+    def _apply(self, fn, recurse=True):
+        """A cast or move (`.bfloat16()`: megatron-core's Float16Module) leaves the encoder's computed buffers
+        (kept out of its state dict, e.g. its RoPE's float32 inv_freq) in their own dtype, moved only, as
+        transformers' `from_pretrained(dtype=...)` makes them: angles from a bfloat16 inv_freq are wrong."""
+        computed = [(module, name, module._buffers[name]) for module in self._encoder_modules()
+                    for name in module._non_persistent_buffers_set if module._buffers.get(name) is not None]
+        super()._apply(fn, recurse)
+        for module, name, before in computed:
+            module._buffers[name] = before.to(module._buffers[name].device)
+        return self
+
+    def _encoder_modules(self):
+        return self.vision_model.modules() if self.vision_model is not None else ()
+
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
 

@@ -1,4 +1,5 @@
-"""Qwen2.5-VL and Qwen3-VL train (stage 2) with the execution switches LLaVAs have: --compile-layers.
+"""Qwen2.5-VL and Qwen3-VL train (stage 2) with the execution switches LLaVAs have: --compile-layers
+and bfloat16 (megatron-core's Float16Module; the tower cast as transformers casts it).
 The tiny models converted from transformers, on one synthetic conversation repeated in every micro
 batch, on CPU ranks."""
 
@@ -9,8 +10,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.support import qwen2_5_vl, qwen3_vl
+from tests.support.helpers import hf_tensors, run_ranks
 from tests.support.training import metrics, train, trainer_args
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
@@ -18,6 +21,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 ITERS = 3
 # SGD, as in test_qwen2_5_vl_training: Adam would grow float noise in near-zero gradients into the losses.
 SGD = {"optimizer": "sgd", "sgd_momentum": 0.9, "lr": 1e-3}
+# How far a bf16 run's first loss (the same weights and batch) may be from the float32 run's: measured
+# 2.3e-4 (Qwen2.5-VL) and 2.0e-3 (Qwen3-VL) relative.
+BF16_LOSS_BOUND = 5e-3
 SUPPORT = {"qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl}
 
 
@@ -79,3 +85,34 @@ def test_compiled_layers_train_like_eager_ones_and_break_no_graph(tmp_path, tiny
     compiled, output = _train(tmp_path / "compiled", tiny, one_batch, compile_layers=True)
     assert "--compile-layers: torch.compile left" not in output, output[-3000:]
     _assert_steps_equal(compiled, tp1_run)
+
+
+def test_a_bf16_run_trains_within_bf16_rounding_of_the_float32_run_and_saves_bf16_weights(tmp_path, tiny, one_batch,
+                                                                                           tp1_run):
+    """megatron-core's mixed precision (Float16Module, float32 main parameters); the export holds every
+    tensor in bfloat16, the frozen tower's the original ones rounded, as a bfloat16 round trip needs."""
+    from megatron_ext.checkpoint import layout
+    from megatron_ext.convert.to_hf import convert
+
+    bf16, _ = _train(tmp_path / "bf16", tiny, one_batch, dtype="bfloat16")
+    # Later steps differ by more: these SGD steps move weights by less than bfloat16 resolves (the float32
+    # main parameters keep them).
+    assert bf16.keys() == tp1_run.keys()
+    assert bf16[1]["loss"] == pytest.approx(tp1_run[1]["loss"], rel=BF16_LOSS_BOUND)
+    assert layout.find_snapshot(tmp_path / "bf16").dtype == "bfloat16"
+    exported, original = hf_tensors(convert(tmp_path / "bf16", tmp_path / "hf")), hf_tensors(tiny.hf)
+    assert exported.keys() == original.keys()
+    assert {t.dtype for t in exported.values()} == {torch.bfloat16}
+    frozen = [name for name in original if "visual." in name and "merger" not in name]
+    assert frozen and all(torch.equal(exported[name], original[name].bfloat16()) for name in frozen)
+
+
+def test_the_bf16_tower_gives_transformers_bf16_features_bit_for_bit(tmp_path, tiny):
+    """Built as the trainer builds it (Float16Module casts the model); transformers' tower loaded with
+    from_pretrained(dtype=torch.bfloat16), which keeps its RoPE inv_freq in float32."""
+    run_ranks(1, "tests/train/qwen_vl_bf16_worker.py", tmp_path, tiny.hf, tiny.megatron, tiny.support, timeout=300)
+    result = json.loads((tmp_path / "tower.json").read_text())
+    assert set(result["buffers"].values()) == {"torch.float32"}, result["buffers"]
+    assert result["samples"]
+    for sample, features in result["samples"].items():
+        assert all(features["equal"]) and features["dtype"] == "torch.bfloat16", (sample, features)
