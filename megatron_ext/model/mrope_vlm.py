@@ -45,6 +45,18 @@ class MRopeVisionLanguageModel(torch.nn.Module):
             for index, layer in enumerate(language_model.decoder.layers):
                 layer.register_forward_hook(self._deepstack_hook(index))
 
+    # What megatron-core's finalize_model_grads asks of a pipeline stage's model (tied embeddings).
+    @property
+    def pre_process(self) -> bool:
+        return self.language_model.pre_process
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.language_model.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self):
+        return self.language_model.shared_embedding_or_output_weight()
+
     @property
     def add_encoder(self) -> bool:
         """Whether the encoder runs on this rank (megatron-core's LLaVAModel's name for it)."""

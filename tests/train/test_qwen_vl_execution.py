@@ -1,5 +1,5 @@
-"""Qwen2.5-VL and Qwen3-VL train (stage 2) with the execution switches LLaVAs have: --compile-layers
-and bfloat16 (megatron-core's Float16Module; the tower cast as transformers casts it).
+"""Qwen2.5-VL and Qwen3-VL train (stage 2) with the execution switches LLaVAs have: --compile-layers,
+pipeline parallelism (PP2, TP2 x PP2) and bfloat16 (megatron-core's Float16Module; the tower cast as transformers casts it).
 The tiny models converted from transformers, on one synthetic conversation repeated in every micro
 batch, on CPU ranks."""
 
@@ -85,6 +85,13 @@ def test_compiled_layers_train_like_eager_ones_and_break_no_graph(tmp_path, tiny
     compiled, output = _train(tmp_path / "compiled", tiny, one_batch, compile_layers=True)
     assert "--compile-layers: torch.compile left" not in output, output[-3000:]
     _assert_steps_equal(compiled, tp1_run)
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)], ids=["pp2", "tp2-pp2"])
+def test_pipeline_parallel_runs_train_as_tp1_does(tmp_path, tiny, one_batch, tp1_run, tp, pp):
+    """Qwen3-VL's tower and its DeepStack features stay on the first stage (decoder layers 0 and 1)."""
+    run, _ = _train(tmp_path / "run", tiny, one_batch, tp * pp, tp=tp, pp=pp)
+    _assert_steps_equal(run, tp1_run)
 
 
 def test_a_bf16_run_trains_within_bf16_rounding_of_the_float32_run_and_saves_bf16_weights(tmp_path, tiny, one_batch,
