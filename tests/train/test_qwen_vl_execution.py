@@ -1,7 +1,7 @@
 """Qwen2.5-VL and Qwen3-VL train (stage 2) with the execution switches LLaVAs have: --compile-layers,
-pipeline parallelism (PP2, TP2 x PP2) and bfloat16 (megatron-core's Float16Module; the tower cast as transformers casts it).
-The tiny models converted from transformers, on one synthetic conversation repeated in every micro
-batch, on CPU ranks."""
+pipeline parallelism (PP2, TP2 x PP2) and bfloat16 (megatron-core's Float16Module; the tower cast as
+transformers casts it). The tiny models converted from transformers, on the synthetic conversations LLaVA's runs train on
+(`train_data`), on CPU ranks."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 ITERS = 3
 # SGD, as in test_qwen2_5_vl_training: Adam would grow float noise in near-zero gradients into the losses.
 SGD = {"optimizer": "sgd", "sgd_momentum": 0.9, "lr": 1e-3}
-# How far a bf16 run's first loss (the same weights and batch) may be from the float32 run's: measured
-# 2.3e-4 (Qwen2.5-VL) and 2.0e-3 (Qwen3-VL) relative.
+# How far a bf16 run's losses may be from the float32 run's: measured at most 2.3e-3 (Qwen2.5-VL) and
+# 1.2e-3 (Qwen3-VL) relative over the 3 steps.
 BF16_LOSS_BOUND = 5e-3
 SUPPORT = {"qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl}
 
@@ -49,18 +49,6 @@ def tiny(request, tmp_path_factory):
                            megatron=convert(hf, root / "tp1", 1, 1))
 
 
-@pytest.fixture(scope="module")
-def one_batch(tmp_path_factory):
-    """One synthetic conversation with an image: every micro batch holds it twice."""
-    from megatron_ext.data.build import build_energon_dataset
-    from megatron_ext.demo.synthetic_data import SyntheticSpec, make_synthetic_dataset
-
-    source = make_synthetic_dataset(tmp_path_factory.mktemp("qwen_src"), SyntheticSpec(num_samples=1, seed=3))
-    out = tmp_path_factory.mktemp("qwen_data") / "energon"
-    build_energon_dataset(source, out, split_ratio="1,0,0", samples_per_shard=1, num_workers=0)
-    return out
-
-
 def _train(save: Path, tiny, data: Path, nproc: int = 1, **options) -> tuple[dict, str]:
     result = train(nproc, *trainer_args(tiny.megatron, data, save, **{"train_iters": ITERS, "dtype": "float32",
                                                                          "log_interval": 1, **SGD, **options}),
@@ -69,8 +57,8 @@ def _train(save: Path, tiny, data: Path, nproc: int = 1, **options) -> tuple[dic
 
 
 @pytest.fixture(scope="module")
-def tp1_run(tmp_path_factory, tiny, one_batch):
-    return _train(tmp_path_factory.mktemp(f"{tiny.name}_tp1") / "run", tiny, one_batch)[0]
+def tp1_run(tmp_path_factory, tiny, train_data):
+    return _train(tmp_path_factory.mktemp(f"{tiny.name}_tp1") / "run", tiny, train_data)[0]
 
 
 def _assert_steps_equal(run: dict, reference: dict) -> None:
@@ -80,32 +68,31 @@ def _assert_steps_equal(run: dict, reference: dict) -> None:
         assert run[i]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5, abs=0), i
 
 
-def test_compiled_layers_train_like_eager_ones_and_break_no_graph(tmp_path, tiny, one_batch, tp1_run):
+def test_compiled_layers_train_like_eager_ones_and_break_no_graph(tmp_path, tiny, train_data, tp1_run):
     """Qwen3-VL's DeepStack hooks run inside the compiled first layers."""
-    compiled, output = _train(tmp_path / "compiled", tiny, one_batch, compile_layers=True)
+    compiled, output = _train(tmp_path / "compiled", tiny, train_data, compile_layers=True)
     assert "--compile-layers: torch.compile left" not in output, output[-3000:]
     _assert_steps_equal(compiled, tp1_run)
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)], ids=["pp2", "tp2-pp2"])
-def test_pipeline_parallel_runs_train_as_tp1_does(tmp_path, tiny, one_batch, tp1_run, tp, pp):
+def test_pipeline_parallel_runs_train_as_tp1_does(tmp_path, tiny, train_data, tp1_run, tp, pp):
     """Qwen3-VL's tower and its DeepStack features stay on the first stage (decoder layers 0 and 1)."""
-    run, _ = _train(tmp_path / "run", tiny, one_batch, tp * pp, tp=tp, pp=pp)
+    run, _ = _train(tmp_path / "run", tiny, train_data, tp * pp, tp=tp, pp=pp)
     _assert_steps_equal(run, tp1_run)
 
 
-def test_a_bf16_run_trains_within_bf16_rounding_of_the_float32_run_and_saves_bf16_weights(tmp_path, tiny, one_batch,
+def test_a_bf16_run_trains_within_bf16_rounding_of_the_float32_run_and_saves_bf16_weights(tmp_path, tiny, train_data,
                                                                                            tp1_run):
     """megatron-core's mixed precision (Float16Module, float32 main parameters); the export holds every
     tensor in bfloat16, the frozen tower's the original ones rounded, as a bfloat16 round trip needs."""
     from megatron_ext.checkpoint import layout
     from megatron_ext.convert.to_hf import convert
 
-    bf16, _ = _train(tmp_path / "bf16", tiny, one_batch, dtype="bfloat16")
-    # Later steps differ by more: these SGD steps move weights by less than bfloat16 resolves (the float32
-    # main parameters keep them).
+    bf16, _ = _train(tmp_path / "bf16", tiny, train_data, dtype="bfloat16")
     assert bf16.keys() == tp1_run.keys()
-    assert bf16[1]["loss"] == pytest.approx(tp1_run[1]["loss"], rel=BF16_LOSS_BOUND)
+    for i, expected in tp1_run.items():
+        assert bf16[i]["loss"] == pytest.approx(expected["loss"], rel=BF16_LOSS_BOUND), i
     assert layout.find_snapshot(tmp_path / "bf16").dtype == "bfloat16"
     exported, original = hf_tensors(convert(tmp_path / "bf16", tmp_path / "hf")), hf_tensors(tiny.hf)
     assert exported.keys() == original.keys()
