@@ -294,7 +294,7 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
     forward_step = make_forward_step(inputs)
     rng = np.random.default_rng(0)
     steps = [synthetic_micro_batches(plan, preset, packing, rng) for _ in range(warmup + iters)]
-    timed = dict(zip(BATCH_STATS, sum(batch_stats(step, inputs) for step in steps[warmup:]).tolist()))
+    timed = dict(zip(BATCH_STATS, sum(batch_stats(step, inputs, plan.arch) for step in steps[warmup:]).tolist()))
     losses, tower_calls = [], []
     # On the tower's first part (its patch embedding): the tower's own call is shadowed where its output
     # was computed once per step, and hooks would count that call too.

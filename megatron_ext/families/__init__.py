@@ -140,12 +140,14 @@ def model_kind(cfg: Any):
 
 def build_model(arch, opts, vp_stage: int | None = None):
     """This rank's model of `arch` (`model.provider.ModelOptions`): megatron-core's LLaVAModel, or
-    a vision-language family's model."""
-    if not isinstance(arch, LlavaArch):
-        return of(arch).build(arch, opts, vp_stage)
+    a vision-language family's model; with `opts.execution.compile_layers`, its transformer layers compiled."""
+    from megatron_ext.model.compiled_layers import compile_layers
     from megatron_ext.model.provider import build_model as build_llava
 
-    return build_llava(arch, of(arch), opts, vp_stage)
+    model = build_llava(arch, of(arch), opts, vp_stage) if isinstance(arch, LlavaArch) else of(arch).build(arch, opts, vp_stage)
+    if opts.execution.compile_layers:
+        compile_layers(model)
+    return model
 
 
 def read_llava(cfg: Any) -> LlavaArch:

@@ -142,34 +142,33 @@ class QwenVLFamily:
         with torch.device("meta"):
             return list(self.tower(arch).state_dict())
 
-    def tower(self, arch: QwenVLArch):
-        """transformers' vision module of `arch`, randomly initialised, in eval mode."""
+    def tower(self, arch: QwenVLArch, dtype=None):
+        """transformers' vision module of `arch`, randomly initialised, in eval mode; its parameters in
+        `dtype` (default: torch's), made as `from_pretrained(dtype=...)` makes them (its RoPE inv_freq stays float32)."""
         import transformers
 
         module, name = self.tower_class.split(":")
         config = getattr(transformers, self.config_class)(vision_config=arch.vision_config).vision_config
-        return getattr(importlib.import_module(module), name)._from_config(config).eval()
+        return getattr(importlib.import_module(module), name)._from_config(config, dtype=dtype).eval()
 
     def build(self, arch: QwenVLArch, opts, vp_stage: int | None = None):
         """This rank's model under the current megatron parallel state (`model.provider.ModelOptions`)."""
         from megatron.core import parallel_state
 
         from megatron_ext.model import mrope_vlm
+        from megatron_ext.model.provider import DTYPES
 
         if problems := self.option_problems(opts, arch):
             raise UserError("; ".join(problems))
         arch.check_parallel(parallel_state.get_tensor_model_parallel_world_size(),
                             parallel_state.get_pipeline_model_parallel_world_size())
-        return mrope_vlm.build(arch.text, self.text, lambda: self.tower(arch), self.projections, arch.image_token_id,
-                               arch.video_token_id, opts, vp_stage, interleaved_mrope=self.text.interleaved_mrope)
+        return mrope_vlm.build(arch.text, self.text, lambda: self.tower(arch, DTYPES[opts.dtype]), self.projections,
+                               arch.image_token_id, arch.video_token_id, opts, vp_stage, interleaved_mrope=self.text.interleaved_mrope)
 
     def option_problems(self, opts, arch: QwenVLArch) -> list[str]:
         """What this family's model cannot run with yet (each one line)."""
         ex = opts.execution
         problems = []
-        if opts.dtype != "float32":
-            # The tower would need casting without its RoPE inv_freq buffers; untested so far.
-            problems.append(f"{self.name} runs in float32 only so far, not {opts.dtype}")
         if ex.sequence_parallel or ex.cp > 1:
             # The media features are placed into whole, unsplit sequences.
             problems.append(f"{self.name} runs without sequence or context parallelism so far")

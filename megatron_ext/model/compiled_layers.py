@@ -6,10 +6,13 @@ its elementwise work is fused and its Python runs once per graph.
 Dynamic shapes, so packed micro batches of any length reuse one graph. megatron-core's layer
 traces whole once one lookup is made traceable: its row-parallel linear asks for the default
 tensor-parallel group by passing None, and the lookup warns (`warnings.warn`, which torch.compile
-cannot trace: a graph break in every layer). `compile_problems` says what is still left uncompiled.
+cannot trace: a graph break in every layer); other warnings inside a layer are moved after its graph.
+`compile_problems` says what is still left uncompiled.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -34,6 +37,9 @@ def _traceable_tp_group_lookup() -> None:
         return lookup(tp_group, is_expert, check_initialized)
 
     layers.get_tensor_model_parallel_group_if_none = group_or_default
+    # megatron-core warns inside the layer where it cannot fuse a RoPE (mRoPE over micro batches of several
+    # rows): said after the graph instead of breaking it.
+    torch._dynamo.config.reorderable_logging_functions.add(warnings.warn)
     _TRACEABLE = True
 
 

@@ -32,13 +32,21 @@ class MRopeInputs:
     logits_where_loss: bool = False
     host_layout: bool = False
     vision_once_per_step: bool = False
+    # Under pipeline parallelism rows are padded at their ends to seq_length: the stages exchange
+    # activations of one fixed shape.
+    seq_length: int = 0
+    pipeline_parallel: bool = False
 
     @classmethod
     def for_model(cls, model, device: torch.device) -> "MRopeInputs":
-        return cls(model.image_token_id, model.config.params_dtype, device, model.attention_backend)
+        from megatron.core import parallel_state
+
+        return cls(model.image_token_id, model.config.params_dtype, device, model.attention_backend,
+                   seq_length=model.language_model.max_sequence_length,
+                   pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size() > 1)
 
     def combined_length(self, input_ids: torch.Tensor) -> int:
-        return input_ids.shape[1]
+        return self.seq_length if self.pipeline_parallel else input_ids.shape[1]
 
     @staticmethod
     def media_count(batch: dict) -> int:
@@ -46,6 +54,8 @@ class MRopeInputs:
         return sum(batch[grid].shape[0] for _, grid in _MEDIA)
 
     def __call__(self, batch: dict) -> dict:
+        if self.pipeline_parallel:
+            batch = self._padded(batch)
         kwargs = {name: self.to_device(batch[name]) for name in ("input_ids", "position_ids", "labels", "loss_mask")}
         for pixels, grid in _MEDIA:
             held = batch[grid].shape[0] > 0
@@ -59,6 +69,12 @@ class MRopeInputs:
                                 "or te attention backend")
             kwargs["packed_seq_params"] = self.packed_seq_params(input_ids, segment_ids, input_ids.shape[1])
         return kwargs
+
+    def _padded(self, batch: dict) -> dict:
+        """The rows padded at their ends to seq_length: padding tokens at position 0, no loss, no sample."""
+        extra = self.seq_length - batch["input_ids"].shape[1]
+        rows = ("input_ids", "position_ids", "labels", "loss_mask", "segment_ids")
+        return {**batch, **{name: torch.nn.functional.pad(batch[name], (0, extra)) for name in rows}}
 
     # LLaVA's host-to-device copy and THD boundaries (an image token is `img_seq_len` = 1 position here).
     to_device = ModelInputs.to_device

@@ -39,12 +39,24 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         self.vision_projection = None
         self.projections = projections
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
-        # (where [B, S], features [tokens, hidden]) per media kind, for each DeepStack feature of the
-        # forward under way; read by the hooks on the first decoder layers.
+        # (rows of the [S * B] hidden states, features [tokens, hidden]) per media kind, for each DeepStack
+        # feature of the forward under way; read by the hooks on the first decoder layers.
         self._deepstack: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         if vision_model is not None:
             for index, layer in enumerate(language_model.decoder.layers):
                 layer.register_forward_hook(self._deepstack_hook(index))
+
+    # What megatron-core's finalize_model_grads asks of a pipeline stage's model (tied embeddings).
+    @property
+    def pre_process(self) -> bool:
+        return self.language_model.pre_process
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.language_model.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self):
+        return self.language_model.shared_embedding_or_output_weight()
 
     @property
     def add_encoder(self) -> bool:
@@ -59,6 +71,20 @@ class MRopeVisionLanguageModel(torch.nn.Module):
                                *((p, freeze_vision_projection) for p in projections)):
             if module is not None:
                 module.requires_grad_(not frozen)
+
+    def _apply(self, fn, recurse=True):
+        """A cast or move (`.bfloat16()`: megatron-core's Float16Module) leaves the encoder's computed buffers
+        (kept out of its state dict, e.g. its RoPE's float32 inv_freq) in their own dtype, moved only, as
+        transformers' `from_pretrained(dtype=...)` makes them: angles from a bfloat16 inv_freq are wrong."""
+        computed = [(module, name, module._buffers[name]) for module in self._encoder_modules()
+                    for name in module._non_persistent_buffers_set if module._buffers.get(name) is not None]
+        super()._apply(fn, recurse)
+        for module, name, before in computed:
+            module._buffers[name] = before.to(module._buffers[name].device)
+        return self
+
+    def _encoder_modules(self):
+        return self.vision_model.modules() if self.vision_model is not None else ()
 
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
@@ -105,16 +131,20 @@ class MRopeVisionLanguageModel(torch.nn.Module):
             raise ValueError(f"the vision encoder gives {len(features)} DeepStack features but this first pipeline "
                              f"stage holds {layers} decoder layers; use a smaller pipeline-parallel size")
         self._deepstack += [[] for _ in range(len(features) - len(self._deepstack))]
+        # The rows found here, outside the layers: a boolean index inside a layer has a data-dependent
+        # shape, where a layer compiled by --compile-layers would break its graph.
+        batch, position = where.nonzero(as_tuple=True)  # sample by sample, as the features come
+        rows = position * where.shape[0] + batch
         for index, feature in enumerate(features):
-            self._deepstack[index].append((where, feature))
+            self._deepstack[index].append((rows, feature))
 
     def _deepstack_hook(self, index: int):
         def add_features(layer, args, output):
             if index >= len(self._deepstack):
                 return None
             hidden, context = output
-            for where, features in self._deepstack[index]:
-                hidden = self._added(hidden, where, features)
+            for rows, features in self._deepstack[index]:
+                hidden = self._added(hidden, rows, features)
             return hidden, context
 
         return add_features
@@ -132,11 +162,9 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         return by_sample.transpose(0, 1).contiguous()
 
     @staticmethod
-    def _added(hidden: torch.Tensor, where: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """[S, B, H] hidden states with `features` added to the rows at `where` ([B, S]), as `_placed` fills them."""
-        by_sample = hidden.transpose(0, 1).clone()
-        by_sample[where] = by_sample[where] + features.to(by_sample.dtype)
-        return by_sample.transpose(0, 1).contiguous()
+    def _added(hidden: torch.Tensor, rows: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """[S, B, H] hidden states with `features` added at `rows` of their [S * B] flattening."""
+        return hidden.flatten(0, 1).index_add(0, rows, features.to(hidden.dtype)).view_as(hidden)
 
 
 def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], projections: tuple[str, ...], image_token_id: int,

@@ -168,10 +168,6 @@ def build_model(arch: LlavaArch, families: ModelFamilies, opts: ModelOptions = M
         model = _build(arch, families, opts, vp_stage, tp, pp)
     if meta:
         return model
-    if opts.execution.compile_layers:
-        from megatron_ext.model.compiled_layers import compile_layers
-
-        compile_layers(model)
     # use_cpu_initialization leaves every weight on the host; it computes on this process's device.
     return model.to(device())
 

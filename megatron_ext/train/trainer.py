@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import astuple, fields
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from megatron_ext.model.packed_sequences import sample_lengths
 from megatron_ext.objectives import for_run
 from megatron_ext.train import checkpointing
 from megatron_ext.train.batches import samples_digest
-from megatron_ext.train.flops import iteration_flops
+from megatron_ext.train.flops import TowerWork, iteration_flops, tower_work
 from megatron_ext.train.metrics_log import MetricsLogger
 from megatron_ext.train.model_setup import TrainingModel, build_training_model
 from megatron_ext.train.run_lock import RunLock
@@ -69,23 +70,26 @@ def _on_every_rank(holds: bool) -> bool:
     return bool(value.item())
 
 
+TOWER_STATS = tuple(f"tower_{field.name}" for field in fields(TowerWork))
 BATCH_STATS = ("samples", "positions", "squared_lengths", "model_positions", "images", "truncated", "skipped",
-               "logit_positions")
+               "logit_positions", *TOWER_STATS)
 
 
-def batch_stats(micro_batches: list[dict], inputs: ModelInputs) -> torch.Tensor:
-    """`BATCH_STATS` of these micro batches (bench/gpu_bench.py counts with it too). positions:
-    language-model positions holding samples (image embeddings included); model_positions: all the
-    positions the model computes, padding included; squared_lengths: the sum of each sample's
-    squared length (its attention work); logit_positions: where the output layer computes logits
-    (the loss positions with --logits-where-loss, else the sample positions)."""
+def batch_stats(micro_batches: list[dict], inputs: ModelInputs, arch) -> torch.Tensor:
+    """`BATCH_STATS` of these micro batches of a model of `arch` (bench/gpu_bench.py counts with it
+    too). positions: language-model positions holding samples (image embeddings included);
+    model_positions: all the positions the model computes, padding included; squared_lengths: the sum
+    of each sample's squared length (its attention work); logit_positions: where the output layer
+    computes logits (the loss positions with --logits-where-loss, else the sample positions); tower_*:
+    a native-resolution tower's `TowerWork`."""
     total = torch.zeros(len(BATCH_STATS), dtype=torch.float64)
     for b in micro_batches:
         lengths = sample_lengths(b["input_ids"], b["segment_ids"], inputs.image_token_index, inputs.img_seq_len).double()
         logits = inputs.layout(b).loss_positions.numel() if inputs.logits_where_loss else lengths.sum()
         total += torch.tensor([b["num_samples"], lengths.sum(), (lengths**2).sum(),
                                b["input_ids"].shape[0] * inputs.combined_length(b["input_ids"]), inputs.media_count(b),
-                               b["num_truncated"], b["num_skipped"], logits], dtype=torch.float64)
+                               b["num_truncated"], b["num_skipped"], logits, *astuple(tower_work(arch, b))],
+                              dtype=torch.float64)
     return total
 
 
@@ -160,7 +164,7 @@ class Trainer:
         by_samples = self.plan.epoch_samples is not None
         if by_samples and not _on_every_rank(bool(micro_batches)):
             raise _DataUsedUp
-        stats = batch_stats(micro_batches, self.inputs)
+        stats = batch_stats(micro_batches, self.inputs, self.plan.arch)
         # The LR schedule advances with the iteration, or by the global batch's samples once they are known.
         increment = 0 if by_samples else 1
         if self.plan.skipped(self.iteration):
@@ -250,7 +254,8 @@ class Trainer:
         self.counters["skipped_samples"] += int(batch["skipped"])
         flops = iteration_flops(self.plan.arch, positions=batch["positions"], squared_lengths=batch["squared_lengths"],
                                 images=batch["images"], lm_trained=not self.cfg.freeze_lm,
-                                vit_trained=self.cfg.unfreeze_vit, logit_positions=batch["logit_positions"])
+                                vit_trained=self.cfg.unfreeze_vit, logit_positions=batch["logit_positions"],
+                                tower=TowerWork(*(batch[name] for name in TOWER_STATS)))
         record = {
             "iteration": self.iteration,
             "loss": result.loss if result else float("nan"),
