@@ -138,14 +138,14 @@ def model_kind(cfg: Any):
     return _whole(cfg) or llava_kind(cfg)
 
 
-def build_model(arch, opts, vp_stage: int | None = None):
+def build_model(arch, opts, vp_stage: int | None = None, meta: bool = False):
     """This rank's model of `arch` (`model.provider.ModelOptions`): megatron-core's LLaVAModel, or
-    a vision-language family's model."""
+    a vision-language family's model; `meta`: on PyTorch's meta device (`memory/meta_ranks.py`)."""
     if not isinstance(arch, LlavaArch):
-        return of(arch).build(arch, opts, vp_stage)
+        return of(arch).build(arch, opts, vp_stage, meta=meta)
     from megatron_ext.model.provider import build_model as build_llava
 
-    return build_llava(arch, of(arch), opts, vp_stage)
+    return build_llava(arch, of(arch), opts, vp_stage, meta=meta)
 
 
 def read_llava(cfg: Any) -> LlavaArch:

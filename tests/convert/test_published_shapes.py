@@ -1,6 +1,6 @@
-"""The checkpoints people download (tests/shapes): every published LLaVA, and a LLaVA around every
-published tower, converts at every layout its head counts allow up to TP8 / PP2, and is refused in
-one line at the others.
+"""The checkpoints people download (tests/shapes): every published LLaVA, a LLaVA around every
+published tower, and every published Qwen2.5-VL and Qwen3-VL, converts at every layout its head
+counts allow up to TP8 / PP2, and is refused in one line at the others.
 
 Two tiers, both from the published config.json as the Hub has it (sparse: transformers' defaults
 left out):
@@ -13,6 +13,9 @@ left out):
   bit-exact, and the Megatron logits equal transformers' on an image (tiled on a grid for NeXT and
   OneVision). The other layouts differ from it only in how many heads and layers a rank holds, which
   the meta tier checks for every layout; test_roundtrip checks the numbers at TP {1,2} x PP {1,2}.
+
+A Qwen-VL's tower is whole on every tensor rank: only its decoder's heads decide its layouts. In
+its meta tier the decoder gets two layers per DeepStack feature (`at_two_layers`).
 """
 
 from __future__ import annotations
@@ -29,13 +32,15 @@ from tests.shapes import (
     layouts_allowed,
     llava_shapes,
     narrowed,
+    qwen_vl_shapes,
     tower_llava,
     tower_shapes,
 )
 from tests.support.helpers import hf_tensors, run_python, run_ranks
 
-LLAVAS, TOWERS = llava_shapes(), tower_shapes()
+LLAVAS, TOWERS, QWEN_VL = llava_shapes(), tower_shapes(), qwen_vl_shapes()
 CONFIGS = {**LLAVAS, **{name: tower_llava(config) for name, config in TOWERS.items()}}
+EVERY_SHAPE = {**CONFIGS, **QWEN_VL}
 # The numeric tier; a model whose config another already has (SigLIP 2 so400m/14-384 is SigLIP
 # so400m/14-384) is built once.
 WIDE_TOWER = "google--siglip-so400m-patch14-384"
@@ -53,17 +58,17 @@ NUMERIC_LAYOUT = (2, 2)
 @pytest.fixture(scope="module")
 def meta_checks(tmp_path_factory):
     work = tmp_path_factory.mktemp("shapes_meta")
-    request = {"layouts": LAYOUTS, "configs": {name: at_two_layers(c) for name, c in CONFIGS.items()}}
+    request = {"layouts": LAYOUTS, "configs": {name: at_two_layers(c) for name, c in EVERY_SHAPE.items()}}
     (work / "in.json").write_text(json.dumps(request))
-    run_python("tests/convert/shapes_meta_worker.py", work / "in.json", work / "out.json", timeout=400)
+    run_python("tests/convert/shapes_meta_worker.py", work / "in.json", work / "out.json", timeout=560)
     return json.loads((work / "out.json").read_text())
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(EVERY_SHAPE))
 def test_every_rank_of_every_layout_the_heads_allow_converts_at_the_published_widths(meta_checks, name):
-    allowed = layouts_allowed(CONFIGS[name])
+    allowed = layouts_allowed(EVERY_SHAPE[name])
     assert (1, 1) in allowed and (2, 1) in allowed  # every published model splits at least two ways
     for tp, pp in LAYOUTS:
         result = meta_checks[name][f"tp{tp}pp{pp}"]
