@@ -160,3 +160,44 @@ def build(config: dict, out: Path) -> Path:
     return build_llava(out / "hf", str(text), str(vision), arch=kind.arch_flag,
                        image_grid_pinpoints=config.get("image_grid_pinpoints"), anyres_max=int(anyres.group(1)))
 
+
+def build_qwen_vl(config: dict, out: Path, seed: int = 0) -> Path:
+    """A random float32 HF Qwen-VL of `config` (all its sizes as given), saved as transformers saves it, with
+    the demo's tiny tokenizer (the converters copy it)."""
+    import torch
+    import transformers
+
+    from megatron_ext.demo.tiny_models import train_tokenizer
+    from megatron_ext.families import model_kind
+
+    kind = model_kind(config)
+    torch.manual_seed(seed)
+    model = getattr(transformers, kind.model_class)(getattr(transformers, kind.config_class).from_dict(config))
+    model.float().save_pretrained(out)  # float32 throughout: the published dtype would give some parts bfloat16
+    train_tokenizer(400).save_pretrained(out)
+    return out
+
+
+def qwen_vl_sample(config: dict, size: tuple[int, int]) -> dict:
+    """A prompt for a Qwen-VL of `config`: text, one random image of `size` (width, height),
+    smart-resized by the family's processor, text; its ids [1, S], mRoPE positions [3, 1, S], token
+    types and pixels, as `data/native_resolution.py` makes them."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from megatron_ext.data.native_resolution import QWEN2_5_VL, QWEN3_VL, image_inputs, mrope_positions, token_types
+    from megatron_ext.families import complete_config, read_model
+
+    arch = read_model(complete_config(config))
+    vision = {v.name: v for v in (QWEN2_5_VL, QWEN3_VL)}[arch.name]
+    rng = np.random.RandomState(0)
+    media = image_inputs([Image.fromarray(rng.randint(0, 256, (size[1], size[0], 3), dtype=np.uint8))], vision)
+    (grid,) = media["image_grid_thw"].tolist()
+    words = rng.randint(0, config.get("vision_start_token_id", 151652), 11).tolist()
+    image = [arch.image_token_id] * (int(np.prod(grid)) // vision.merge_size ** 2)
+    ids = words[:5] + [config["vision_start_token_id"], *image, config["vision_end_token_id"]] + words[5:]
+    types = token_types(ids, arch.image_token_id, arch.video_token_id)
+    positions = mrope_positions(types, vision, media["image_grid_thw"])
+    return {"input_ids": torch.tensor([ids]), "position_ids": positions[:, None, :],
+            "mm_token_type_ids": torch.from_numpy(types)[None].int(), **media}
