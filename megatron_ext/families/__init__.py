@@ -138,13 +138,15 @@ def model_kind(cfg: Any):
     return _whole(cfg) or llava_kind(cfg)
 
 
-def build_model(arch, opts, vp_stage: int | None = None):
+def build_model(arch, opts, vp_stage: int | None = None, meta: bool = False):
     """This rank's model of `arch` (`model.provider.ModelOptions`): megatron-core's LLaVAModel, or
-    a vision-language family's model; with `opts.execution.compile_layers`, its transformer layers compiled."""
+    a vision-language family's model; with `opts.execution.compile_layers`, its transformer layers compiled;
+    `meta`: on PyTorch's meta device (`memory/meta_ranks.py`)."""
     from megatron_ext.model.compiled_layers import compile_layers
     from megatron_ext.model.provider import build_model as build_llava
 
-    model = build_llava(arch, of(arch), opts, vp_stage) if isinstance(arch, LlavaArch) else of(arch).build(arch, opts, vp_stage)
+    model = (build_llava(arch, of(arch), opts, vp_stage, meta=meta) if isinstance(arch, LlavaArch)
+             else of(arch).build(arch, opts, vp_stage, meta=meta))
     if opts.execution.compile_layers:
         compile_layers(model)
     return model

@@ -151,8 +151,9 @@ class QwenVLFamily:
         config = getattr(transformers, self.config_class)(vision_config=arch.vision_config).vision_config
         return getattr(importlib.import_module(module), name)._from_config(config, dtype=dtype).eval()
 
-    def build(self, arch: QwenVLArch, opts, vp_stage: int | None = None):
-        """This rank's model under the current megatron parallel state (`model.provider.ModelOptions`)."""
+    def build(self, arch: QwenVLArch, opts, vp_stage: int | None = None, meta: bool = False):
+        """This rank's model under the current megatron parallel state (`model.provider.ModelOptions`;
+        `meta`: on PyTorch's meta device)."""
         from megatron.core import parallel_state
 
         from megatron_ext.model import mrope_vlm
@@ -163,7 +164,8 @@ class QwenVLFamily:
         arch.check_parallel(parallel_state.get_tensor_model_parallel_world_size(),
                             parallel_state.get_pipeline_model_parallel_world_size())
         return mrope_vlm.build(arch.text, self.text, lambda: self.tower(arch, DTYPES[opts.dtype]), self.projections,
-                               arch.image_token_id, arch.video_token_id, opts, vp_stage, interleaved_mrope=self.text.interleaved_mrope)
+                               arch.image_token_id, arch.video_token_id, opts, vp_stage,
+                               interleaved_mrope=self.text.interleaved_mrope, meta=meta)
 
     def option_problems(self, opts, arch: QwenVLArch) -> list[str]:
         """What this family's model cannot run with yet (each one line)."""

@@ -77,7 +77,7 @@ def _layer_forward(model, tokens: int, input_grad: bool, checkpointed: bool = Fa
     lm = model.language_model
     layer = lm.decoder.layers[0]
     x = _meta((tokens, 1, lm.config.hidden_size), lm.config.params_dtype, input_grad)
-    rope = lm.rotary_pos_emb(tokens).to("meta")
+    rope = _rope(lm, tokens)
 
     def run(hidden):
         return layer(hidden, attention_mask=None, rotary_pos_emb=rope)[0]
@@ -87,13 +87,25 @@ def _layer_forward(model, tokens: int, input_grad: bool, checkpointed: bool = Fa
     return lambda: run(x)
 
 
+def _rope(lm, tokens: int):
+    """The language model's RoPE angles for `tokens` positions (mRoPE's from [3, 1, tokens] positions)."""
+    import torch
+
+    if lm.position_embedding_type == "mrope":
+        return lm.rotary_pos_emb(torch.zeros((3, 1, tokens), dtype=torch.long), lm.mrope_section).to("meta")
+    return lm.rotary_pos_emb(tokens).to("meta")
+
+
+def flash_lse(heads: int, tokens: int) -> int:
+    """The fp32 log-sum-exp a flash kernel keeps per head and query."""
+    return heads * tokens * 4
+
+
 def _flash_lse(config, tokens: int) -> int:
-    """The fp32 log-sum-exp a flash kernel keeps per head of this rank and query (`config`: the
-    TransformerConfig of the layer's model)."""
+    """`flash_lse` of this rank's heads (`config`: the TransformerConfig of the layer's model)."""
     from megatron.core import parallel_state
 
-    heads = config.num_attention_heads // parallel_state.get_tensor_model_parallel_world_size()
-    return heads * tokens * 4
+    return flash_lse(config.num_attention_heads // parallel_state.get_tensor_model_parallel_world_size(), tokens)
 
 
 def _lm_other(model, tokens: int) -> int:
@@ -129,13 +141,20 @@ def _core_attention_checkpointed(layers):
             a.checkpoint_core_attention = was
 
 
-def _vision(model, arch, flash: bool, tower_trained: bool) -> int:
+def _vision(model, arch, seq_length: int, flash: bool, tower_trained: bool) -> int:
     """The tower and the projector for one tile, as megatron-core's LLaVAModel.forward runs them; pixels
-    need no grad, so a frozen tower keeps nothing. `flash`: the tower's attention is a flash kernel."""
+    need no grad, so a frozen tower keeps nothing. `flash`: the tower's attention is a flash kernel.
+    A native-resolution tower: for one of the largest images a sequence holds (`native_vision_bytes`)."""
     import torch
+
+    from megatron_ext.model.arch import LlavaArch
 
     if model.vision_model is None:
         return 0
+    if not isinstance(arch, LlavaArch):
+        from megatron_ext.memory.native_vision_bytes import image_bytes, largest_images
+
+        return image_bytes(model.vision_model, largest_images(arch, seq_length).grid, tower_trained)
     v = arch.vision
     tower = model.vision_model
     images = torch.empty((1, 3, v.image_size, v.image_size), dtype=tower.config.params_dtype, device="meta")
@@ -175,7 +194,8 @@ def measure(model, arch, seq_length: int, flash_lse: bool, vision_flash: bool, i
     linear = m1 / s1 - quadratic * s1
     layer_input = saved_bytes(_layer_forward(model, s1, input_grad, checkpointed=True), params) / s1
     return ActivationPieces(layer_linear=linear, layer_quadratic=quadratic, layer_input=math.ceil(layer_input),
-                    lm_other=_lm_other(model, seq_length), vision_tile=_vision(model, arch, vision_flash, tower_trained))
+                    lm_other=_lm_other(model, seq_length),
+                            vision_tile=_vision(model, arch, seq_length, vision_flash, tower_trained))
 
 
 def with_sequence_parallel(at_tp: ActivationPieces, at_one: ActivationPieces, tp: int) -> ActivationPieces:

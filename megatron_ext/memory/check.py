@@ -10,11 +10,7 @@ from megatron_ext.errors import UserError
 def check_memory(plan: RunPlan, budget: int) -> list[str]:
     """The plan's lines; raises the one-line refusal when its largest rank does not fit `budget` bytes."""
     from megatron_ext.logs import quiet_megatron_core
-    from megatron_ext.model.arch import LlavaArch
 
-    if not isinstance(plan.arch, LlavaArch):
-        # The plan measures LLaVA ranks built on the meta device; a vision-language family's are not yet.
-        return [f"no memory plan for {plan.arch.model_type} models yet: this launch is not checked against the GPU's memory"]
     with quiet_megatron_core():
         from megatron_ext.memory.plan import memory_plan, plan_lines, refusal
 

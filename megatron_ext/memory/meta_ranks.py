@@ -41,13 +41,14 @@ def as_rank(rank: int, tp: int, pp: int, dp: int = 1) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def rank_models(arch, families, layout: tuple[int, int], opts=None) -> Iterator[tuple[int, object]]:
-    """(rank, that rank's model on meta) for every model-parallel rank of `layout` = (tp, pp);
-    `families`: `megatron_ext.families.of(arch)`, as for `build_model`."""
-    from megatron_ext.model.provider import ModelOptions, build_model
+def rank_models(arch, layout: tuple[int, int], opts=None) -> Iterator[tuple[int, object]]:
+    """(rank, that rank's model on meta) for every model-parallel rank of `layout` = (tp, pp): a
+    LLaVA's or a vision-language family's (`families.build_model`)."""
+    from megatron_ext import families
+    from megatron_ext.model.provider import ModelOptions
 
     tp, pp = layout
     opts = opts or ModelOptions(init_weights=False)
     for rank in range(tp * pp):
         with as_rank(rank, tp, pp):
-            yield rank, build_model(arch, families, opts, meta=True)
+            yield rank, families.build_model(arch, opts, meta=True)

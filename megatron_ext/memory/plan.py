@@ -101,8 +101,15 @@ class MemoryPlan:
 
 def vision_inputs_per_sequence(plan: RunPlan) -> int:
     """Tower inputs one sequence may hold: --max-tiles-per-sequence, else one image (LLaVA-1.5
-    unpacked), else as many as the sequence has room for (each takes at least its features' positions)."""
+    unpacked), else as many as the sequence has room for (each takes at least its features' positions);
+    a native-resolution model's: as many of its largest images as fill the sequence (`native_vision_bytes`)."""
+    from megatron_ext.model.arch import LlavaArch
+
     cfg = plan.config
+    if not isinstance(plan.arch, LlavaArch):
+        from megatron_ext.memory.native_vision_bytes import largest_images
+
+        return largest_images(plan.arch, plan.seq_length).count
     if cfg.max_tiles_per_sequence:
         return cfg.max_tiles_per_sequence
     if plan.arch.tiling is None and not cfg.packing_seq_length:
@@ -138,12 +145,12 @@ def _measure(plan: RunPlan, choices: FitChoices, model) -> ActivationPieces:
 
 
 def _last_stage_at_tp_one(plan: RunPlan, choices: FitChoices) -> ActivationPieces:
+    from megatron_ext.families import build_model
     from megatron_ext.memory.meta_ranks import as_rank
-    from megatron_ext.model.provider import build_model
     from megatron_ext.train.model_setup import freeze_for_stage
 
     with as_rank(choices.pp - 1, 1, choices.pp):
-        model = build_model(plan.arch, plan.families, _options(plan, choices), meta=True)
+        model = build_model(plan.arch, _options(plan, choices), meta=True)
         freeze_for_stage(model, plan)
         return _measure(plan, choices, model)
 
@@ -174,7 +181,7 @@ def memory_plan(plan: RunPlan, gpu_memory: int, choices: FitChoices | None = Non
     at_one = _last_stage_at_tp_one(plan, choices) if choices.sequence_parallel and choices.tp > 1 else None
     ranks: list[RankMemory] = []
     measured: dict[int, ActivationPieces] = {}
-    for rank, model in rank_models(plan.arch, plan.families, (choices.tp, choices.pp), _options(plan, choices)):
+    for rank, model in rank_models(plan.arch, (choices.tp, choices.pp), _options(plan, choices)):
         stage, tp_rank = divmod(rank, choices.tp)
         freeze_for_stage(model, plan)
         if stage not in measured:
@@ -274,9 +281,9 @@ def refusal(plan: RunPlan, mp: MemoryPlan) -> str:
 
 
 def published_shape_plan(hf_config: dict, config, world_size: int, te: bool = True, on_gpu: bool = True) -> RunPlan:
-    """The RunPlan of a run of the LLaVA `hf_config` with the TrainConfig `config` (bfloat16 on GPUs,
-    float32 on CPUs), with no checkpoint, tokenizer or dataset: for planning published shapes
-    (docs/gpu.md) from their configs."""
+    """The RunPlan of a run of the model of `hf_config` (a LLaVA's or a vision-language family's
+    config.json) with the TrainConfig `config` (bfloat16 on GPUs, float32 on CPUs), with no
+    checkpoint, tokenizer or dataset: for planning published shapes (docs/gpu.md) from their configs."""
     from pathlib import Path
 
     from megatron_ext import families
@@ -284,7 +291,8 @@ def published_shape_plan(hf_config: dict, config, world_size: int, te: bool = Tr
     from megatron_ext.data.prepared import SplitCount
 
     config = config.resolved()
-    arch = families.read_llava(hf_config)
+    hf_config = families.complete_config(hf_config)
+    arch = families.read_model(hf_config)
     return RunPlan(config=config, arch=arch, families=families.of(arch), hf_config=hf_config, start=None, resume=None,
                    tokenizer_dir=Path("."), train_split=SplitCount(0), world_size=world_size,
                    dtype="bfloat16" if on_gpu else "float32",

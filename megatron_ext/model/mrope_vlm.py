@@ -16,6 +16,7 @@ decoder stays as it is.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -169,11 +170,12 @@ class MRopeVisionLanguageModel(torch.nn.Module):
 
 def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], projections: tuple[str, ...], image_token_id: int,
           video_token_id: int, opts, vp_stage: int | None = None,
-          interleaved_mrope: bool = False) -> MRopeVisionLanguageModel:
+          interleaved_mrope: bool = False, meta: bool = False) -> MRopeVisionLanguageModel:
     """This rank's model under the current megatron parallel state: `family`'s language config
     must give `mrope_section`; `vision()` makes the encoder (called on the first stage only), whose
     modules `projections` map its features into the decoder's width; `interleaved_mrope`: the sections
-    interleave over the channels (Qwen3-VL) instead of chunking."""
+    interleave over the channels (Qwen3-VL) instead of chunking; `meta`: every tensor on PyTorch's
+    meta device (shapes only: `memory/meta_ranks.py`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -192,33 +194,34 @@ def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], projections
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     backend = opts.resolved_backend()
-    with megatron_refusals():
-        config = language_transformer_config(t, family, opts, backend, tp, pp)
-        language = GPTModel(
-            config=config,
-            transformer_layer_spec=family.language_spec(t, llava_specs(backend, config).language, config, backend, vp_stage),
-            vocab_size=t.padded_vocab_size,
-            max_sequence_length=opts.seq_length,
-            pre_process=first,
-            post_process=last,
-            parallel_output=opts.parallel_output,
-            share_embeddings_and_output_weights=t.tie_word_embeddings,
-            position_embedding_type="mrope",
-            rotary_base=t.rope_theta,
-            vp_stage=vp_stage,
-        )
-    if interleaved_mrope:
-        language.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(config.kv_channels, 1.0, rotary_base=t.rope_theta)
-    if first:
-        use_masked_fill(language)
-    if last:
-        mask_padded_vocab(language.output_layer, t.vocab_size, t.padded_vocab_size)
-    model = MRopeVisionLanguageModel(language, _replicated(vision(), projections) if first else None, projections,
-                                     image_token_id, video_token_id)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        with megatron_refusals():
+            config = language_transformer_config(t, family, opts, backend, tp, pp)
+            language = GPTModel(
+                config=config,
+                transformer_layer_spec=family.language_spec(t, llava_specs(backend, config).language, config, backend, vp_stage),
+                vocab_size=t.padded_vocab_size,
+                max_sequence_length=opts.seq_length,
+                pre_process=first,
+                post_process=last,
+                parallel_output=opts.parallel_output,
+                share_embeddings_and_output_weights=t.tie_word_embeddings,
+                position_embedding_type="mrope",
+                rotary_base=t.rope_theta,
+                vp_stage=vp_stage,
+            )
+        if interleaved_mrope:
+            language.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(config.kv_channels, 1.0, rotary_base=t.rope_theta)
+        if first:
+            use_masked_fill(language)
+        if last:
+            mask_padded_vocab(language.output_layer, t.vocab_size, t.padded_vocab_size)
+        model = MRopeVisionLanguageModel(language, _replicated(vision(), projections) if first else None, projections,
+                                         image_token_id, video_token_id)
     model.attention_backend = backend  # how batches must express packing to it (`mrope_inputs`)
     if not opts.init_weights:
         mark_tensor_parallel_weights(model)
-    return model.to(device())
+    return model if meta else model.to(device())
 
 
 def _replicated(module: torch.nn.Module, projections: tuple[str, ...]) -> torch.nn.Module:

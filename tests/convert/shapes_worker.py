@@ -8,7 +8,8 @@ layout the megatron
 parallel state is rebuilt over the same processes (smaller layouts get data-parallel replicas)
 and each model taking it is converted to OUT/megatron/NAME/tpTppP, loaded at that layout, and
 its logits on the model's own prompt (one image; a OneVision or NeXT image on a grid of several
-tiles) saved to OUT/logits/NAME-tpTppP.pt (the HF processor's inputs to OUT/logits/NAME-inputs.pt).
+tiles; a Qwen-VL's given as OUT/inputs/NAME.pt, `tests.shapes.qwen_vl_sample`) saved to
+OUT/logits/NAME-tpTppP.pt (the inputs to OUT/logits/NAME-inputs.pt).
 Then the checkpoints of the "export" layouts go back to HF, OUT/hf/NAME/tpTppP, shared out over the ranks.
 """
 
@@ -19,6 +20,9 @@ from pathlib import Path
 
 import torch
 from convert_worker import set_layout
+
+from tests.families.qwen_vl_worker import loaded
+from tests.families.qwen_vl_worker import logits as qwen_vl_logits
 
 # Wider than tall: a LLaVA-NeXT / OneVision model tiles it on a grid of two tiles and unpads it.
 IMAGE_SIZE = (500, 300)
@@ -40,7 +44,9 @@ def main():
     out = Path(sys.argv[1])
     models = json.loads(Path(sys.argv[2]).read_text())
     (out / "logits").mkdir(parents=True, exist_ok=True)
-    batches = {name: process_inputs(load_processor(m["hf_dir"], "--hf-dir"), [synthetic_image(0, IMAGE_SIZE)])
+    given = {path.stem: torch.load(path) for path in (out / "inputs").glob("*.pt")}
+    batches = {name: given.get(name) or process_inputs(load_processor(m["hf_dir"], "--hf-dir"),
+                                                       [synthetic_image(0, IMAGE_SIZE)])
                for name, m in models.items()}
     world = int(os.environ["WORLD_SIZE"])
     layouts = sorted({tuple(layout) for m in models.values() for layout in m["layouts"] if layout[0] * layout[1] == world},
@@ -56,6 +62,12 @@ def main():
             dist.barrier()
             problems = convert_in_world(check_conversion(m["hf_dir"], tp, pp), root)
             assert not problems, (name, tp, pp, problems)
+            if name in given:  # a Qwen-VL: its prompt carries its own positions and media
+                model, arch = loaded(root)
+                logits = qwen_vl_logits(model, batches[name], arch.text.vocab_size)
+                if dist.get_rank() == 0:
+                    torch.save(logits, out / "logits" / f"{name}-tp{tp}pp{pp}.pt")
+                continue
             snapshot = find_snapshot(root)
             arch, batch = snapshot.arch, batches[name]
             model = build_model(arch, families.of(arch), ModelOptions(seq_length=batch["input_ids"].shape[1],

@@ -31,7 +31,9 @@ def saved_by_part(model, parameters):
     from megatron_ext.memory.saved_tensors import SavedBytes
 
     vision, rest = SavedBytes(parameters), SavedBytes(parameters)
-    with rest.counting(), counted_inside((model.vision_model, model.vision_projection), lambda: vision):
+    # A native-resolution model's projection is inside its tower (its vision_projection is None).
+    towers = [m for m in (model.vision_model, model.vision_projection) if m is not None]
+    with rest.counting(), counted_inside(towers, lambda: vision):
         yield vision, rest
 
 
@@ -110,4 +112,23 @@ def saved_in_tiled_forward(model, arch, seq: int, layout) -> tuple[int, int]:
         model(images=torch.randn(tiles, 3, tile, tile), input_ids=ids, position_ids=None, attention_mask=None,
               labels=torch.randint(0, arch.image_token_index, (1, seq)), loss_mask=torch.ones(1, seq),
               media_layout=layout_tensor(layout))
+    return vision.bytes, rest.bytes
+
+
+def saved_in_native_forward(model, arch, grid: tuple[int, int, int], images: int) -> tuple[int, int]:
+    """(vision, LM) bytes kept for backward by a forward of a Qwen-VL over one row of `images` images
+    of `grid` (t, h, w patches), their merged tokens filling it."""
+    import torch
+
+    parameters = list(model.parameters())
+    config = arch.vision_config
+    patches = grid[0] * grid[1] * grid[2]
+    tokens = images * patches // config["spatial_merge_size"] ** 2
+    torch.manual_seed(tokens)
+    ids = torch.full((1, tokens), arch.image_token_id)
+    row = config["in_channels"] * config["temporal_patch_size"] * config["patch_size"] ** 2
+    with saved_by_part(model, parameters) as (vision, rest):
+        model(ids, torch.arange(tokens).expand(3, 1, tokens), pixel_values=torch.randn(images * patches, row),
+              image_grid_thw=torch.tensor([grid] * images), labels=torch.randint(0, arch.image_token_id, (1, tokens)),
+              loss_mask=torch.ones(1, tokens))
     return vision.bytes, rest.bytes

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.support.helpers import hf_tensors
-from tests.support.training import metrics, train, trainer_args
+from tests.support.training import assert_held_state_is_planned, metrics, train, trainer_args
 
 ITERS = 4
 
@@ -137,7 +137,10 @@ def test_a_resumed_tp2_run_continues_as_if_never_stopped(tmp_path, qwen_megatron
 
 
 @pytest.mark.multiprocess
-def test_a_run_is_planned_with_the_pad_token_given_and_said_to_have_no_memory_plan(tmp_path, qwen_megatron, one_batch):
+def test_a_run_is_planned_with_the_pad_token_given_and_its_memory_plan_holds_what_the_tp2_run_held(
+        tmp_path, qwen_megatron, one_batch, tp2_run):
+    """The plan's parameter, gradient and optimizer bytes per rank (the decoder split over TP, the
+    tower whole on each rank) are what the TP2 run recorded holding after its first update."""
     from megatron_ext.config.options import TrainConfig
     from megatron_ext.config.run_plan import make_plan
     from megatron_ext.memory.check import check_memory
@@ -146,5 +149,6 @@ def test_a_run_is_planned_with_the_pad_token_given_and_said_to_have_no_memory_pl
                          pad_token_id=506, train_iters=1)
     plan = make_plan(config, 2, on_gpu=False, te=False)
     assert (plan.config.image_token_id, plan.config.pad_token_id, plan.arch.pad_token_id) == (500, 506, None)
-    assert check_memory(plan, 80 * 2**30) == [
-        f"no memory plan for {plan.arch.model_type} models yet: this launch is not checked against the GPU's memory"]
+    lines = check_memory(plan, 80 * 2**30)
+    assert lines[0].startswith("memory plan per GPU: tp 2 x pp 1 x dp 1, float32") and "tp ranks 0-1" in lines[1]
+    assert_held_state_is_planned(tp2_run[0])
