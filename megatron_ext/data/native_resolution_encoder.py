@@ -155,11 +155,13 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
         images, messages = conversation_of(sample)
         return self.encode_conversation(sample, messages, images, videos_of(sample))
 
-    def encode_conversation(self, sample: Sample, messages: list[dict], images: list,
-                            videos: list) -> NativeResolutionSample:
-        """One conversation's tokens, labels, loss mask, positions and pixels, fitted to the sequence length."""
-        ids, assistant = self.chat.encode([{**m, "content": _with_runs(m["content"])} for m in messages])
-        media = self._media(images, videos, sample.__key__)
+    def encode_conversation(self, sample: Sample, messages: list[dict], images: list, videos: list,
+                            completion: bool = False, media: dict | None = None) -> NativeResolutionSample:
+        """One conversation's tokens, labels, loss mask, positions and pixels, fitted to the sequence
+        length; `completion`: only the last message's completion trains (DPO's answer, `ChatTokenizer.encode`);
+        `media`: the images' and videos' `_media`, where already computed."""
+        ids, assistant = self.chat.encode([{**m, "content": _with_runs(m["content"])} for m in messages], completion)
+        media = media or self._media(images, videos, sample.__key__)
         counts = np.ones(len(ids), dtype=np.int64)
         for token, grids in ((self.image_token_id, media["image_grid_thw"]), (self.video_token_id, media["video_grid_thw"])):
             counts[ids == token] = [int(g.prod()) // self.vision.merge_size**2 for g in grids]

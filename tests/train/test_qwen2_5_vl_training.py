@@ -1,5 +1,5 @@
-"""Qwen2.5-VL trains (stage 2): the tiny model converted from transformers, trained by the real
-trainer on one synthetic conversation with an image, repeated in every micro batch, in float32 on CPU ranks."""
+"""Qwen2.5-VL trains (stages 1 and 2, LoRA): the tiny model converted from transformers, trained by the
+real trainer on one synthetic conversation with an image, repeated in every micro batch, in float32 on CPU ranks."""
 
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ from tests.support.qwen2_5_vl import write_tiny_model
 from tests.support.training import metrics, train, trainer_args
 
 ITERS = 4
+# The patch merger: the projection inside transformers' tower, trained as LLaVA's projector is.
+MERGER = {f"visual.merger.{name}" for name in ("ln_q.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")}
+# The decoder's linear layers LoRA adapts (--lora-targets qkv,proj,fc1,fc2): weights, not q/k/v's biases.
+ADAPTED = {f"model.layers.{i}.{linear}.weight" for i in range(4) for linear in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+    "mlp.down_proj")}
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +89,46 @@ def test_vision_lr_sets_the_towers_rate_and_not_the_mergers(tmp_path, qwen_hf, q
     save = tmp_path / "run"
     _train(save, qwen_megatron, one_batch, 2, unfreeze_vit=True, vision_lr=0.0, train_iters=1)
     changed = _hf_changed(qwen_hf, convert(save, tmp_path / "hf"))
-    assert {name for name in changed if name.startswith("visual.")} == {
-        f"visual.merger.{name}" for name in ("ln_q.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")}
+    assert {name for name in changed if name.startswith("visual.")} == MERGER
     assert len(changed) == 56
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_stage_1_trains_the_merger_and_nothing_else(tmp_path, qwen_hf, qwen_megatron, one_batch):
+    from megatron_ext.convert.to_hf import convert
+
+    save = tmp_path / "run"
+    steps = _train(save, qwen_megatron, one_batch, 1, stage=1, train_iters=2, **SGD)
+    assert steps[2]["loss"] < steps[1]["loss"]
+    assert _hf_changed(qwen_hf, convert(save, tmp_path / "hf")) == MERGER
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_lora_at_tp2_trains_the_decoders_linears_and_the_merger_and_exports_them_merged(tmp_path, qwen_hf, qwen_megatron,
+                                                                                       one_batch, record_property):
+    """A LoRA run at TP2 (adapters split over the ranks), exported with its adapters merged: exactly the
+    adapted weights and the merger change, and transformers' logits of the export equal the trained
+    Megatron model's (its base with the adapters unmerged, loaded as generation loads it)."""
+    from megatron_ext.convert.to_hf import convert
+    from tests.support.helpers import run_ranks
+    from tests.support.qwen2_5_vl import hf_logits, samples
+
+    save = tmp_path / "run"
+    steps = _train(save, qwen_megatron, one_batch, 2, train_iters=2, lora_rank=4, lora_alpha=8.0,
+                   lora_train_projector=True, lr=1e-2)
+    assert steps[2]["loss"] < steps[1]["loss"]
+    merged = convert(save, tmp_path / "hf", lora_merge=True)
+    assert _hf_changed(qwen_hf, merged) == ADAPTED | MERGER
+    run_ranks(1, "tests/train/qwen_snapshot_logits.py", save, tmp_path, timeout=200)
+    for name, sample in samples().items():
+        ours, base = torch.load(tmp_path / f"{name}.pt"), hf_logits(qwen_hf, sample)
+        apart, moved = (ours - hf_logits(merged, sample)).abs().max(), (ours - base).abs().max()
+        record_property(name, f"max |dlogit| vs the merged export {apart:.2g}, vs the base {moved:.2g}; losses "
+                              f"{steps[1]['loss']:.6g} -> {steps[2]['loss']:.6g}")
+        assert apart <= 1e-4, name
+        assert moved > 1e-2, name  # the adapters changed the model
 
 
 @pytest.mark.multiprocess

@@ -35,10 +35,11 @@ from megatron_ext.objectives.dpo.sequences import PairPositions
 def _frozen_copy(plan: RunPlan):
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_ext.model.provider import ModelOptions, build_model
+    from megatron_ext.families import build_model
+    from megatron_ext.model.provider import ModelOptions
 
     # The trained model's options, without its random initialisation.
-    model = build_model(plan.arch, plan.families, ModelOptions.for_run(plan, init_weights=False))
+    model = build_model(plan.arch, ModelOptions.for_run(plan, init_weights=False))
     load_snapshot_weights(model, plan.start)
     model.requires_grad_(False)
     # The loss functions' outputs are sums with their counts, as for the trained model.
