@@ -47,9 +47,16 @@ def pairs(count: int = GLOBAL_BATCH) -> list:
 
 def native_pairs() -> list:
     """`pairs()` as a native-resolution model's chat template writes images: each vision run right
-    before the text, no newline between (Qwen2.5-VL's own template, which TRL's collator renders)."""
-    return [replace(p, prompt=[{**m, "content": m["content"].replace("<image>\n", "<image>")} for m in p.prompt])
-            for p in pairs()]
+    before the text, no newline between (Qwen2.5-VL's own template, which TRL's collator renders);
+    each image random pixels of its size, so that two images of one grid (pair 1's) differ."""
+    import numpy as np
+
+    def noisy(image: Image.Image, seed: int) -> Image.Image:
+        return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (image.height, image.width, 3), dtype=np.uint8))
+
+    return [replace(p, prompt=[{**m, "content": m["content"].replace("<image>\n", "<image>")} for m in p.prompt],
+                    images=[noisy(image, 10 * i + k) for k, image in enumerate(p.images)])
+            for i, p in enumerate(pairs())]
 
 
 def tiled_pairs() -> list:

@@ -179,4 +179,4 @@ def test_three_qwen2_5_vl_dpo_steps_equal_trl_tokenizing_the_pairs_itself(tmp_pa
                     + " | ".join(", ".join(f"{n} {o[n]:.7g}/{t[n]:.7g}" for n in names) for o, t in zip(ours, theirs)))
     assert len(ours) == len(theirs) == STEPS + 1
     assert all(max(a.values()) < 1e-4 for a in apart), apart
-    assert [t["loss"] for t in theirs] == sorted((t["loss"] for t in theirs), reverse=True)
+    assert theirs[-1]["loss"] < 0.01 * theirs[0]["loss"]  # Adam at 1e-3 overshoots on the way (step 2's loss rises)
