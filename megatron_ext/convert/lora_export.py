@@ -112,6 +112,9 @@ def write_peft_adapter(megatron_dir, adapter_dir, force: bool = False) -> Path:
         suffix = hf_name.rsplit(".", 1)[1]
         weights[f"{PEFT_PREFIX}{module_weight}.{suffix}"] = hf_tensor.contiguous()
         saved_modules.add(module_weight.rsplit(".", 1)[0])
+    # A module inside another one saved is saved with it (Qwen2.5-VL's merger.mlp in its merger): PEFT
+    # refuses nested modules to save.
+    saved_modules = {m for m in saved_modules if not any(m.startswith(outer + ".") for outer in saved_modules)}
     config = {
         "peft_type": "LORA",
         "r": options["lora_rank"],

@@ -110,24 +110,36 @@ def test_lora_at_tp2_trains_the_decoders_linears_and_the_merger_and_exports_them
                                                                                        one_batch, record_property):
     """A LoRA run at TP2 (adapters split over the ranks), exported with its adapters merged: exactly the
     adapted weights and the merger change, and transformers' logits of the export equal the trained
-    Megatron model's (its base with the adapters unmerged, loaded as generation loads it)."""
+    Megatron model's (its base with the adapters unmerged, loaded as generation loads it), as do
+    those of the PEFT adapter export on the original model."""
+    from peft import PeftModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from megatron_ext.convert.lora_export import write_peft_adapter
     from megatron_ext.convert.to_hf import convert
     from tests.support.helpers import run_ranks
     from tests.support.qwen2_5_vl import hf_logits, samples
 
     save = tmp_path / "run"
     steps = _train(save, qwen_megatron, one_batch, 2, train_iters=2, lora_rank=4, lora_alpha=8.0,
-                   lora_train_projector=True, lr=1e-2)
+                   lora_train_projector=True, lr=5e-3)
     assert steps[2]["loss"] < steps[1]["loss"]
     merged = convert(save, tmp_path / "hf", lora_merge=True)
     assert _hf_changed(qwen_hf, merged) == ADAPTED | MERGER
     run_ranks(1, "tests/train/qwen_snapshot_logits.py", save, tmp_path, timeout=200)
+    # The merger travels whole as a module to save.
+    peft = PeftModel.from_pretrained(Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_hf, dtype=torch.float32),
+                                     write_peft_adapter(save, tmp_path / "adapter")).eval()
     for name, sample in samples().items():
         ours, base = torch.load(tmp_path / f"{name}.pt"), hf_logits(qwen_hf, sample)
+        with torch.no_grad():
+            adapted = peft(**{k: v for k, v in sample.items() if k != "position_ids"}).logits
         apart, moved = (ours - hf_logits(merged, sample)).abs().max(), (ours - base).abs().max()
-        record_property(name, f"max |dlogit| vs the merged export {apart:.2g}, vs the base {moved:.2g}; losses "
-                              f"{steps[1]['loss']:.6g} -> {steps[2]['loss']:.6g}")
-        assert apart <= 1e-4, name
+        record_property(name, f"max |dlogit| vs the merged export {apart:.2g}, vs PEFT {(ours - adapted).abs().max():.2g}, "
+                              f"vs the base {moved:.2g}; losses {steps[1]['loss']:.6g} -> {steps[2]['loss']:.6g}")
+        # The export rounds each merged weight W + scaling * B @ A to float32 once: float noise through
+        # the layers, as TP2's different sums give (logits here reach 11).
+        assert apart <= 3e-4 and (ours - adapted).abs().max() <= 1e-5, name
         assert moved > 1e-2, name  # the adapters changed the model
 
 

@@ -78,11 +78,27 @@ def _relative(ours: dict, theirs: dict, names) -> dict:
     return {name: abs(ours[name] - theirs[name]) / max(1.0, abs(theirs[name])) for name in names}
 
 
+def _assert_steps_equal(ours: list[dict], theirs: list[dict], record_property) -> None:
+    """What our trainer logs of TRL's metrics, within 1e-4 relative before each step and after the last.
+    Step 1: policy and reference are the same weights, so a reward's sign (the accuracy) is float
+    noise on both sides."""
+    from tests.reference.trl_dpo import METRICS
+
+    names = [n for n in ("loss", *METRICS) if n in ours[0]]
+    noise = [n for n in names if n != "rewards/accuracies"]
+    apart = [_relative(o, t, noise if i == 0 else names) for i, (o, t) in enumerate(zip(ours, theirs))]
+    record_property("summary", "largest relative difference per step: "
+                    + ", ".join(f"{max(a.values()):.2g}" for a in apart) + "; "
+                    + " | ".join(", ".join(f"{n} {o[n]:.7g}/{t[n]:.7g}" for n in names) for o, t in zip(ours, theirs)))
+    assert len(ours) == len(theirs) == STEPS + 1
+    assert all(max(a.values()) < 1e-4 for a in apart), apart
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(500)
 def test_three_dpo_steps_equal_trl_tokenizing_the_pairs_itself(tmp_path, megatron_qwen2_chatml, llava_qwen2_chatml,
                                                                preference_data, record_property):
-    from tests.reference.trl_dpo import METRICS, trl_dpo_step, trl_examples
+    from tests.reference.trl_dpo import trl_dpo_step, trl_examples
     from tests.support.helpers import run_ranks
 
     run_ranks(1, WORKER, megatron_qwen2_chatml, preference_data, tmp_path, json.dumps({"steps": STEPS}), timeout=400)
@@ -92,16 +108,7 @@ def test_three_dpo_steps_equal_trl_tokenizing_the_pairs_itself(tmp_path, megatro
     policy.model.vision_tower.requires_grad_(False)  # --stage dpo trains the projector and the LM
     theirs = trl_dpo_step(policy, _hf(llava_qwen2_chatml), [], **_space(llava_qwen2_chatml), lr=LR, steps=STEPS,
                           optimizer="adamw", beta=BETA, examples=trl_examples(pairs()))
-    # What our trainer logs of TRL's metrics. Step 1: policy and reference are the same weights, so a
-    # reward's sign (the accuracy) is float noise on both sides.
-    names = [n for n in ("loss", *METRICS) if n in ours[0]]
-    noise = [n for n in names if n != "rewards/accuracies"]
-    apart = [_relative(o, t, noise if i == 0 else names) for i, (o, t) in enumerate(zip(ours, theirs))]
-    record_property("summary", "largest relative difference per step: "
-                    + ", ".join(f"{max(a.values()):.2g}" for a in apart) + "; "
-                    + " | ".join(", ".join(f"{n} {o[n]:.7g}/{t[n]:.7g}" for n in names) for o, t in zip(ours, theirs)))
-    assert len(ours) == len(theirs) == STEPS + 1
-    assert all(max(a.values()) < 1e-4 for a in apart), apart
+    _assert_steps_equal(ours, theirs, record_property)
     assert [t["loss"] for t in theirs] == sorted((t["loss"] for t in theirs), reverse=True)
 
 
@@ -137,9 +144,13 @@ def test_our_qwen2_5_vl_pair_batches_are_the_batch_trl_collates_from_the_same_pa
 
     encoder = NativeResolutionPairTaskEncoder.for_model(
         str(qwen_hf), families.read_model(json.loads((qwen_hf / "config.json").read_text())), seq_length=256)
-    micro_batches = micro_batches_of(encoder, [encoder.preencode_sample(p) for p in native_pairs()], 1, False)
+    encoded = [encoder.preencode_sample(p) for p in native_pairs()]
+    micro_batches = micro_batches_of(encoder, encoded, 1, False)
     assert [b["image_grid_thw"].shape[0] for b in micro_batches] == [1, 2, 1, 0]
     assert [b["image_uses"].tolist() for b in micro_batches] == [[0, 0], [0, 1, 0, 1], [0, 0], []]
+    # Packed (--packing-seq-length), each pair's uses count from its images' place in the row.
+    packed = encoder.batch([encoder.pack_selected_samples(encoded[:3])]).as_dict()
+    assert packed["image_uses"].tolist() == [0, 0, 1, 2, 1, 2, 3, 3] and int(packed["segment_ids"].max()) == 6
     ours = trl_batch(micro_batches, **_qwen_space(qwen_hf))
     theirs = _qwen_trl(_hf(qwen_hf), _hf(qwen_hf), qwen_hf, str(tmp_path)).data_collator(trl_examples(native_pairs()))
     assert ours["input_ids"].shape[0] == theirs["input_ids"].shape[0] == 2 * len(native_pairs())
@@ -155,7 +166,7 @@ def test_three_qwen2_5_vl_dpo_steps_equal_trl_tokenizing_the_pairs_itself(tmp_pa
                                                                           record_property):
     from megatron_ext.convert.to_megatron import convert
     from megatron_ext.verify.hf_loop import frozen
-    from tests.reference.trl_dpo import METRICS, trl_dpo_step, trl_examples
+    from tests.reference.trl_dpo import trl_dpo_step, trl_examples
     from tests.support.helpers import run_ranks
     from tests.support.qwen2_5_vl import tiny_processor
 
@@ -171,12 +182,5 @@ def test_three_qwen2_5_vl_dpo_steps_equal_trl_tokenizing_the_pairs_itself(tmp_pa
     theirs = trl_dpo_step(policy, _hf(qwen_hf), [], image_token_index=_qwen_space(qwen_hf)["image_token_index"],
                           img_seq_len=1, lr=LR, steps=STEPS, optimizer="adamw",
                           beta=BETA, examples=trl_examples(native_pairs()), processor=tiny_processor(qwen_hf))
-    names = [n for n in ("loss", *METRICS) if n in ours[0]]
-    noise = [n for n in names if n != "rewards/accuracies"]
-    apart = [_relative(o, t, noise if i == 0 else names) for i, (o, t) in enumerate(zip(ours, theirs))]
-    record_property("summary", "largest relative difference per step: "
-                    + ", ".join(f"{max(a.values()):.2g}" for a in apart) + "; "
-                    + " | ".join(", ".join(f"{n} {o[n]:.7g}/{t[n]:.7g}" for n in names) for o, t in zip(ours, theirs)))
-    assert len(ours) == len(theirs) == STEPS + 1
-    assert all(max(a.values()) < 1e-4 for a in apart), apart
+    _assert_steps_equal(ours, theirs, record_property)
     assert theirs[-1]["loss"] < 0.01 * theirs[0]["loss"]  # Adam at 1e-3 overshoots on the way (step 2's loss rises)
