@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_ext.checkpoint import layout
-from megatron_ext.convert.mapping import llava_mapping, normalize_hf_name
+from megatron_ext.convert.mapping import hf_name_of, model_mapping
 from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
 from megatron_ext.lora.checkpoint import verified_base
@@ -54,8 +54,10 @@ def read_trained(snapshot: layout.Snapshot) -> TrainedTensors:
 
     options = snapshot.trainer_options
     # One read per tensor: a checkpoint key stacks a tensor of every layer, and one read fills one layer's.
+    # A native-resolution model's projector is inside its encoder (`vision_model.`).
+    trained = ("language_model.", "vision_projection.", "vision_model.")
     tensors = {name: read_tensors(snapshot.path, {name: spec})[name]
-               for name, spec in stored_tensors(snapshot.path, ("language_model.", "vision_projection.")).items()}
+               for name, spec in stored_tensors(snapshot.path, trained).items()}
     adapters = {name[: -len(_A)] + ".weight": (tensors.pop(name), tensors.pop(name[: -len(_A)] + _B))
                 for name in list(tensors) if name.endswith(_A)}
     return TrainedTensors(snapshot=snapshot, base=verified_base(snapshot), scaling=saved_settings(options).scaling,
@@ -72,8 +74,10 @@ def adapter_snapshot(megatron_dir, flag: str = "--megatron-dir") -> layout.Snaps
 def hf_module_names(hf_config: dict) -> dict[str, str]:
     """Canonical HF weight name -> the name of that module in a transformers model (what PEFT uses)."""
     from megatron_ext.convert.hf_checkpoint import meta_hf_model
+    from megatron_ext.families import read_model
 
-    return {normalize_hf_name(name): name[: -len(".weight")] for name, _ in meta_hf_model(hf_config).named_parameters()
+    spell = hf_name_of(read_model(hf_config))
+    return {spell(name): name[: -len(".weight")] for name, _ in meta_hf_model(hf_config).named_parameters()
             if name.endswith(".weight")}
 
 
@@ -93,7 +97,7 @@ def write_peft_adapter(megatron_dir, adapter_dir, force: bool = False) -> Path:
     out = check_output_dir(adapter_dir, force, "--lora-adapter-dir")
     trained = read_trained(snapshot)
     arch, options = snapshot.arch, snapshot.trainer_options
-    table = llava_mapping(arch)
+    table = model_mapping(arch)
     modules = hf_module_names(snapshot.hf_config)
     weights, targets = {}, set()
     for name, (a, b) in trained.adapters.items():
@@ -108,6 +112,9 @@ def write_peft_adapter(megatron_dir, adapter_dir, force: bool = False) -> Path:
         suffix = hf_name.rsplit(".", 1)[1]
         weights[f"{PEFT_PREFIX}{module_weight}.{suffix}"] = hf_tensor.contiguous()
         saved_modules.add(module_weight.rsplit(".", 1)[0])
+    # A module inside another one saved is saved with it (Qwen2.5-VL's merger.mlp in its merger): PEFT
+    # refuses nested modules to save.
+    saved_modules = {m for m in saved_modules if not any(m.startswith(outer + ".") for outer in saved_modules)}
     config = {
         "peft_type": "LORA",
         "r": options["lora_rank"],

@@ -161,12 +161,15 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
         images, messages = conversation_of(sample)
         return self.encode_conversation(sample, messages, images, videos_of(sample))
 
-    def encode_conversation(self, sample: Sample, messages: list[dict], images: list,
-                            videos: list) -> NativeResolutionSample:
-        """One conversation's tokens, labels, loss mask, positions and pixels, fitted to the sequence length."""
-        media, video_pads = self._media(images, videos, sample.__key__)
+    def encode_conversation(self, sample: Sample, messages: list[dict], images: list, videos: list,
+                            completion: bool = False, media: tuple[dict, list[str]] | None = None) -> NativeResolutionSample:
+        """One conversation's tokens, labels, loss mask, positions and pixels, fitted to the sequence
+        length; `completion`: only the last message's completion trains (DPO's answer, `ChatTokenizer.encode`);
+        `media`: the images' and videos' `_media`, where already computed."""
+        media, video_pads = media or self._media(images, videos, sample.__key__)
         pads = iter(video_pads)
-        ids, assistant = self.chat.encode([{**m, "content": with_vision_runs(m["content"], pads)} for m in messages])
+        ids, assistant = self.chat.encode([{**m, "content": with_vision_runs(m["content"], pads)} for m in messages],
+                                          completion)
         counts = np.ones(len(ids), dtype=np.int64)
         # One pad token per image and per video run (a Qwen3-VL video's frame pair), repeated to its merged patches.
         for token, grids in ((self.image_token_id, media["image_grid_thw"].tolist()),

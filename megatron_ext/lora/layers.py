@@ -155,8 +155,8 @@ def add_lora(model, settings: LoraSettings, seed: int) -> list[str]:
     kinds = _parallel_kinds()
     for param in model.parameters():
         param.requires_grad = False
-    if settings.train_projector and model.vision_projection is not None:
-        for param in model.vision_projection.parameters():
+    if settings.train_projector:
+        for param in _projector_parameters(model):
             param.requires_grad = True
     wrapped = []
     for layer in model.language_model.decoder.layers:
@@ -177,6 +177,14 @@ def add_lora(model, settings: LoraSettings, seed: int) -> list[str]:
             setattr(parent, attr, LoraLinear(base, kind, settings, name, seed, gated=gated))
             wrapped.append(name)
     return wrapped
+
+
+def _projector_parameters(model) -> list:
+    """LLaVA's projector, or the projection inside a native-resolution model's encoder (marked by
+    `model.mrope_vlm`, which has no separate projector)."""
+    if model.vision_projection is not None:
+        return list(model.vision_projection.parameters())
+    return [param for param in model.parameters() if getattr(param, "is_vision_projection", False)]
 
 
 def has_lora(model) -> bool:

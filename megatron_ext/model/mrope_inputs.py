@@ -18,7 +18,8 @@ import torch
 from megatron_ext.errors import UserError
 from megatron_ext.model.inputs import ModelInputs
 
-_MEDIA = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+# Per media kind: pixel rows, grids, and (a preference pair's batch) which of them each use shows.
+_MEDIA = (("pixel_values", "image_grid_thw", "image_uses"), ("pixel_values_videos", "video_grid_thw", "video_uses"))
 
 
 @dataclass(frozen=True)
@@ -51,16 +52,18 @@ class MRopeInputs:
     @staticmethod
     def media_count(batch: dict) -> int:
         """Images and videos the micro batch holds."""
-        return sum(batch[grid].shape[0] for _, grid in _MEDIA)
+        return sum(batch[grid].shape[0] for _, grid, _ in _MEDIA)
 
     def __call__(self, batch: dict) -> dict:
         if self.pipeline_parallel:
             batch = self._padded(batch)
         kwargs = {name: self.to_device(batch[name]) for name in ("input_ids", "position_ids", "labels", "loss_mask")}
-        for pixels, grid in _MEDIA:
+        for pixels, grid, uses in _MEDIA:
             held = batch[grid].shape[0] > 0
             kwargs[pixels] = self.to_device(batch[pixels], self.dtype) if held else None
             kwargs[grid] = self.to_device(batch[grid]) if held else None
+            if uses in batch:
+                kwargs[uses] = self.to_device(batch[uses]) if held else None
         input_ids, segment_ids = batch["input_ids"], batch["segment_ids"]
         if int(segment_ids.max()) > 1:
             if input_ids.shape[0] != 1 or self.backend == "local":

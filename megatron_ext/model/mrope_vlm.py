@@ -104,21 +104,27 @@ class MRopeVisionLanguageModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                 pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, labels=None,
-                loss_mask=None, packed_seq_params=None):
+                loss_mask=None, packed_seq_params=None, image_uses=None, video_uses=None):
         """Logits [B, S, V]; with `labels` and `loss_mask`, (loss [B, S], loss_mask) as megatron-core's
         LLaVAModel returns them. `input_ids` [B, S] with every image and video expanded to one token
         per merged patch, `position_ids` [3, B, S]; `packed_seq_params`: a one-row batch of packed
-        samples (THD), its positions restarting at each sample."""
+        samples (THD), its positions restarting at each sample. `image_uses` / `video_uses`: long
+        [uses], the image (video) each run of media tokens shows, in reading order, where one serves
+        several sequences (a preference pair's); None: each is shown once, in order."""
         embeddings = None
         self._deepstack = []
         if self.language_model.pre_process:
             embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)
-            for token, pixels, grid in ((self.image_token_id, pixel_values, image_grid_thw),
-                                        (self.video_token_id, pixel_values_videos, video_grid_thw)):
+            for token, pixels, grid, uses in ((self.image_token_id, pixel_values, image_grid_thw, image_uses),
+                                              (self.video_token_id, pixel_values_videos, video_grid_thw, video_uses)):
                 if pixels is not None:
                     where, encoded = input_ids == token, self.vision_model(pixels, grid_thw=grid)
-                    embeddings = self._placed(embeddings, where, encoded)
-                    self._keep_deepstack(where, getattr(encoded, "deepstack_features", None) or [])
+                    features, deepstack = encoded.pooler_output, getattr(encoded, "deepstack_features", None) or []
+                    if uses is not None:
+                        rows = self._rows_of_uses(grid, uses)
+                        features, deepstack = features[rows], [feature[rows] for feature in deepstack]
+                    embeddings = self._placed(embeddings, where, features)
+                    self._keep_deepstack(where, deepstack)
         try:
             output = self.language_model(input_ids, position_ids, attention_mask, decoder_input=embeddings,
                                          labels=labels, packed_seq_params=packed_seq_params)
@@ -150,11 +156,18 @@ class MRopeVisionLanguageModel(torch.nn.Module):
 
         return add_features
 
+    def _rows_of_uses(self, grid: torch.Tensor, uses: torch.Tensor) -> torch.Tensor:
+        """The encoder's output rows of each use in turn: the merged patches of the image it shows."""
+        counts = grid.prod(-1) // self.vision_model.spatial_merge_size**2
+        starts, taken = counts.cumsum(0) - counts, counts[uses]
+        # Each use's first row, repeated over its rows, plus the row's place within it.
+        return torch.repeat_interleave(starts[uses] - (taken.cumsum(0) - taken), taken) + torch.arange(
+            int(taken.sum()), device=grid.device)
+
     @staticmethod
-    def _placed(embeddings: torch.Tensor, where: torch.Tensor, encoded) -> torch.Tensor:
+    def _placed(embeddings: torch.Tensor, where: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """[S, B, H] embeddings with the rows at `where` ([B, S], filled sample by sample, as the
-        features come) replaced by the encoder's features."""
-        features = encoded.pooler_output
+        features come) replaced by the encoder's `features` [tokens, H]."""
         if int(where.sum()) != features.shape[0]:
             raise ValueError(f"{int(where.sum())} media tokens but {features.shape[0]} features: expand each "
                              "placeholder to its merged patch count (native_resolution.expand_placeholders)")

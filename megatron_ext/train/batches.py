@@ -21,6 +21,7 @@ from megatron_ext.data.loader import (
     val_loader,
 )
 from megatron_ext.data.native_resolution_encoder import NativeResolutionTaskEncoder
+from megatron_ext.data.native_resolution_pairs import NativeResolutionPairTaskEncoder
 from megatron_ext.data.pairs import PairTaskEncoder
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
 from megatron_ext.model.arch import LlavaArch
@@ -38,9 +39,11 @@ def task_encoder(tokenizer_dir: str | Path, arch: LlavaArch, cfg: TrainConfig, s
     inspector builds its own with it): preference pairs for --stage dpo, conversations otherwise."""
     common = dict(seq_length=seq_length, pad_token_id=arch.pad_token_id, chat_template=cfg.chat_template, lang=cfg.lang,
                   packing_seq_length=cfg.packing_seq_length, alignment=alignment, video_frames=cfg.video_frames)
+    pairs = objective_of(cfg).pairs
     if not isinstance(arch, LlavaArch):  # a native-resolution model's images keep their sizes
-        return NativeResolutionTaskEncoder.for_model(str(tokenizer_dir), arch, **common)
-    encoder_class = PairTaskEncoder if objective_of(cfg).pairs else LlavaTaskEncoder
+        native_class = NativeResolutionPairTaskEncoder if pairs else NativeResolutionTaskEncoder
+        return native_class.for_model(str(tokenizer_dir), arch, **common)
+    encoder_class = PairTaskEncoder if pairs else LlavaTaskEncoder
     return encoder_class.for_model(str(tokenizer_dir), arch, image_aspect=cfg.image_aspect,
                                    max_tiles=cfg.max_tiles_per_sequence, **common)
 

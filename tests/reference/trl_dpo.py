@@ -14,11 +14,13 @@ use). `trl_batch` turns micro batches into the padded batch TRL's collator would
 from __future__ import annotations
 
 import copy
+import re
 import tempfile
+from dataclasses import dataclass
 
 import torch
 
-from megatron_ext.verify.hf_loop import IGNORE, HfSample, hf_samples, media_inputs
+from megatron_ext.verify.hf_loop import IGNORE, HfSample, hf_samples, media_inputs, native_samples
 
 # TRL's `_metrics["train"]` keys besides the loss that `trl_dpo_metrics` returns; `num_tokens`, a
 # running total over the trainer's life, is left out.
@@ -30,28 +32,55 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 PAD = 0
 
 
+@dataclass(frozen=True)
+class NativeSpace:
+    """A native-resolution model's media (Qwen2.5-VL): besides its image token, its video token and
+    the merge size that makes each image's grid its token count."""
+    video_token_id: int
+    merge_size: int
+
+
+# Per media kind of a native-resolution pair batch: pixel rows, grids, the one each use shows.
+_NATIVE_MEDIA = (("pixel_values", "image_grid_thw", "image_uses"), ("pixel_values_videos", "video_grid_thw", "video_uses"))
+
+
+def _unshared(batch: dict) -> dict:
+    """A native-resolution pair batch (`data.native_resolution_pairs`) with each image's (video's)
+    pixel rows and grid repeated at every use, as transformers takes a row's media."""
+    out = dict(batch)
+    for pixels, grid, uses in _NATIVE_MEDIA:
+        rows = batch[pixels].split(batch[grid].prod(-1).tolist())
+        out[pixels] = torch.cat([rows[use] for use in batch[uses]]) if len(batch[uses]) else batch[pixels]
+        out[grid] = batch[grid][batch[uses]]
+    out["second_per_grid_ts"] = batch["second_per_grid_ts"][batch["video_uses"]]
+    return out
+
+
 def pair_samples(micro_batches: list[dict], image_token_index: int, img_seq_len: int,
-                 tiled=None) -> list[tuple[HfSample, HfSample]]:
-    """(chosen, rejected) of every pair, in pair order, in HF's token space (`tiled`: as `hf_samples`)."""
+                 tiled=None, native: NativeSpace | None = None) -> list[tuple[HfSample, HfSample]]:
+    """(chosen, rejected) of every pair, in pair order, in HF's token space (`tiled`: as `hf_samples`;
+    `native`: the pairs of a native-resolution model)."""
     pairs = []
     for batch in micro_batches:
         counts = batch["segment_ids"].max(dim=1).values
         if (counts % 2).any():
             raise ValueError(f"rows hold {counts.tolist()} sequences: a pair batch's rows hold whole pairs")
-        samples = hf_samples(batch, image_token_index, img_seq_len, tiled)
+        samples = (native_samples(_unshared(batch), image_token_index, native.video_token_id, native.merge_size)
+                   if native else hf_samples(batch, image_token_index, img_seq_len, tiled))
         pairs += zip(samples[0::2], samples[1::2])
     return pairs
 
 
-def trl_batch(micro_batches: list[dict], image_token_index: int, img_seq_len: int, tiled=None) -> dict:
+def trl_batch(micro_batches: list[dict], image_token_index: int, img_seq_len: int, tiled=None,
+              native: NativeSpace | None = None) -> dict:
     """The pairs of `micro_batches` as TRL's preference collator lays them out: rows [chosen_1..chosen_P,
     rejected_1..rejected_P], right padded; `completion_mask` marks the answer tokens; the media of
     every row in row order (each pair's twice: chosen, rejected) as the model's processor batches
     them (`hf_loop.media_inputs`: `pixel_values`; tiled models also `image_sizes`, OneVision
-    `batch_num_images` and `pixel_values_videos`)."""
+    `batch_num_images` and `pixel_values_videos`; native-resolution ones their grids)."""
     if image_token_index == PAD:
         raise ValueError(f"the image token {image_token_index} is the padding id")
-    chosen, rejected = zip(*pair_samples(micro_batches, image_token_index, img_seq_len, tiled))
+    chosen, rejected = zip(*pair_samples(micro_batches, image_token_index, img_seq_len, tiled, native))
     rows = [*chosen, *rejected]
     shape = (len(rows), max(s.input_ids.shape[1] for s in rows))
     input_ids = torch.full(shape, PAD, dtype=torch.long)
@@ -85,7 +114,7 @@ def per_pair_logps(model, micro_batches: list[dict], image_token_index: int, img
 
 
 def dpo_trainer(policy, reference, output_dir: str, *, beta: float, loss_type: str, label_smoothing: float,
-                rpo_alpha: float | None):
+                rpo_alpha: float | None, processor=None):
     """A `trl.DPOTrainer` on `policy` (CPU, fp32, no gradient checkpointing, no truncation).
     `reference` None: a PEFT policy's reference is the policy with its adapters off (see below; a
     plain model's, the checkpoint TRL loads again from `config._name_or_path`). RPO is TRL 1.16's
@@ -96,7 +125,8 @@ def dpo_trainer(policy, reference, output_dir: str, *, beta: float, loss_type: s
     both models and patches a fused LM head onto their forward (calls without `fused_lm_head=True`
     run the original). Its processor is the checkpoint's at `config._name_or_path`, as
     `hf.processors.load_processor` builds it (TRL's own AutoProcessor needs torchvision for OneVision's
-    video processor); trl_batch stands in for its collator."""
+    video processor), unless `processor` is given; trl_batch stands in for its collator, or TRL's own
+    collator processes `trl_examples` with the processor."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -113,7 +143,7 @@ def dpo_trainer(policy, reference, output_dir: str, *, beta: float, loss_type: s
     # TRL wants a train dataset; an "images" column makes it a vision dataset, which TRL leaves
     # unprocessed (its collator, which we replace with trl_batch, would process it on the fly).
     dummy = Dataset.from_dict({"prompt": ["-"], "chosen": ["-"], "rejected": ["-"], "images": [[]]})
-    processor = load_processor(policy.config._name_or_path, "--hf-dir")
+    processor = processor or load_processor(policy.config._name_or_path, "--hf-dir")
     trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=dummy, processing_class=processor)
     if reference is None and "ref" in getattr(policy, "peft_config", {}):
         # Given a PeftModel, TRL copies its adapter into a frozen "ref" adapter, the reference; ours is
@@ -126,10 +156,10 @@ def dpo_trainer(policy, reference, output_dir: str, *, beta: float, loss_type: s
 
 def trl_examples(pairs) -> list[dict]:
     """`shard_format.PreferenceSample`s as TRL's conversational vision rows: the prompt's text without
-    its `<image>` markers (TRL puts the images before the first user turn's text, as the pairs have
-    them), the answers as assistant messages, the images."""
+    its `<image>` markers and a newline after each (TRL puts the images before the first user turn's
+    text, as the pairs have them), the answers as assistant messages, the images."""
     def text(message):
-        return {"role": message["role"], "content": message["content"].replace("<image>\n", "")}
+        return {"role": message["role"], "content": re.sub("<image>\n?", "", message["content"])}
 
     return [{"prompt": [text(m) for m in p.prompt], "chosen": [{"role": "assistant", "content": p.chosen}],
              "rejected": [{"role": "assistant", "content": p.rejected}], "images": list(p.images)} for p in pairs]
@@ -151,13 +181,14 @@ def _metrics(trainer, loss: torch.Tensor) -> dict:
 
 def trl_dpo_metrics(policy, reference, micro_batches: list[dict], *, image_token_index: int, img_seq_len: int,
                     tiled=None, examples: list[dict] | None = None, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                    rpo_alpha: float | None = None) -> dict:
+                    rpo_alpha: float | None = None, processor=None) -> dict:
     """TRL's DPO loss and metrics on all pairs of `micro_batches` as one batch: {"loss", *METRICS},
     floats, as `DPOTrainer._compute_loss` logs them (means over the pairs). `tiled`: as `hf_samples`;
-    `examples`: TRL rows (`trl_examples`) that TRL's collator tokenizes itself, instead of `micro_batches`."""
+    `examples`: TRL rows (`trl_examples`) that TRL's collator tokenizes itself, instead of `micro_batches`;
+    `processor`: as `dpo_trainer`'s."""
     with tempfile.TemporaryDirectory() as output_dir, torch.no_grad():
         trainer = dpo_trainer(policy, reference, output_dir, beta=beta, loss_type=loss_type,
-                              label_smoothing=label_smoothing, rpo_alpha=rpo_alpha)
+                              label_smoothing=label_smoothing, rpo_alpha=rpo_alpha, processor=processor)
         batch = _batch(trainer, micro_batches, examples, image_token_index, img_seq_len, tiled)
         return _metrics(trainer, trainer.compute_loss(trainer.model, batch))
 
@@ -165,15 +196,15 @@ def trl_dpo_metrics(policy, reference, micro_batches: list[dict], *, image_token
 def trl_dpo_step(policy, reference, micro_batches: list[dict], *, image_token_index: int, img_seq_len: int,
                  lr: float, tiled=None, examples: list[dict] | None = None, steps: int = 1, optimizer: str = "sgd",
                  beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                 rpo_alpha: float | None = None) -> list[dict]:
+                 rpo_alpha: float | None = None, processor=None) -> list[dict]:
     """[metrics before each of `steps` optimizer steps of TRL's loss on `micro_batches`, ..., metrics
     after the last], each as `trl_dpo_metrics` returns them, on the same batch (one step: before,
     after). The step: torch.optim.SGD (no momentum) or torch.optim.AdamW (default betas and eps, no
     weight decay) at `lr` over the policy's parameters that require grad, no clipping, no schedule.
-    It updates `policy` in place. `examples`: as `trl_dpo_metrics`."""
+    It updates `policy` in place. `examples`, `processor`: as `trl_dpo_metrics`."""
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = dpo_trainer(policy, reference, output_dir, beta=beta, loss_type=loss_type,
-                              label_smoothing=label_smoothing, rpo_alpha=rpo_alpha)
+                              label_smoothing=label_smoothing, rpo_alpha=rpo_alpha, processor=processor)
         batch = _batch(trainer, micro_batches, examples, image_token_index, img_seq_len, tiled)
         trained = [p for p in trainer.model.parameters() if p.requires_grad]
         if optimizer == "sgd":

@@ -28,13 +28,18 @@ def vision_run(token: int, grid, merge_size: int = 2) -> list[int]:
     return [VISION_START] + [token] * (t * h * w // merge_size ** 2) + [VISION_END]
 
 
-def tiny_tokenizer():
+def tiny_tokenizer(bos: bool = True):
     """The demo's tiny tokenizer with the Qwen-VL special tokens at the tiny model's ids (fillers
     up to IMAGE_TOKEN), ChatML's turn tokens and a pad token; no template of its own, so training
-    takes the family's ChatML."""
+    takes the family's ChatML. It adds the demo's BOS to every text (as Llama's); `bos` False: none,
+    as Qwen's own tokenizer."""
+    from tokenizers import processors
+
     from megatron_ext.demo.tiny_models import train_tokenizer
 
     tokenizer = train_tokenizer(400)
+    if not bos:
+        tokenizer._tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     tokenizer.add_tokens([f"<filler{i}>" for i in range(IMAGE_TOKEN - len(tokenizer))])
     tokenizer.add_tokens(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>",
                           "<|im_end|>", "<|endoftext|>"], special_tokens=True)

@@ -2,7 +2,8 @@
 
 Usage: torchrun --nproc-per-node N dpo_worker.py CHECKPOINT DATA OUT_DIR OPTIONS_JSON
 
-OPTIONS_JSON: trainer options, "pairs": "tiled" for a tiled LLaVA's pairs (`tiled_pairs`), and
+OPTIONS_JSON: trainer options, "pairs": "tiled" for a tiled LLaVA's pairs (`tiled_pairs`), "native" for a
+native-resolution model's (`native_pairs`), and
 "steps": how many steps to train on the global batch (1 unless given).
 
 The trainer's plan, model, reference and DPO objective run on `pairs()`: data-parallel replica r
@@ -16,6 +17,7 @@ would hold it, for the TRL side.
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from PIL import Image
@@ -41,6 +43,20 @@ def pairs(count: int = GLOBAL_BATCH) -> list:
         out.append(PreferenceSample(__key__=f"p{i}", __restore_key__=(), images=images, prompt=prompt, chosen=chosen,
                                     rejected=rejected))
     return out
+
+
+def native_pairs() -> list:
+    """`pairs()` as a native-resolution model's chat template writes images: each vision run right
+    before the text, no newline between (Qwen2.5-VL's own template, which TRL's collator renders);
+    each image random pixels of its size, so that two images of one grid (pair 1's) differ."""
+    import numpy as np
+
+    def noisy(image: Image.Image, seed: int) -> Image.Image:
+        return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (image.height, image.width, 3), dtype=np.uint8))
+
+    return [replace(p, prompt=[{**m, "content": m["content"].replace("<image>\n", "<image>")} for m in p.prompt],
+                    images=[noisy(image, 10 * i + k) for k, image in enumerate(p.images)])
+            for i, p in enumerate(pairs())]
 
 
 def tiled_pairs() -> list:
@@ -77,11 +93,11 @@ def main():
 
     from megatron_ext.config.options import TrainConfig
     from megatron_ext.config.run_plan import make_plan
-    from megatron_ext.data.pairs import PairTaskEncoder
     from megatron_ext.distributed import device, init_parallel, shutdown
-    from megatron_ext.model.inputs import ModelInputs
+    from megatron_ext.model.mrope_inputs import inputs_for
     from megatron_ext.objectives import for_run
     from megatron_ext.train import checkpointing
+    from megatron_ext.train.batches import task_encoder
     from megatron_ext.train.model_setup import build_training_model
     from megatron_ext.train.step import train_step
 
@@ -93,11 +109,12 @@ def main():
     init_parallel(cfg.tp, cfg.pp, seed=cfg.seed, cp=cfg.cp)
     trained = build_training_model(plan)
     checkpointing.load_weights(trained, plan.start, with_optimizer=False)
-    objective = for_run(plan, trained, ModelInputs.for_model(plan.arch, trained.model, device()))
-    encoder = PairTaskEncoder.for_model(str(plan.tokenizer_dir), plan.arch, seq_length=plan.seq_length,
-                                        packing_seq_length=cfg.packing_seq_length, alignment=plan.execution.alignment,
-                                        video_frames=VIDEO_FRAMES)
-    encoded = [encoder.postencode_sample(encoder.preencode_sample(p)) for p in (tiled_pairs() if kind == "tiled" else pairs())]
+    inputs = inputs_for(plan.arch, trained.model, device())
+    objective = for_run(plan, trained, inputs)
+    encoder = task_encoder(plan.tokenizer_dir, plan.arch, replace(cfg, video_frames=VIDEO_FRAMES), plan.seq_length,
+                           plan.execution.alignment)
+    examples = {"tiled": tiled_pairs, "native": native_pairs}.get(kind, pairs)()
+    encoded = [encoder.postencode_sample(encoder.preencode_sample(p)) for p in examples]
     rank, replicas = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     mine = micro_batches_of(encoder, encoded[rank::replicas], cfg.micro_batch_size, bool(cfg.packing_seq_length))
     # The tiles the trained model's tower takes in the step (with LoRA, the reference pass too), seen
@@ -117,8 +134,8 @@ def main():
     loss, _, metrics = objective.evaluate_batch(mine)
     if torch.distributed.get_rank() == 0:
         result = {"first": stepped[0], "steps": stepped, "after": {"loss": loss, **metrics},
-                  "tower_batches": tower_batches, "img_seq_len": plan.arch.img_seq_len,
-                  "images": [int(b["images"].shape[0]) for b in mine]}
+                  "tower_batches": tower_batches, "img_seq_len": getattr(plan.arch, "img_seq_len", 1),
+                  "images": [inputs.media_count(b) for b in mine]}
         (out_dir / "result.json").write_text(json.dumps(result))
         torch.save(micro_batches_of(encoder, encoded, cfg.micro_batch_size, bool(cfg.packing_seq_length)),
                    out_dir / "micro_batches.pt")
