@@ -40,10 +40,12 @@ from megatron_ext.data.conversation import IMAGE_MARKER, VIDEO_MARKER
 from megatron_ext.data.native_resolution import (
     IMAGE_TOKEN,
     QWEN2_5_VL,
+    QWEN3_VL,
     VIDEO_TOKEN,
     VISION_END,
     VISION_START,
     QwenVision,
+    VideoClip,
     image_inputs,
     image_processor,
     mrope_positions,
@@ -105,10 +107,12 @@ _RUNS = {IMAGE_MARKER: VISION_START + IMAGE_TOKEN + VISION_END, VIDEO_MARKER: VI
 
 
 def vision_of(vision_config: dict) -> QwenVision:
-    """Qwen2.5-VL's input settings with a checkpoint's patch, merge and temporal sizes and time scale."""
-    return replace(QWEN2_5_VL, patch_size=vision_config["patch_size"], merge_size=vision_config["spatial_merge_size"],
+    """Qwen2.5-VL's input settings, or Qwen3-VL's for a tower with no time scale (its videos' time is
+    text), with a checkpoint's patch, merge and temporal sizes and time scale."""
+    base = QWEN2_5_VL if "tokens_per_second" in vision_config else QWEN3_VL
+    return replace(base, patch_size=vision_config["patch_size"], merge_size=vision_config["spatial_merge_size"],
                    temporal_patch_size=vision_config["temporal_patch_size"],
-                   tokens_per_second=vision_config["tokens_per_second"])
+                   tokens_per_second=vision_config.get("tokens_per_second"))
 
 
 class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, NativeResolutionBatch,
@@ -158,11 +162,9 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
     def encode_conversation(self, sample: Sample, messages: list[dict], images: list,
                             videos: list) -> NativeResolutionSample:
         """One conversation's tokens, labels, loss mask, positions and pixels, fitted to the sequence length."""
-        ids, assistant = self.chat.encode([{**m, "content": _with_runs(m["content"])} for m in messages])
-        media = self._media(images, videos, sample.__key__)
-        counts = np.ones(len(ids), dtype=np.int64)
-        for token, grids in ((self.image_token_id, media["image_grid_thw"]), (self.video_token_id, media["video_grid_thw"])):
-            counts[ids == token] = [int(g.prod()) // self.vision.merge_size**2 for g in grids]
+        ids, assistant = self.chat.encode(_with_runs_in(messages))
+        media = self._media(images, [read_clip(video, self.video_frames, sample.__key__) for video in videos])
+        counts = self._run_lengths(ids, media)
         ids, assistant = np.repeat(ids, counts), np.repeat(assistant, counts)
         labels = np.append(ids[1:], self.pad_token_id)
         loss_mask = np.append(assistant[1:], False)  # position t trains when token t + 1 is the assistant's
@@ -173,23 +175,51 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
         labels[-1], loss_mask[-1] = self.pad_token_id, False  # the last token's successor is not this sample's
         if not loss_mask.any():
             raise ValueError(f"no answer token fits in the sequence length {self.max_length}")
-        positions = mrope_positions(token_types(ids, self.image_token_id, self.video_token_id), self.vision,
-                                    media["image_grid_thw"], media["video_grid_thw"], media["second_per_grid_ts"])
         return NativeResolutionSample.derive_from(
             sample, input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels),
-            loss_mask=torch.from_numpy(loss_mask.astype(np.float32)), position_ids=positions,
+            loss_mask=torch.from_numpy(loss_mask.astype(np.float32)), position_ids=self._positions(ids, media),
             pixel_values=media["pixel_values"], image_grid_thw=media["image_grid_thw"],
             pixel_values_videos=media["pixel_values_videos"], video_grid_thw=media["video_grid_thw"],
             second_per_grid_ts=media["second_per_grid_ts"], num_truncated=int(truncated), lengths=[len(ids)])
 
-    def _media(self, images: list, videos: list, key: str) -> dict:
+    def encode_prompt(self, messages: list[dict], images: list, clips: list[VideoClip]) -> dict:
+        """A conversation and the prompt for the assistant's next turn, as generation continues it,
+        by the steps that encode training's samples, untruncated: what transformers' model takes
+        (input_ids [1, S] with the vision runs expanded, mm_token_type_ids [1, S], each kind of media's
+        pixel rows and grids where the prompt holds it, Qwen2.5-VL's second_per_grid_ts with videos)
+        and position_ids [3, 1, S], the mRoPE positions training computes."""
+        ids = self.chat.encode_prompt(_with_runs_in(messages))
+        media = self._media(images, clips)
+        ids = np.repeat(ids, self._run_lengths(ids, media))
+        types = token_types(ids, self.image_token_id, self.video_token_id)
+        inputs = {"input_ids": torch.from_numpy(ids)[None], "mm_token_type_ids": torch.from_numpy(types)[None],
+                  "position_ids": self._positions(ids, media)[:, None]}
+        for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+            if len(media[grid]):  # transformers takes no empty media
+                inputs.update({pixels: media[pixels], grid: media[grid]})
+        if len(media["video_grid_thw"]) and self.vision.tokens_per_second is not None:
+            inputs["second_per_grid_ts"] = media["second_per_grid_ts"]
+        return inputs
+
+    def _run_lengths(self, ids: np.ndarray, media: dict) -> np.ndarray:
+        """How many times each token of `ids` repeats: a pad its image's (video's) merged patch count, others once."""
+        counts = np.ones(len(ids), dtype=np.int64)
+        for token, grids in ((self.image_token_id, media["image_grid_thw"]), (self.video_token_id, media["video_grid_thw"])):
+            counts[ids == token] = [int(g.prod()) // self.vision.merge_size**2 for g in grids]
+        return counts
+
+    def _positions(self, ids: np.ndarray, media: dict) -> torch.Tensor:
+        return mrope_positions(token_types(ids, self.image_token_id, self.video_token_id), self.vision,
+                               media["image_grid_thw"], media["video_grid_thw"], media["second_per_grid_ts"])
+
+    def _media(self, images: list, clips: list[VideoClip]) -> dict:
         """Pixel rows and grids of a sample's images and videos (empty ones where it has none)."""
         media = {"pixel_values": torch.zeros(0, self.row_width), "image_grid_thw": torch.zeros(0, 3, dtype=torch.long),
                  "pixel_values_videos": torch.zeros(0, self.row_width), "video_grid_thw": torch.zeros(0, 3, dtype=torch.long),
                  "second_per_grid_ts": torch.zeros(0)}
         if images:
             media.update(image_inputs(images, self.vision, self.processor))
-        clips = [video_inputs(read_clip(video, self.video_frames, key), self.vision) for video in videos]
+        clips = [video_inputs(clip, self.vision) for clip in clips]
         if clips:
             media.update({name: torch.cat([clip[name] for clip in clips]) for name in clips[0]})
         return media
@@ -232,6 +262,11 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
 
 _TOKEN_FIELDS = ("input_ids", "labels", "loss_mask")
 _MEDIA_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def _with_runs_in(messages: list[dict]) -> list[dict]:
+    """`messages` with each `<image>` / `<video>` marker replaced by the model's vision run."""
+    return [{**m, "content": _with_runs(m["content"])} for m in messages]
 
 
 def _with_runs(content: str) -> str:

@@ -39,11 +39,11 @@ def write_tiny_model(out: Path, seed: int = 0) -> Path:
     tiny tokenizer (the converters copy it)."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    from megatron_ext.demo.tiny_models import train_tokenizer
+    from tests.support.qwen2_5_vl import tiny_tokenizer
 
     torch.manual_seed(seed)
     Qwen3VLForConditionalGeneration(tiny_config()).save_pretrained(out)
-    train_tokenizer(400).save_pretrained(out)
+    tiny_tokenizer().save_pretrained(out)  # the vision tokens at the tiny model's ids, ChatML's turn tokens
     return out
 
 

@@ -1,0 +1,109 @@
+"""scripts/eval/generate.py on Qwen2.5-VL and Qwen3-VL: the greedy tokens of a converted Megatron
+checkpoint at TP1 and TP2, and of the HF checkpoint, equal transformers' `generate` on the HF
+checkpoint, for prompts about images of odd sizes (37x91, 1000x17), two images, no image and (Qwen2.5-VL)
+a video. The prompts are encoded once, by the trainer's task encoder; transformers computes its own
+mRoPE positions from them, prompt and generated tokens alike."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.support.helpers import run_ranks, run_script
+
+FAMILIES = {"qwen2_5_vl": "tests.support.qwen2_5_vl", "qwen3_vl": "tests.support.qwen3_vl"}
+MAX_NEW_TOKENS = 8
+VIDEO_FRAMES = 4
+# Relative to the JSONL file's folder. Qwen3-VL's prompts take no video yet: the task encoder expands a
+# video as one run, where Qwen3-VL writes each frame pair's time before its own run.
+REQUESTS = [{"image": "wide.png", "prompt": "Describe this image."},
+            {"id": "two", "image": ["tall.png", "wide.png"], "prompt": "Is <image> taller than <image>?"},
+            {"prompt": "Hello, who are you?"},
+            {"id": "video", "video": "clip.mkv", "prompt": "What happens in the video?"}]
+
+
+@dataclass(frozen=True)
+class Tiny:
+    hf_dir: Path
+    megatron_dir: Path  # converted at TP2
+    requests: Path  # JSONL
+    expected: list[list[int]]  # transformers' greedy tokens per request
+    texts: list[str]
+
+
+def _media(folder: Path, video_file: Path) -> None:
+    import shutil
+
+    from PIL import Image
+
+    from tests.support.qwen_vl import noise
+
+    Image.fromarray(noise(37, 91, 1)).save(folder / "wide.png")
+    Image.fromarray(noise(1000, 17, 2)).save(folder / "tall.png")
+    shutil.copy(video_file, folder / "clip.mkv")
+
+
+def _expected(reference, folder: Path, requests: list[dict]) -> list[list[int]]:
+    from megatron_ext.eval.prompts import load_image, user_turn
+
+    answers = []
+    for request in requests:
+        files = request.get("image", [])
+        images = [load_image(folder / f) for f in ([files] if isinstance(files, str) else files)]
+        videos = [reference.encoder.load_video(folder / request["video"], VIDEO_FRAMES)] if "video" in request else []
+        answers.append(reference.greedy([user_turn(request["prompt"], len(images), len(videos))], images,
+                                        MAX_NEW_TOKENS, videos))
+    return answers
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def tiny(request, tmp_path_factory, video_file) -> Tiny:
+    """The family's tiny model (HF, and converted at TP2), the requests and transformers' answers."""
+    from megatron_ext.convert.to_megatron import convert
+    from tests.support.hf_generate import HFReference
+
+    out = tmp_path_factory.mktemp(request.param)
+    hf_dir = importlib.import_module(FAMILIES[request.param]).write_tiny_model(out / "hf")
+    megatron_dir = convert(hf_dir, out / "megatron", tp=2, pp=1)
+    _media(out, video_file)
+    requests = REQUESTS if request.param == "qwen2_5_vl" else REQUESTS[:-1]
+    path = out / "requests.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    reference = HFReference(hf_dir)
+    expected = _expected(reference, out, requests)
+    return Tiny(hf_dir, megatron_dir, path, expected, [reference.text(ids) for ids in expected])
+
+
+def _generate(tiny: Tiny, ranks: int, checkpoint: list, out: Path) -> list[dict]:
+    args = [*checkpoint, "--input-jsonl", tiny.requests, "--output-jsonl", out, "--max-new-tokens", MAX_NEW_TOKENS,
+            "--video-frames", VIDEO_FRAMES]
+    if ranks > 1:
+        run_ranks(ranks, "scripts/eval/generate.py", *args, "--tp", ranks, timeout=400)
+    else:
+        run_script("eval/generate.py", *args, timeout=400)
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _check(results: list[dict], tiny: Tiny) -> None:
+    assert [r["token_ids"] for r in results] == tiny.expected
+    assert [r["answer"] for r in results] == tiny.texts
+    # Every prompt gets an answer of its own (the media reach the model), each compared at every position.
+    assert len({tuple(ids) for ids in tiny.expected}) == len(tiny.expected)
+    assert all(len(ids) == MAX_NEW_TOKENS for ids in tiny.expected)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_greedy_tokens_equal_transformers_generate(tiny, tp, tmp_path):
+    _check(_generate(tiny, tp, ["--megatron-dir", tiny.megatron_dir], tmp_path / "answers.jsonl"), tiny)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_hf_checkpoint_greedy_tokens_equal_transformers_generate(tiny, tmp_path):
+    _check(_generate(tiny, 1, ["--hf-dir", tiny.hf_dir], tmp_path / "answers.jsonl"), tiny)
