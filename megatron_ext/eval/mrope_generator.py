@@ -20,11 +20,9 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_ext.convert.compare import mrope_forward
 from megatron_ext.eval.megatron_generator import MegatronGenerator
 from megatron_ext.eval.prompts import EncodedPrompt
-
-# The prompt's media as `MRopeVisionLanguageModel.forward` takes them (the token types are transformers' only).
-_MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
 class MRopeGenerator(MegatronGenerator):
@@ -32,29 +30,19 @@ class MRopeGenerator(MegatronGenerator):
 
     def _start(self, prompt: EncodedPrompt, budget: int) -> tuple[torch.Tensor | None, Callable]:
         dtype = self.model.config.params_dtype
-        media = {name: value.to(self.device, dtype if value.is_floating_point() else value.dtype)
-                 for name, value in prompt.media.items() if name in _MEDIA}
-        sequence = {"ids": prompt.input_ids.to(self.device), "positions": prompt.position_ids.to(self.device)}
+        inputs = {name: value.to(self.device, dtype if value.is_floating_point() else value.dtype)
+                  for name, value in prompt.media.items()}
+        inputs.update(input_ids=prompt.input_ids.to(self.device), position_ids=prompt.position_ids.to(self.device))
 
         def after(token: int) -> torch.Tensor | None:
-            ids, positions = sequence["ids"], sequence["positions"]
-            sequence["ids"] = torch.cat([ids, torch.tensor([[token]], device=self.device)], dim=1)
-            sequence["positions"] = torch.cat([positions, positions[..., -1:] + 1], dim=2)
-            return self._logits(sequence["ids"], sequence["positions"], media)
+            ids, positions = inputs["input_ids"], inputs["position_ids"]
+            inputs["input_ids"] = torch.cat([ids, torch.tensor([[token]], device=self.device)], dim=1)
+            inputs["position_ids"] = torch.cat([positions, positions[..., -1:] + 1], dim=2)
+            return self._logits(inputs)
 
-        return self._logits(sequence["ids"], sequence["positions"], media), after
+        return self._logits(inputs), after
 
-    def _logits(self, ids: torch.Tensor, positions: torch.Tensor, media: dict) -> torch.Tensor | None:
+    def _logits(self, inputs: dict) -> torch.Tensor | None:
         """Next-token logits [1, vocab] (float32) on the last pipeline stage, None elsewhere."""
-        from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        def forward_step(data_iterator, module):
-            return module(next(data_iterator), positions, **media), None
-
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([ids]), model=[self.model], num_microbatches=1,
-            seq_length=ids.shape[1], micro_batch_size=1, forward_only=True)
-        if not parallel_state.is_pipeline_last_stage():
-            return None
-        return outputs[0][:, -1, : self.arch.text.vocab_size].float()
+        logits = mrope_forward(self.model, inputs)
+        return None if logits is None else logits[:, -1, : self.arch.text.vocab_size].float()

@@ -1,8 +1,9 @@
-"""scripts/eval/generate.py on Qwen2.5-VL and Qwen3-VL: the greedy tokens of a converted Megatron
-checkpoint at TP1 and TP2, and of the HF checkpoint, equal transformers' `generate` on the HF
-checkpoint, for prompts about images of odd sizes (37x91, 1000x17), two images, no image and (Qwen2.5-VL)
-a video. The prompts are encoded once, by the trainer's task encoder; transformers computes its own
-mRoPE positions from them, prompt and generated tokens alike."""
+"""The eval commands on Qwen2.5-VL and Qwen3-VL. scripts/eval/generate.py: the greedy tokens of a
+converted Megatron checkpoint at TP1 and TP2, and of the HF checkpoint, equal transformers' `generate`
+on the HF checkpoint, for prompts about images of odd sizes (37x91, 1000x17), two images, no image and
+(Qwen2.5-VL) a video. The prompts are encoded once, by the trainer's task encoder; transformers computes
+its own mRoPE positions from them, prompt and generated tokens alike. compare_hf_megatron.py: the
+two checkpoints' logits on such a prompt."""
 
 from __future__ import annotations
 
@@ -107,3 +108,18 @@ def test_megatron_greedy_tokens_equal_transformers_generate(tiny, tp, tmp_path):
 @pytest.mark.timeout(900)
 def test_hf_checkpoint_greedy_tokens_equal_transformers_generate(tiny, tmp_path):
     _check(_generate(tiny, 1, ["--hf-dir", tiny.hf_dir], tmp_path / "answers.jsonl"), tiny)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_compare_finds_the_converted_logits_equal_to_transformers_within_1e_4(tiny):
+    folder = tiny.requests.parent
+    proc = run_script("convert/compare_hf_megatron.py", "--hf-dir", tiny.hf_dir, "--megatron-dir", tiny.megatron_dir,
+                      "--image", folder / "tall.png", "--image", folder / "wide.png", "--prompt", "Which is taller?",
+                      "--max-diff", "1e-4", timeout=400)
+    import re
+
+    assert float(re.search(r"max \|dlogit\|: +(\S+)", proc.stdout).group(1)) <= 1e-4
+    # Every position compared, the two images' tokens among them.
+    positions = int(re.search(r"argmax agrees at all (\d+) positions: yes", proc.stdout).group(1))
+    assert positions > 60
