@@ -153,8 +153,8 @@ def _on_every_stage(logits: torch.Tensor | None, shape: tuple, device) -> torch.
 def mrope_forward(model, inputs: dict) -> torch.Tensor | None:
     """A native-resolution model's (`model/mrope_vlm.py`) logits [1, S, padded vocab] on the last
     pipeline stage, None elsewhere, for `NativeResolutionTaskEncoder.encode_prompt`'s inputs on the
-    model's device (its own positions; transformers' token types unused). Collective over the
-    model-parallel group; gathered over TP when the model is built with `parallel_output=False`."""
+    model's device (its own positions; transformers' token types unused), gathered over TP.
+    Collective over the model-parallel group."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -162,7 +162,7 @@ def mrope_forward(model, inputs: dict) -> torch.Tensor | None:
     media = {name: inputs[name] for name in _MROPE_MEDIA if name in inputs}
 
     def forward_step(data_iterator, module):
-        return module(next(data_iterator), inputs["position_ids"], **media), None
+        return module(next(data_iterator), inputs["position_ids"], runtime_gather_output=True, **media), None
 
     outputs = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter([ids]), model=[model], num_microbatches=1,

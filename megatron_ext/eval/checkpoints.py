@@ -56,11 +56,9 @@ class ModelSource:
         from megatron_ext.eval.megatron_generator import MegatronGenerator
         from megatron_ext.eval.mrope_generator import MRopeGenerator
 
-        llava = isinstance(self.snapshot.arch, LlavaArch)
-        # A native-resolution model recomputes the whole sequence per token: its logits come gathered.
         model = load_megatron_model(self.snapshot, *self.parallel_layout(tp, pp), seq_length=self.context_length,
-                                    dtype=self.dtype, parallel_output=llava)
-        generator_class = MegatronGenerator if llava else MRopeGenerator
+                                    dtype=self.dtype)
+        generator_class = MegatronGenerator if isinstance(self.snapshot.arch, LlavaArch) else MRopeGenerator
         return generator_class(model, self.snapshot.arch, self.processor, stop_token_ids(self.processor.tokenizer))
 
     def parallel_layout(self, tp: int | None, pp: int | None) -> tuple[int, int]:
@@ -85,10 +83,9 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def load_megatron_model(snapshot: layout.Snapshot, tp: int, pp: int, seq_length: int, dtype: str,
-                        parallel_output: bool = True):
+def load_megatron_model(snapshot: layout.Snapshot, tp: int, pp: int, seq_length: int, dtype: str):
     """This rank's model (a LLaVAModel, or a family's own) with the snapshot's weights, computing in
-    `dtype` (collective); `parallel_output=False` gathers the logits over TP."""
+    `dtype` (collective)."""
     from megatron_ext import families
     from megatron_ext.distributed import init_parallel
     from megatron_ext.lora.checkpoint import load_for_inference
@@ -96,7 +93,7 @@ def load_megatron_model(snapshot: layout.Snapshot, tp: int, pp: int, seq_length:
 
     init_parallel(tp, pp)
     model = families.build_model(snapshot.arch, ModelOptions(seq_length=seq_length, dtype=dtype, init_weights=False,
-                                                             parallel_output=parallel_output))
+                                                             parallel_output=True))
     load_for_inference(model, snapshot)
     return model.eval()
 

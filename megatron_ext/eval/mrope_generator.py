@@ -10,8 +10,8 @@ k-th new token).
 Every step is one forward pass over the prompt and the tokens so far, with no KV cache:
 megatron-core's static inference context would slice mRoPE angles computed for the new token alone
 as if they covered the whole sequence. The pass goes through megatron-core's pipeline schedule, so
-pipeline stages exchange the whole sequence; the model is built with gathered logits
-(`parallel_output=False`), and the last stage's choice reaches the others as `MegatronGenerator`'s.
+pipeline stages exchange the whole sequence; the logits come gathered over TP, and the last
+stage's choice reaches the others as `MegatronGenerator`'s.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from megatron_ext.eval.prompts import EncodedPrompt
 
 
 class MRopeGenerator(MegatronGenerator):
-    """`model`: this rank's `MRopeVisionLanguageModel`, built with `parallel_output=False`."""
+    """`model`: this rank's `MRopeVisionLanguageModel` (unwrapped), built with any `parallel_output`."""
 
     def _start(self, prompt: EncodedPrompt, budget: int) -> tuple[torch.Tensor | None, Callable]:
         dtype = self.model.config.params_dtype

@@ -123,3 +123,52 @@ def test_compare_finds_the_converted_logits_equal_to_transformers_within_1e_4(ti
     # Every position compared, the two images' tokens among them.
     positions = int(re.search(r"argmax agrees at all (\d+) positions: yes", proc.stdout).group(1))
     assert positions > 60
+
+
+def _transformers_loss(tiny: Tiny, data_path: Path, samples: int) -> tuple[float, int]:
+    """transformers' token-weighted loss over the split's first `samples` samples, as the trainer's task
+    encoder encodes them (the positions left to transformers)."""
+    import torch
+    from megatron.energon import WorkerConfig, get_loader, get_val_dataset
+
+    from megatron_ext import families
+    from megatron_ext.checkpoint.layout import find_snapshot
+    from megatron_ext.data.native_resolution import token_types
+    from megatron_ext.data.native_resolution_encoder import NativeResolutionTaskEncoder
+
+    arch = find_snapshot(tiny.megatron_dir).arch
+    encoder = NativeResolutionTaskEncoder.for_model(str(tiny.hf_dir), arch, seq_length=arch.text.max_position_embeddings,
+                                                    pad_token_id=arch.pad_token_id)
+    dataset = get_val_dataset(str(data_path), split_part="val", worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+                              batch_size=1, limit=samples, task_encoder=encoder)
+    model = families.load_model(tiny.hf_dir, "--hf-dir", dtype=torch.float32).eval()
+    total, tokens = 0.0, 0
+    for batch in get_loader(dataset):
+        media = {name: getattr(batch, name) for name in ("pixel_values", "image_grid_thw") if len(batch.image_grid_thw)}
+        types = torch.from_numpy(token_types(batch.input_ids, arch.image_token_id, arch.video_token_id))
+        with torch.no_grad():
+            logits = model(input_ids=batch.input_ids, mm_token_type_ids=types, **media).logits.float()
+        losses = torch.nn.functional.cross_entropy(logits[0], batch.labels[0], reduction="none")
+        total += float((losses * batch.loss_mask[0]).sum())
+        tokens += int(batch.loss_mask.sum())
+    return total / tokens, tokens
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_evaluate_gives_transformers_loss_and_greedy_answers(tiny, train_data, tmp_path):
+    from megatron_ext.eval.samples import read_samples
+    from tests.support.hf_generate import HFReference
+
+    out = tmp_path / "eval"
+    run_script("eval/evaluate.py", "--megatron-dir", tiny.megatron_dir, "--data-path", train_data, "--output-dir", out,
+               "--fast-n", 3, "--max-new-tokens", MAX_NEW_TOKENS, timeout=400)
+    records = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    result = json.loads((out / "metrics.json").read_text())
+    loss, tokens = _transformers_loss(tiny, train_data, 3)
+    assert result["loss_tokens"] == tokens > 0
+    assert result["loss"] == pytest.approx(loss, rel=1e-5)
+    reference = HFReference(tiny.hf_dir)
+    expected = [reference.text(reference.greedy(s.messages, s.images, MAX_NEW_TOKENS))
+                for s in read_samples(train_data, "val", limit=3)]
+    assert [r["prediction"] for r in records] == expected
