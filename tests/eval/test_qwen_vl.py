@@ -172,3 +172,29 @@ def test_evaluate_gives_transformers_loss_and_greedy_answers(tiny, train_data, t
     expected = [reference.text(reference.greedy(s.messages, s.images, MAX_NEW_TOKENS))
                 for s in read_samples(train_data, "val", limit=3)]
     assert [r["prediction"] for r in records] == expected
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_chat_answers_two_turns_about_an_image_as_transformers(tiny):
+    import pexpect
+
+    from megatron_ext.eval.prompts import load_image
+    from tests.support.chat_terminal import Terminal, same_text
+    from tests.support.hf_generate import HFReference
+
+    image = tiny.requests.parent / "wide.png"
+    reference = HFReference(tiny.hf_dir)
+    conversation = [{"role": "user", "content": "<image>\nDescribe this image."}]
+    first = reference.text(reference.greedy(conversation, [load_image(image)], MAX_NEW_TOKENS))
+    # The second turn sees the first question and answer (the image only in the first user turn).
+    conversation += [{"role": "assistant", "content": first}, {"role": "user", "content": "And then?"}]
+    second = reference.text(reference.greedy(conversation, [load_image(image)], MAX_NEW_TOKENS))
+    term = Terminal("--megatron-dir", tiny.megatron_dir, "--image", image, "--max-new-tokens", MAX_NEW_TOKENS)
+    try:
+        assert same_text(term.answer("Describe this image."), first)
+        assert same_text(term.answer("And then?"), second)
+        term.child.sendline("/exit")
+        term.child.expect_exact(pexpect.EOF)
+    finally:
+        term.child.close(force=True)

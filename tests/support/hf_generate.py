@@ -31,10 +31,15 @@ class HFReference:
 
     def greedy(self, messages: list[dict], images: list, max_new_tokens: int, videos: list = ()) -> list[int]:
         """`videos`: what `self.encoder.load_video` gives of each."""
+        from megatron_ext.eval.prompts import stop_token_ids
+
         prompt = self.encoder.encode(messages, images, videos)
+        # Stopping where our generators stop: the tokenizer's end token too, not only the model config's.
+        stop = stop_token_ids(self.tokenizer, self.model.generation_config)
         with torch.no_grad():
             output = self.model.generate(input_ids=prompt.input_ids, attention_mask=torch.ones_like(prompt.input_ids),
-                                         max_new_tokens=max_new_tokens, do_sample=False, **prompt.media)
+                                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
+                                         **prompt.media)
         return output[0, prompt.length:].tolist()
 
     def text(self, token_ids: list[int]) -> str:
