@@ -198,3 +198,17 @@ def test_chat_answers_two_turns_about_an_image_as_transformers(tiny):
         term.child.expect_exact(pexpect.EOF)
     finally:
         term.child.close(force=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_lmms_eval_refuses_the_model_in_one_line(tiny, tmp_path):
+    from tests.support.lmms_tasks import write_tasks
+
+    tasks = write_tasks(tmp_path / "tasks", {"tiny_vqa": []}, MAX_NEW_TOKENS)
+    proc = run_script("eval/benchmark.py", "--megatron-dir", tiny.megatron_dir, "--tasks", "tiny_vqa", "--include-path",
+                      tasks, "--output-dir", tmp_path / "out", check=False, timeout=200, fresh=True)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: --megatron-dir {tiny.megatron_dir}: lmms-eval benchmarks take LLaVA checkpoints only")
+    assert not (tmp_path / "out").exists()
