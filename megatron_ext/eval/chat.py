@@ -1,7 +1,7 @@
 """Interactive multi-turn chat about an image or a video in the terminal.
 
 Commands: `/image PATH` starts a new conversation about another image, `/video PATH` one about a
-video (LLaVA-OneVision; decoded to --video-frames frames), `/reset` starts a new conversation about
+video (LLaVA-OneVision, Qwen2.5-VL; decoded to --video-frames frames), `/reset` starts a new conversation about
 the same image or video, `/exit` (or end of input) quits. Every turn re-renders the whole
 conversation with the checkpoint's chat template and answers it, streaming the reply; the image or
 video goes in its first user turn. Under torchrun (Megatron TP/PP) rank 0 reads the terminal and

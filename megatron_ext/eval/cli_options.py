@@ -28,7 +28,7 @@ def checkpoint_options(func):
 
 video_frames_option = click.option(
     "--video-frames", type=click.IntRange(min=1), default=DEFAULT_VIDEO_FRAMES, show_default=True,
-    help="Frames sampled uniformly from each video (LLaVA-OneVision; in benchmark.py, on the Megatron path).")
+    help="Frames sampled uniformly from each video (LLaVA-OneVision, Qwen2.5-VL; in benchmark.py, on the Megatron path).")
 
 
 def sampling_options(default_max_new_tokens: int):
