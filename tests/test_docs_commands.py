@@ -94,6 +94,9 @@ EXCLUDED = {
     r"(megatron-ext-convert \S+|python scripts/train/run\.py) .*--(hf|megatron|megatron-load)-dir <qwen":
         "a Qwen2.5-VL or Qwen3-VL checkpoint, which the docs' workdir does not build; tests/train/test_qwen_vl_training.py "
         "converts, trains and exports the tiny ones through the same functions",
+    r"(torchrun .*)?(python )?scripts/(eval|convert)/\w+\.py .*--(hf|megatron)-dir <qwen":
+        "a Qwen-VL checkpoint, which the docs' workdir does not build; tests/eval/test_qwen_vl.py runs these scripts "
+        "on the tiny Qwen2.5-VL and Qwen3-VL",
 }
 
 

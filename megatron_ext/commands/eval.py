@@ -27,7 +27,7 @@ from megatron_ext.progress import quiet_option
 @click.option("--image", "images", multiple=True, type=click.Path(dir_okay=False),
               help="Image the prompt is about; repeat for several (placed by <image> in the prompt, else before it).")
 @click.option("--video", "videos", multiple=True, type=click.Path(dir_okay=False),
-              help="Video the prompt is about (LLaVA-OneVision); repeat for several (placed by <video>, else before the prompt).")
+              help="Video the prompt is about (LLaVA-OneVision, Qwen2.5-VL); repeat for several (placed by <video>, else before the prompt).")
 @video_frames_option
 @click.option("--prompt", help="The question or instruction.")
 @click.option("--input-jsonl", type=click.Path(dir_okay=False),
@@ -57,7 +57,7 @@ def generate(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, i
 @checkpoint_options
 @click.option("--image", type=click.Path(dir_okay=False), help="Image to talk about (or /image PATH later).")
 @click.option("--video", type=click.Path(dir_okay=False),
-              help="Video to talk about instead (LLaVA-OneVision; or /video PATH later).")
+              help="Video to talk about instead (LLaVA-OneVision, Qwen2.5-VL; or /video PATH later).")
 @video_frames_option
 @sampling_options(default_max_new_tokens=256)
 def chat(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, image, video, video_frames, max_new_tokens,

@@ -107,7 +107,6 @@ def megatron_logits(model, images: torch.Tensor, input_ids: torch.Tensor, img_se
     whose image tokens are already expanded (`media_layout`: a tiled model's, `megatron_media`).
     Collective over the model-parallel group (NCCL on a GPU: every tensor in it lives where the model
     does); the model must be built with `parallel_output=False`, and is left in eval mode."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -135,14 +134,44 @@ def megatron_logits(model, images: torch.Tensor, input_ids: torch.Tensor, img_se
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter([ids]), model=[model], num_microbatches=1,
             seq_length=sent_length, micro_batch_size=ids.shape[0], forward_only=True)
-    if parallel_state.is_pipeline_last_stage():
-        logits = outputs[0][:, :seq_length, :vocab_size].float().contiguous()
-    else:
-        logits = torch.empty(ids.shape[0], seq_length, vocab_size, device=device)
-    if pipelined:
+    logits = outputs[0][:, :seq_length, :vocab_size] if parallel_state.is_pipeline_last_stage() else None
+    return _on_every_stage(logits, (ids.shape[0], seq_length, vocab_size), device)
+
+
+def _on_every_stage(logits: torch.Tensor | None, shape: tuple, device) -> torch.Tensor:
+    """The last pipeline stage's `logits` (None elsewhere) as float32 on the host of every rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    logits = logits.float().contiguous() if logits is not None else torch.empty(shape, device=device)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(logits, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
     return logits.cpu()
+
+
+def mrope_forward(model, inputs: dict) -> torch.Tensor | None:
+    """A native-resolution model's (`model/mrope_vlm.py`) logits [1, S, padded vocab] on the last
+    pipeline stage, None elsewhere, for `NativeResolutionTaskEncoder.encode_prompt`'s inputs on the
+    model's device (its own positions; transformers' token types unused), gathered over TP.
+    Collective over the model-parallel group."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ids = inputs["input_ids"]
+    media = {name: inputs[name] for name in _MROPE_MEDIA if name in inputs}
+
+    def forward_step(data_iterator, module):
+        return module(next(data_iterator), inputs["position_ids"], runtime_gather_output=True, **media), None
+
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([ids]), model=[model], num_microbatches=1,
+        seq_length=ids.shape[1], micro_batch_size=1, forward_only=True)
+    return outputs[0] if parallel_state.is_pipeline_last_stage() else None
+
+
+# What `MRopeVisionLanguageModel.forward` takes of a prompt's media.
+_MROPE_MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 
 
 @dataclass(frozen=True)
@@ -198,6 +227,38 @@ def _megatron_logits_rank(snapshot_dir: Path, tp: int, pp: int, batch: dict) -> 
         shutdown()
 
 
+def _mrope_logits_rank(snapshot_dir: Path, tp: int, pp: int, inputs: dict) -> torch.Tensor:
+    from megatron_ext import families
+    from megatron_ext.checkpoint.layout import find_snapshot
+    from megatron_ext.distributed import init_parallel, shutdown
+    from megatron_ext.lora.checkpoint import load_for_inference
+    from megatron_ext.model.provider import ModelOptions
+
+    init_parallel(tp, pp)
+    try:
+        snapshot = find_snapshot(snapshot_dir, "--megatron-dir")
+        length, vocab_size = inputs["input_ids"].shape[1], snapshot.arch.text.vocab_size
+        model = families.build_model(snapshot.arch, ModelOptions(seq_length=length, dtype="float32", init_weights=False,
+                                                                 parallel_output=False))
+        load_for_inference(model, snapshot)
+        with torch.no_grad():
+            logits = mrope_forward(model.eval(), inputs)
+        return _on_every_stage(logits[..., :vocab_size] if logits is not None else None, (1, length, vocab_size), "cpu")
+    finally:
+        shutdown()
+
+
+def native_resolution_inputs(hf_dir: str | Path, arch, images: list, prompt: str) -> dict:
+    """A native-resolution model's inputs for one user turn about `images` (each placed before the
+    text; generation prompt appended), encoded by the trainer's task encoder with the tokenizer in `hf_dir`."""
+    from megatron_ext.data.conversation import place_images
+    from megatron_ext.data.native_resolution_encoder import NativeResolutionTaskEncoder
+
+    encoder = NativeResolutionTaskEncoder.for_model(str(hf_dir), arch, seq_length=arch.text.max_position_embeddings,
+                                                    pad_token_id=arch.pad_token_id)
+    return encoder.encode_prompt(place_images([{"role": "user", "content": prompt}], len(images)), images, [])
+
+
 def compare(hf_dir: str | Path, megatron_dir: str | Path, tp: int | None = None, pp: int | None = None,
             images: list | None = None, prompt: str = DEFAULT_PROMPT) -> LogitStats:
     """HF vs Megatron (loaded at `tp` x `pp`, default: the layout it was saved with) in float32 on CPU,
@@ -205,12 +266,18 @@ def compare(hf_dir: str | Path, megatron_dir: str | Path, tp: int | None = None,
     from megatron_ext.checkpoint.layout import find_snapshot
     from megatron_ext.convert.cpu_ranks import run_on_cpu_ranks
     from megatron_ext.hf.processors import load_processor
+    from megatron_ext.model.arch import LlavaArch
 
     snapshot = find_snapshot(megatron_dir, "--megatron-dir")
     tp, pp = tp or snapshot.tp, pp or snapshot.pp
     snapshot.arch.check_parallel(tp, pp)
+    images = images or [synthetic_image()]
+    if not isinstance(snapshot.arch, LlavaArch):
+        inputs = native_resolution_inputs(hf_dir, snapshot.arch, images, prompt)
+        reference = hf_logits(Path(hf_dir), {k: v for k, v in inputs.items() if k != "position_ids"})
+        return logit_stats(reference, run_on_cpu_ranks(_mrope_logits_rank, tp * pp, snapshot.path, tp, pp, inputs))
     processor = load_processor(hf_dir, "--hf-dir")
-    batch = process_inputs(processor, images or [synthetic_image()], prompt)
+    batch = process_inputs(processor, images, prompt)
     reference = hf_logits(Path(hf_dir), batch)
     logits = run_on_cpu_ranks(_megatron_logits_rank, tp * pp, snapshot.path, tp, pp, dict(batch))
     return logit_stats(reference, logits)

@@ -196,6 +196,10 @@ class ChatTokenizer:
         trained &= ids != self.image_token_id
         return ids, trained
 
+    def encode_prompt(self, messages: list[dict]) -> np.ndarray:
+        """Token ids of `messages` and the prompt for the assistant's next turn: what generation continues."""
+        return self._tokens(self._apply(messages, generation_prompt=True))[0]
+
     def token_roles(self, messages: list[dict]) -> list[int | None]:
         """For each token `encode` gives, the index of the message whose rendered text it starts in
         (what the template renders before the first message counts with it, the assistant's header

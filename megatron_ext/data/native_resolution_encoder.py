@@ -48,6 +48,7 @@ from megatron_ext.data.native_resolution import (
     VISION_END,
     VISION_START,
     QwenVision,
+    VideoClip,
     frame_pair_runs,
     image_inputs,
     image_processor,
@@ -166,15 +167,9 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
         """One conversation's tokens, labels, loss mask, positions and pixels, fitted to the sequence
         length; `completion`: only the last message's completion trains (DPO's answer, `ChatTokenizer.encode`);
         `media`: the images' and videos' `_media`, where already computed."""
-        media, video_pads = media or self._media(images, videos, sample.__key__)
-        pads = iter(video_pads)
-        ids, assistant = self.chat.encode([{**m, "content": with_vision_runs(m["content"], pads)} for m in messages],
-                                          completion)
-        counts = np.ones(len(ids), dtype=np.int64)
-        # One pad token per image and per video run (a Qwen3-VL video's frame pair), repeated to its merged patches.
-        for token, grids in ((self.image_token_id, media["image_grid_thw"].tolist()),
-                             (self.video_token_id, video_run_grids(media["video_grid_thw"], self.vision))):
-            counts[ids == token] = [int(np.prod(g)) // self.vision.merge_size**2 for g in grids]
+        media, video_pads = media or self._media(images, self.read_clips(videos, sample.__key__))
+        ids, assistant = self.chat.encode(_with_runs_in(messages, video_pads), completion)
+        counts = self._run_lengths(ids, media)
         ids, assistant = np.repeat(ids, counts), np.repeat(assistant, counts)
         labels = np.append(ids[1:], self.pad_token_id)
         loss_mask = np.append(assistant[1:], False)  # position t trains when token t + 1 is the assistant's
@@ -185,16 +180,50 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
         labels[-1], loss_mask[-1] = self.pad_token_id, False  # the last token's successor is not this sample's
         if not loss_mask.any():
             raise ValueError(f"no answer token fits in the sequence length {self.max_length}")
-        positions = mrope_positions(token_types(ids, self.image_token_id, self.video_token_id), self.vision,
-                                    media["image_grid_thw"], media["video_grid_thw"], media["second_per_grid_ts"])
         return NativeResolutionSample.derive_from(
             sample, input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels),
-            loss_mask=torch.from_numpy(loss_mask.astype(np.float32)), position_ids=positions,
+            loss_mask=torch.from_numpy(loss_mask.astype(np.float32)), position_ids=self._positions(ids, media),
             pixel_values=media["pixel_values"], image_grid_thw=media["image_grid_thw"],
             pixel_values_videos=media["pixel_values_videos"], video_grid_thw=media["video_grid_thw"],
             second_per_grid_ts=media["second_per_grid_ts"], num_truncated=int(truncated), lengths=[len(ids)])
 
-    def _media(self, images: list, videos: list, key: str) -> tuple[dict, list[str]]:
+    def encode_prompt(self, messages: list[dict], images: list, clips: list[VideoClip]) -> dict:
+        """A conversation and the prompt for the assistant's next turn, as generation continues it,
+        by the steps that encode training's samples, untruncated: what transformers' model takes
+        (input_ids [1, S] with the vision runs expanded, mm_token_type_ids [1, S], each kind of media's
+        pixel rows and grids where the prompt holds it, Qwen2.5-VL's second_per_grid_ts with videos)
+        and position_ids [3, 1, S], the mRoPE positions training computes."""
+        media, video_pads = self._media(images, clips)
+        ids = self.chat.encode_prompt(_with_runs_in(messages, video_pads))
+        ids = np.repeat(ids, self._run_lengths(ids, media))
+        types = token_types(ids, self.image_token_id, self.video_token_id)
+        inputs = {"input_ids": torch.from_numpy(ids)[None], "mm_token_type_ids": torch.from_numpy(types)[None],
+                  "position_ids": self._positions(ids, media)[:, None]}
+        for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+            if len(media[grid]):  # transformers takes no empty media
+                inputs.update({pixels: media[pixels], grid: media[grid]})
+        if len(media["video_grid_thw"]) and self.vision.tokens_per_second is not None:
+            inputs["second_per_grid_ts"] = media["second_per_grid_ts"]
+        return inputs
+
+    def _run_lengths(self, ids: np.ndarray, media: dict) -> np.ndarray:
+        """How many times each token of `ids` repeats: a pad its image's (video's) merged patch count, others once."""
+        counts = np.ones(len(ids), dtype=np.int64)
+        # One pad token per image and per video run (a Qwen3-VL video's frame pair), repeated to its merged patches.
+        for token, grids in ((self.image_token_id, media["image_grid_thw"].tolist()),
+                             (self.video_token_id, video_run_grids(media["video_grid_thw"], self.vision))):
+            counts[ids == token] = [int(np.prod(g)) // self.vision.merge_size**2 for g in grids]
+        return counts
+
+    def _positions(self, ids: np.ndarray, media: dict) -> torch.Tensor:
+        return mrope_positions(token_types(ids, self.image_token_id, self.video_token_id), self.vision,
+                               media["image_grid_thw"], media["video_grid_thw"], media["second_per_grid_ts"])
+
+    def read_clips(self, videos: list, key: str) -> list[VideoClip]:
+        """A sample's videos (`key` names it in errors), each read into the frames the model samples."""
+        return [read_clip(video, self.video_frames, key) for video in videos]
+
+    def _media(self, images: list, clips: list[VideoClip]) -> tuple[dict, list[str]]:
         """Pixel rows and grids of a sample's images and videos (empty ones where it has none), and
         what each video's `<|video_pad|>` becomes in the text before the pads are repeated: itself,
         or Qwen3-VL's frame pairs, each with its time (`native_resolution.frame_pair_runs`)."""
@@ -203,7 +232,6 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
                  "second_per_grid_ts": torch.zeros(0)}
         if images:
             media.update(image_inputs(images, self.vision, self.processor))
-        clips = [read_clip(video, self.video_frames, key) for video in videos]
         inputs = [video_inputs(clip, self.vision) for clip in clips]
         if inputs:
             media.update({name: torch.cat([clip[name] for clip in inputs]) for name in inputs[0]})
@@ -249,6 +277,13 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
 
 _TOKEN_FIELDS = ("input_ids", "labels", "loss_mask")
 _MEDIA_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def _with_runs_in(messages: list[dict], video_pads: list[str]) -> list[dict]:
+    """`messages` with each `<image>` / `<video>` marker replaced by the model's vision run, the
+    videos' pads as `_media` gives them."""
+    pads = iter(video_pads)
+    return [{**m, "content": with_vision_runs(m["content"], pads)} for m in messages]
 
 
 def with_vision_runs(content: str, video_pads: Iterator[str] | None = None) -> str:

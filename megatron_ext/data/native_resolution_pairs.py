@@ -65,7 +65,7 @@ class NativeResolutionPairTaskEncoder(NativeResolutionTaskEncoder):
     @stateless
     def preencode_sample(self, sample: Sample) -> NativeResolutionPair:
         images, prompt, chosen, rejected = preference_of(sample)
-        media, video_pads = self._media(images, sample.videos, sample.__key__)
+        media, video_pads = self._media(images, self.read_clips(sample.videos, sample.__key__))
         sequences = [self.encode_conversation(sample, [*prompt, {"role": "assistant", "content": answer}], images,
                                               sample.videos, completion=True, media=(media, video_pads))
                      for answer in (chosen, rejected)]

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from megatron_ext.environ import environ_set
 from megatron_ext.errors import UserError
+from megatron_ext.eval.prompts import PromptEncoder
 from megatron_ext.families.llava import DEFAULT_VIDEO_FRAMES
 
 if TYPE_CHECKING:
@@ -213,6 +214,11 @@ def run_benchmark(open_source: Callable[[], ModelSource], *, tasks: list[str], i
 
     manager = task_manager(tasks, include_path)
     source = open_source()
+    if not isinstance(source.encoder, PromptEncoder):
+        # lmms-eval's llava_hf and our MegatronLlava render its requests through a LLaVA processor.
+        raise UserError(f"{source.flag} {source.path}: lmms-eval benchmarks take LLaVA checkpoints only so far; score "
+                        "this model on a prepared split with scripts/eval/evaluate.py, or answer requests with "
+                        "scripts/eval/generate.py")
     if source.kind == "hf":
         import torch
 

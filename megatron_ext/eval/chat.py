@@ -1,7 +1,7 @@
 """Interactive multi-turn chat about an image or a video in the terminal.
 
 Commands: `/image PATH` starts a new conversation about another image, `/video PATH` one about a
-video (LLaVA-OneVision; decoded to --video-frames frames), `/reset` starts a new conversation about
+video (LLaVA-OneVision, Qwen2.5-VL; decoded to --video-frames frames), `/reset` starts a new conversation about
 the same image or video, `/exit` (or end of input) quits. Every turn re-renders the whole
 conversation with the checkpoint's chat template and answers it, streaming the reply; the image or
 video goes in its first user turn. Under torchrun (Megatron TP/PP) rank 0 reads the terminal and
@@ -18,7 +18,6 @@ from megatron_ext.eval.checkpoints import ModelSource
 from megatron_ext.eval.generation import Generator
 from megatron_ext.eval.prompts import load_image, user_turn
 from megatron_ext.eval.sampling import SamplingOptions
-from megatron_ext.eval.videos import load_video
 from megatron_ext.families.llava import DEFAULT_VIDEO_FRAMES
 
 USER_PROMPT = "you> "
@@ -41,7 +40,7 @@ def load_media(source: ModelSource, flag: str, path: str, video_frames: int) -> 
     UserError: no such file, not decodable, or a video for a model that takes none."""
     if flag in ("--video", "/video"):
         source.encoder.check_takes_videos()  # before decoding: the refusal costs no wait
-        return Media(path, videos=[load_video(path, video_frames, flag)])
+        return Media(path, videos=[source.encoder.load_video(path, video_frames, flag)])
     return Media(path, images=[load_image(path, flag)])
 
 

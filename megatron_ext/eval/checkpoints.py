@@ -18,8 +18,9 @@ import torch
 from megatron_ext.checkpoint import layout
 from megatron_ext.errors import UserError
 from megatron_ext.eval.generation import Generator, new_token_budget
-from megatron_ext.eval.prompts import EncodedPrompt, PromptEncoder, stop_token_ids
+from megatron_ext.eval.prompts import EncodedPrompt, NativeResolutionPromptEncoder, PromptEncoder, stop_token_ids
 from megatron_ext.eval.sampling import SamplingOptions
+from megatron_ext.model.arch import LlavaArch
 from megatron_ext.model.backends import compute_dtype
 
 MEGATRON_FLAG = "--megatron-dir"
@@ -30,9 +31,9 @@ HF_FLAG = "--hf-dir"
 class ModelSource:
     kind: str  # "megatron" or "hf"
     path: Path
-    processor: object
+    processor: object  # the HF processor (a native-resolution model's: its prompt encoder, which holds the tokenizer)
     template_name: str
-    encoder: PromptEncoder
+    encoder: PromptEncoder | NativeResolutionPromptEncoder
     context_length: int  # the language model's max_position_embeddings
     dtype: str  # compute dtype, resolved
     image_aspect: str  # data.images.fit_aspect mode, resolved
@@ -53,10 +54,12 @@ class ModelSource:
                 raise UserError(f"{HF_FLAG}: HF checkpoints run in one process; start the script without torchrun")
             return HFGenerator.load(self.path, self.processor, self.dtype)
         from megatron_ext.eval.megatron_generator import MegatronGenerator
+        from megatron_ext.eval.mrope_generator import MRopeGenerator
 
         model = load_megatron_model(self.snapshot, *self.parallel_layout(tp, pp), seq_length=self.context_length,
                                     dtype=self.dtype)
-        return MegatronGenerator(model, self.snapshot.arch, self.processor, stop_token_ids(self.processor.tokenizer))
+        generator_class = MegatronGenerator if isinstance(self.snapshot.arch, LlavaArch) else MRopeGenerator
+        return generator_class(model, self.snapshot.arch, self.processor, stop_token_ids(self.processor.tokenizer))
 
     def parallel_layout(self, tp: int | None, pp: int | None) -> tuple[int, int]:
         """--tp/--pp, defaulting to the saved layout when the process count fits it, else 1 x 1."""
@@ -81,15 +84,16 @@ def world_size() -> int:
 
 
 def load_megatron_model(snapshot: layout.Snapshot, tp: int, pp: int, seq_length: int, dtype: str):
-    """This rank's LLaVAModel with the snapshot's weights, computing in `dtype` (collective)."""
+    """This rank's model (a LLaVAModel, or a family's own) with the snapshot's weights, computing in
+    `dtype` (collective)."""
     from megatron_ext import families
     from megatron_ext.distributed import init_parallel
     from megatron_ext.lora.checkpoint import load_for_inference
-    from megatron_ext.model.provider import ModelOptions, build_model
+    from megatron_ext.model.provider import ModelOptions
 
     init_parallel(tp, pp)
-    model = build_model(snapshot.arch, families.of(snapshot.arch), ModelOptions(seq_length=seq_length, dtype=dtype, init_weights=False,
-                                                    parallel_output=True))
+    model = families.build_model(snapshot.arch, ModelOptions(seq_length=seq_length, dtype=dtype, init_weights=False,
+                                                             parallel_output=True))
     load_for_inference(model, snapshot)
     return model.eval()
 
@@ -128,9 +132,6 @@ def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template:
     The image aspect mode likewise: given, else as trained, else crop.
     `dtype`: the compute dtype (`backends.compute_dtype`), whatever the checkpoint stores."""
     from megatron_ext import families
-    from megatron_ext.data.chat_template import resolve_chat_template
-    from megatron_ext.families import llava_kind, read_llava
-    from megatron_ext.hf.processors import load_processor
 
     if (megatron_dir is None) == (hf_dir is None):
         raise UserError(f"give exactly one of {MEGATRON_FLAG} and {HF_FLAG}")
@@ -144,13 +145,38 @@ def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template:
         processor_dir = snapshot.tokenizer_dir
     else:
         hf_config, processor_dir = _open_hf(path), path
-    arch = read_llava(hf_config)
-    processor = load_processor(processor_dir, flag, llava_kind(hf_config))
+    arch = families.read_model(hf_config)
     trained = _trained_options(snapshot)
-    name, template = resolve_chat_template(chat_template or trained.get("chat_template"), trained.get("lang", "en"),
-                                           processor.tokenizer, family_default=families.of(arch).text.chat_template)
     image_aspect = image_aspect or trained.get("image_aspect", "crop")
-    return ModelSource(kind=kind, path=snapshot.root if snapshot else path, processor=processor, template_name=name,
-                       encoder=PromptEncoder(processor, template, image_aspect),
+    prompts = (_llava_prompts if isinstance(arch, LlavaArch) else _native_resolution_prompts)(
+        processor_dir, flag, hf_config, arch, chat_template or trained.get("chat_template"), trained.get("lang", "en"),
+        image_aspect)
+    return ModelSource(kind=kind, path=snapshot.root if snapshot else path, **prompts,
                        context_length=arch.text.max_position_embeddings,
                        dtype=compute_dtype(dtype, torch.cuda.is_available()), image_aspect=image_aspect, snapshot=snapshot)
+
+
+def _llava_prompts(processor_dir: Path, flag: str, hf_config: dict, arch, chat_template: str | None, lang: str,
+                   image_aspect: str) -> dict:
+    """A LLaVA's processor, chat template and prompt encoder (the processor expands its images)."""
+    from megatron_ext import families
+    from megatron_ext.data.chat_template import resolve_chat_template
+    from megatron_ext.hf.processors import load_processor
+
+    processor = load_processor(processor_dir, flag, families.llava_kind(hf_config))
+    name, template = resolve_chat_template(chat_template, lang, processor.tokenizer,
+                                           family_default=families.of(arch).text.chat_template)
+    return {"processor": processor, "template_name": name, "encoder": PromptEncoder(processor, template, image_aspect)}
+
+
+def _native_resolution_prompts(processor_dir: Path, flag: str, hf_config: dict, arch, chat_template: str | None,
+                               lang: str, image_aspect: str) -> dict:
+    """A native-resolution model's prompt encoder: the trainer's task encoder for it; it holds the
+    tokenizer, all that the generators ask of a processor."""
+    from megatron_ext.data.native_resolution_encoder import NativeResolutionTaskEncoder
+
+    task_encoder = NativeResolutionTaskEncoder.for_model(
+        str(processor_dir), arch, seq_length=arch.text.max_position_embeddings, pad_token_id=arch.pad_token_id,
+        chat_template=chat_template, lang=lang)
+    encoder = NativeResolutionPromptEncoder(task_encoder)
+    return {"processor": encoder, "template_name": task_encoder.template_name, "encoder": encoder}

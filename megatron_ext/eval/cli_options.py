@@ -13,7 +13,7 @@ from megatron_ext.model.backends import COMPUTE_DTYPES
 def checkpoint_options(func):
     for decorator in reversed([
         click.option("--megatron-dir", type=click.Path(), help="Megatron checkpoint: ROOT (its latest snapshot) or ROOT/iter_N / ROOT/release."),
-        click.option("--hf-dir", type=click.Path(), help="Hugging Face LLaVA checkpoint directory."),
+        click.option("--hf-dir", type=click.Path(), help="Hugging Face checkpoint directory (a LLaVA, Qwen2.5-VL or Qwen3-VL)."),
         click.option("--tp", type=int, help="Tensor-parallel size to run at (Megatron; default: as saved if the process count fits, else 1)."),
         click.option("--pp", type=int, help="Pipeline-parallel size to run at (Megatron; default: as saved if the process count fits, else 1)."),
         click.option("--chat-template", help="'tokenizer', a name from megatron_ext/data/chat_templates or a .jinja file (default: as trained, else the tokenizer's)."),
@@ -28,7 +28,7 @@ def checkpoint_options(func):
 
 video_frames_option = click.option(
     "--video-frames", type=click.IntRange(min=1), default=DEFAULT_VIDEO_FRAMES, show_default=True,
-    help="Frames sampled uniformly from each video (LLaVA-OneVision; in benchmark.py, on the Megatron path).")
+    help="Frames sampled uniformly from each video (LLaVA-OneVision, Qwen2.5-VL; in benchmark.py, on the Megatron path).")
 
 
 def sampling_options(default_max_new_tokens: int):

@@ -110,18 +110,15 @@ def megatron_loss(model, source: ModelSource, data_path: str, split: str, limit:
     from megatron.energon import get_loader, get_val_dataset
 
     from megatron_ext.data.loader import worker_config
-    from megatron_ext.data.task_encoder import LlavaTaskEncoder
     from megatron_ext.distributed import device
     from megatron_ext.model.forward_step import eval_loss, make_forward_step
-    from megatron_ext.model.inputs import ModelInputs
+    from megatron_ext.model.mrope_inputs import inputs_for
 
     arch = source.snapshot.arch
-    encoder = LlavaTaskEncoder.for_model(str(source.snapshot.tokenizer_dir), arch, seq_length=seq_length,
-                                         chat_template=source.template_name, image_aspect=source.image_aspect)
     dataset = get_val_dataset(data_path, split_part=split, worker_config=worker_config(0), batch_size=1, limit=limit,
-                              task_encoder=encoder)
+                              task_encoder=_loss_encoder(source, seq_length))
     model_length = model.language_model.max_sequence_length
-    forward_step = make_forward_step(ModelInputs.for_model(arch, model, device()))
+    forward_step = make_forward_step(inputs_for(arch, model, device()))
     total, tokens = 0.0, 0
     model.eval()
     for batch in get_loader(dataset):
@@ -129,6 +126,20 @@ def megatron_loss(model, source: ModelSource, data_path: str, split: str, limit:
         if n:
             total, tokens = total + loss * n, tokens + n
     return (total / tokens if tokens else float("nan")), tokens
+
+
+def _loss_encoder(source: ModelSource, seq_length: int):
+    """The task encoder the trainer trains a model of the snapshot's arch with (SFT's)."""
+    from megatron_ext.data.native_resolution_encoder import NativeResolutionTaskEncoder
+    from megatron_ext.data.task_encoder import LlavaTaskEncoder
+    from megatron_ext.model.arch import LlavaArch
+
+    arch, tokenizer_dir = source.snapshot.arch, str(source.snapshot.tokenizer_dir)
+    if isinstance(arch, LlavaArch):
+        return LlavaTaskEncoder.for_model(tokenizer_dir, arch, seq_length=seq_length, chat_template=source.template_name,
+                                          image_aspect=source.image_aspect)
+    return NativeResolutionTaskEncoder.for_model(tokenizer_dir, arch, seq_length=seq_length, pad_token_id=arch.pad_token_id,
+                                                 chat_template=source.template_name)
 
 
 def _table(result: dict) -> str:

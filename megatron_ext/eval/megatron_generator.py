@@ -17,6 +17,8 @@ sampler, so they agree without communicating.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from megatron_ext.convert.compare import megatron_media, model_input_ids
@@ -45,14 +47,6 @@ class MegatronGenerator(Generator):
         self.is_output_rank = not dist.is_initialized() or dist.get_rank() == 0
 
     def _new_tokens(self, prompt: EncodedPrompt, options: SamplingOptions, budget: int, streamer) -> list[int]:
-        from megatron.core.inference.contexts import StaticInferenceContext
-
-        ids = model_input_ids(prompt.input_ids, self.arch.image_token_index, self.arch.img_seq_len).to(self.device)
-        images, layout = megatron_media(self.arch, {"input_ids": prompt.input_ids, **prompt.media})
-        images = images.to(self.device, self.model.config.params_dtype)
-        # The layout is read on the host (tiling.Media rows): it stays there.
-        media = {} if layout is None else {"media_layout": layout}
-        context = StaticInferenceContext(max_batch_size=1, max_sequence_length=prompt.length + budget)
         chooser = TokenChooser(options)
         seen = prompt.input_ids
         if streamer is not None and self.is_output_rank:
@@ -62,10 +56,7 @@ class MegatronGenerator(Generator):
         self.model.eval()
         try:
             with torch.no_grad():
-                logits = self._forward(images, ids, context, prompt.length, media)
-                if images.shape[0]:
-                    context.key_value_memory_dict[_IMAGE_TOKENS_KEY] = self._embedding_positions(prompt)
-                context.sequence_len_offset += prompt.length
+                logits, after = self._start(prompt, budget)
                 while True:
                     token = self._choose(chooser, seen, logits)
                     new.append(token)
@@ -74,13 +65,35 @@ class MegatronGenerator(Generator):
                         streamer.put(torch.tensor([token]))
                     if token in self.stop_ids or len(new) == budget:
                         break
-                    logits = self._forward(images[:0], torch.tensor([[token]], device=self.device), context, 1, {})
-                    context.sequence_len_offset += 1
+                    logits = after(token)
         finally:
             self.model.train(was_training)
             if streamer is not None and self.is_output_rank:
                 streamer.end()
         return new
+
+    def _start(self, prompt: EncodedPrompt, budget: int) -> tuple[torch.Tensor | None, Callable]:
+        """The prompt's next-token logits (`_forward`'s) and a function of each chosen token giving the
+        logits after it: one prefill into the KV cache, then one pass per token."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        ids = model_input_ids(prompt.input_ids, self.arch.image_token_index, self.arch.img_seq_len).to(self.device)
+        images, layout = megatron_media(self.arch, {"input_ids": prompt.input_ids, **prompt.media})
+        images = images.to(self.device, self.model.config.params_dtype)
+        # The layout is read on the host (tiling.Media rows): it stays there.
+        media = {} if layout is None else {"media_layout": layout}
+        context = StaticInferenceContext(max_batch_size=1, max_sequence_length=prompt.length + budget)
+        logits = self._forward(images, ids, context, prompt.length, media)
+        if images.shape[0]:
+            context.key_value_memory_dict[_IMAGE_TOKENS_KEY] = self._embedding_positions(prompt)
+        context.sequence_len_offset += prompt.length
+
+        def after(token: int) -> torch.Tensor | None:
+            next_logits = self._forward(images[:0], torch.tensor([[token]], device=self.device), context, 1, {})
+            context.sequence_len_offset += 1
+            return next_logits
+
+        return logits, after
 
     def _embedding_positions(self, prompt: EncodedPrompt) -> int:
         """Positions of the prompt that image and video embeddings take (one per token, HF layout)."""

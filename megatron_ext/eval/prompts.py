@@ -20,6 +20,7 @@ from megatron_ext.data.chat_template import needs_special_tokens
 from megatron_ext.data.conversation import IMAGE_MARKER, BadConversation, place_images
 from megatron_ext.data.images import fit_aspect
 from megatron_ext.errors import UserError
+from megatron_ext.eval.videos import load_video
 from megatron_ext.families.llava import VIDEO_TOKEN as VIDEO_MARKER
 
 
@@ -70,6 +71,8 @@ class EncodedPrompt:
     # The processor's other model inputs (pixel_values, image_sizes, batch_num_images,
     # pixel_values_videos), as the HF model takes them; empty without images and videos.
     media: dict[str, torch.Tensor]
+    # A native-resolution model's mRoPE positions [3, 1, S] (T, H, W), as training computes them; None for LLaVAs.
+    position_ids: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -96,6 +99,10 @@ class PromptEncoder:
         if getattr(self.processor, "video_token", None) is None:
             raise UserError("this model takes no videos (LLaVA-OneVision does)")
 
+    def load_video(self, path: str | Path, frames: int, flag: str = "--video"):
+        """What `encode` takes of a video file: `frames` uint8 frames sampled uniformly."""
+        return load_video(path, frames, flag)
+
     def encode(self, messages: list[dict], images: list, videos: list = ()) -> EncodedPrompt:
         """`videos`: uint8 frames [n, H, W, 3] each (`videos.load_video`)."""
         for marker, media in ((IMAGE_MARKER, images), (VIDEO_MARKER, videos)):
@@ -114,3 +121,30 @@ class PromptEncoder:
         batch = self.processor(text=text, return_tensors="pt", add_special_tokens=needs_special_tokens(self.tokenizer, text),
                                **media)
         return EncodedPrompt(batch["input_ids"], {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")})
+
+
+class NativeResolutionPromptEncoder:
+    """Prompts for a native-resolution model (Qwen2.5-VL, Qwen3-VL), encoded by the trainer's task
+    encoder (`data/native_resolution_encoder.py`): each `<image>` / `<video>` its vision run, the chat
+    template's rendering with the prompt for the assistant's turn, every pad expanded to its merged
+    patch count, the media's pixel rows and grids, and the mRoPE positions, as training computes them.
+    `media` holds what transformers' `generate` takes besides the ids (the token types included)."""
+
+    def __init__(self, task_encoder):
+        self.task_encoder = task_encoder
+        self.tokenizer = task_encoder.chat.tokenizer
+
+    def check_takes_videos(self) -> None:
+        """Every native-resolution model takes videos."""
+
+    def load_video(self, path: str | Path, frames: int, flag: str = "--video"):
+        """`frames` frames sampled uniformly, with the times the positions are computed from."""
+        from megatron_ext.data.native_resolution import read_clip
+
+        return read_clip(Path(path).expanduser(), frames, name=f"{flag} {path}")
+
+    def encode(self, messages: list[dict], images: list, videos: list = ()) -> EncodedPrompt:
+        """`videos`: `load_video`'s clips."""
+        inputs = self.task_encoder.encode_prompt(messages, images, list(videos))
+        ids, positions = inputs.pop("input_ids"), inputs.pop("position_ids")
+        return EncodedPrompt(ids, inputs, position_ids=positions)

@@ -20,7 +20,6 @@ from megatron_ext.eval.checkpoints import ModelSource
 from megatron_ext.eval.generation import Generation, Generator
 from megatron_ext.eval.prompts import EncodedPrompt, load_image, user_turn
 from megatron_ext.eval.sampling import SamplingOptions
-from megatron_ext.eval.videos import load_video
 from megatron_ext.families.llava import DEFAULT_VIDEO_FRAMES
 from megatron_ext.fsutil import write_jsonl
 from megatron_ext.progress import progress
@@ -61,7 +60,7 @@ def read_requests(path: str | Path, source: ModelSource, options: SamplingOption
         except BadConversation as exc:
             raise UserError(f"{where}: {exc.detail}") from None
         images = [load_image(path.parent / f, f"{where}: image") for f in files]
-        videos = [load_video(path.parent / f, video_frames, f"{where}: video") for f in videos]
+        videos = [source.encoder.load_video(path.parent / f, video_frames, f"{where}: video") for f in videos]
         try:
             encoded = encode_request(source, record["prompt"], images, options, videos)
         except UserError as exc:
@@ -102,7 +101,7 @@ def generate_answers(source: ModelSource, options: SamplingOptions, *, tp: int |
         if videos:
             record["video"] = videos[0] if len(videos) == 1 else list(videos)
         encoded = encode_request(source, prompt, [load_image(i) for i in images], options,
-                                 [load_video(v, video_frames) for v in videos])
+                                 [source.encoder.load_video(v, video_frames) for v in videos])
         requests = [Request(record, encoded)]
     generator = source.generator(tp, pp)
     if prompt is not None:

@@ -104,13 +104,16 @@ class MRopeVisionLanguageModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                 pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, labels=None,
-                loss_mask=None, packed_seq_params=None, image_uses=None, video_uses=None):
+                loss_mask=None, packed_seq_params=None, image_uses=None, video_uses=None,
+                runtime_gather_output: bool | None = None):
         """Logits [B, S, V]; with `labels` and `loss_mask`, (loss [B, S], loss_mask) as megatron-core's
         LLaVAModel returns them. `input_ids` [B, S] with every image and video expanded to one token
         per merged patch, `position_ids` [3, B, S]; `packed_seq_params`: a one-row batch of packed
         samples (THD), its positions restarting at each sample. `image_uses` / `video_uses`: long
         [uses], the image (video) each run of media tokens shows, in reading order, where one serves
-        several sequences (a preference pair's); None: each is shown once, in order."""
+        several sequences (a preference pair's); None: each is shown once, in order.
+        `runtime_gather_output`: GPTModel's (this call's logits gathered over TP, the model built with
+        parallel output)."""
         embeddings = None
         self._deepstack = []
         if self.language_model.pre_process:
@@ -127,7 +130,8 @@ class MRopeVisionLanguageModel(torch.nn.Module):
                     self._keep_deepstack(where, deepstack)
         try:
             output = self.language_model(input_ids, position_ids, attention_mask, decoder_input=embeddings,
-                                         labels=labels, packed_seq_params=packed_seq_params)
+                                         labels=labels, packed_seq_params=packed_seq_params,
+                                         runtime_gather_output=runtime_gather_output)
         finally:
             self._deepstack = []  # the features are this forward's only
         return output if loss_mask is None else (output, loss_mask)

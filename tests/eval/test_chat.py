@@ -4,47 +4,19 @@ same conversation; /image, /video, /reset and /exit; one-line refusals that leav
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pexpect
 import pytest
 
 from megatron_ext.data.conversation import IMAGE_MARKER
-from megatron_ext.eval.chat import ASSISTANT_PREFIX, USER_PROMPT
 from megatron_ext.families.llava import VIDEO_TOKEN
-from tests.support.helpers import REPO_ROOT, child_env, run_script
+from tests.support.chat_terminal import Terminal, same_text
+from tests.support.helpers import run_script
 
 MAX_NEW_TOKENS = 8
 FRAMES = 4
 NO_VIDEOS = "error: this model takes no videos (LLaVA-OneVision does)"
-
-
-class Terminal:
-    """A chat session in a pty; `ask` sends one line and returns what was printed before the next prompt."""
-
-    def __init__(self, *args):
-        self.child = pexpect.spawn(sys.executable, [str(REPO_ROOT / "scripts/eval/chat.py"), *map(str, args)],
-                                   cwd=str(REPO_ROOT), env=child_env(), encoding="utf-8", timeout=120)
-        self.banner = self._until_prompt()
-
-    def _until_prompt(self) -> str:
-        self.child.expect_exact(USER_PROMPT)
-        return self.child.before.replace("\r\n", "\n")
-
-    def ask(self, line: str) -> str:
-        self.child.sendline(line)
-        self.child.expect_exact(line)  # the terminal's echo of what was typed
-        return self._until_prompt().strip()
-
-    def answer(self, line: str) -> str:
-        printed = self.ask(line)
-        assert printed.startswith(ASSISTANT_PREFIX), printed
-        return printed[len(ASSISTANT_PREFIX):].strip()
-
-
-def _same_text(a: str, b: str) -> bool:
-    return " ".join(a.split()) == " ".join(b.split())
 
 
 @pytest.mark.multiprocess
@@ -68,24 +40,24 @@ def _converse(term, images, video_file, hf_reference):
     conversation = [{"role": "user", "content": f"{IMAGE_MARKER}\n{first_q}"}]
     first = term.answer(first_q)
     expected_first = hf_reference.text(hf_reference.greedy(conversation, image0, MAX_NEW_TOKENS))
-    assert expected_first and _same_text(first, expected_first), (first, expected_first)
+    assert expected_first and same_text(first, expected_first), (first, expected_first)
 
     # The second turn sees the first question and answer (the image only in the first user turn).
     conversation += [{"role": "assistant", "content": expected_first}, {"role": "user", "content": second_q}]
     second = term.answer(second_q)
     expected_second = hf_reference.text(hf_reference.greedy(conversation, image0, MAX_NEW_TOKENS))
-    assert expected_second and _same_text(second, expected_second), (second, expected_second)
+    assert expected_second and same_text(second, expected_second), (second, expected_second)
 
     # /reset forgets the conversation: the same first question gets the first answer again.
     assert term.ask("/reset") == "(conversation reset)"
-    assert _same_text(term.answer(first_q), expected_first)
+    assert same_text(term.answer(first_q), expected_first)
 
     assert term.ask(f"/image {images[1]}") == f"(new conversation about {images[1]})"
     # LLaVA-1.5 refuses a video in one line and the conversation goes on: the next answer is about images[1].
     assert term.ask(f"/video {video_file}") == NO_VIDEOS
     expected_other = hf_reference.text(hf_reference.greedy(
         [{"role": "user", "content": f"{IMAGE_MARKER}\n{first_q}"}], [load_image(images[1])], MAX_NEW_TOKENS))
-    assert _same_text(term.answer(first_q), expected_other)
+    assert same_text(term.answer(first_q), expected_other)
 
     assert term.ask("/image /no/such.png").startswith("error: /image /no/such.png does not exist")
     assert term.ask("/help").startswith("unknown command /help")
@@ -128,12 +100,12 @@ def test_conversations_about_a_video_and_an_image(megatron_onevision_small, onev
                     "--max-new-tokens", MAX_NEW_TOKENS)
     try:
         assert f"about {video_file}" in term.banner and "/video PATH" in term.banner
-        assert _same_text(term.answer(question), expected_first)
-        assert _same_text(term.answer(follow_up), expected_second)
+        assert same_text(term.answer(question), expected_first)
+        assert same_text(term.answer(follow_up), expected_second)
 
         # /image drops the video: the conversation is about the image alone.
         assert term.ask(f"/image {images[1]}") == f"(new conversation about {images[1]})"
-        assert _same_text(term.answer(question), expected_image)
+        assert same_text(term.answer(question), expected_image)
 
         # A bad path or an undecodable file is one line, and the image conversation stays.
         missing = term.ask("/video /no/such.mkv")
@@ -144,7 +116,7 @@ def test_conversations_about_a_video_and_an_image(megatron_onevision_small, onev
 
         # /video starts a new conversation about the video alone: the first answer again.
         assert term.ask(f"/video {video_file}") == f"(new conversation about {video_file})"
-        assert _same_text(term.answer(question), expected_first)
+        assert same_text(term.answer(question), expected_first)
 
         term.child.sendline("/exit")
         term.child.expect_exact(pexpect.EOF)
