@@ -42,7 +42,7 @@ def _expected_answer(reference, image, question: str) -> str:
     """transformers' greedy answer to the prompt lmms-eval builds (image, then the text), decoded as
     lmms-eval's llava_hf decodes it and cut at the task's stop string."""
     tokens = reference.greedy([{"role": "user", "content": f"<image>\n{question}"}], [image], MAX_NEW_TOKENS)
-    return reference.processor.tokenizer.decode(tokens, skip_special_tokens=True).split("ASSISTANT:")[0]
+    return reference.tokenizer.decode(tokens, skip_special_tokens=True).split("ASSISTANT:")[0]
 
 
 def _answers(out: Path) -> dict[str, dict[int, str]]:

@@ -1,7 +1,7 @@
 """The eval commands on Qwen2.5-VL and Qwen3-VL. scripts/eval/generate.py: the greedy tokens of a
 converted Megatron checkpoint at TP1 and TP2, and of the HF checkpoint, equal transformers' `generate`
 on the HF checkpoint, for prompts about images of odd sizes (37x91, 1000x17), two images, no image and
-(Qwen2.5-VL) a video. The prompts are encoded once, by the trainer's task encoder; transformers computes
+a video. The prompts are encoded once, by the trainer's task encoder; transformers computes
 its own mRoPE positions from them, prompt and generated tokens alike. compare_hf_megatron.py: the
 two checkpoints' logits on such a prompt."""
 
@@ -19,8 +19,7 @@ from tests.support.helpers import run_ranks, run_script
 FAMILIES = {"qwen2_5_vl": "tests.support.qwen2_5_vl", "qwen3_vl": "tests.support.qwen3_vl"}
 MAX_NEW_TOKENS = 8
 VIDEO_FRAMES = 4
-# Relative to the JSONL file's folder. Qwen3-VL's prompts take no video yet: the task encoder expands a
-# video as one run, where Qwen3-VL writes each frame pair's time before its own run.
+# Relative to the JSONL file's folder. A Qwen3-VL video is written as its timed frame pairs, each a run of its own.
 REQUESTS = [{"image": "wide.png", "prompt": "Describe this image."},
             {"id": "two", "image": ["tall.png", "wide.png"], "prompt": "Is <image> taller than <image>?"},
             {"prompt": "Hello, who are you?"},
@@ -71,11 +70,10 @@ def tiny(request, tmp_path_factory, video_file) -> Tiny:
     hf_dir = importlib.import_module(FAMILIES[request.param]).write_tiny_model(out / "hf")
     megatron_dir = convert(hf_dir, out / "megatron", tp=2, pp=1)
     _media(out, video_file)
-    requests = REQUESTS if request.param == "qwen2_5_vl" else REQUESTS[:-1]
     path = out / "requests.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    path.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
     reference = HFReference(hf_dir)
-    expected = _expected(reference, out, requests)
+    expected = _expected(reference, out, REQUESTS)
     return Tiny(hf_dir, megatron_dir, path, expected, [reference.text(ids) for ids in expected])
 
 

@@ -123,7 +123,7 @@ def _lmms_answers(out: Path, task: str) -> dict[int, str]:
 
 def _decoded(reference, tokens: list[int]) -> str:
     """Decoded as lmms-eval's llava_hf decodes, cut at the task's stop string."""
-    return reference.processor.tokenizer.decode(tokens, skip_special_tokens=True).split(STOP)[0]
+    return reference.tokenizer.decode(tokens, skip_special_tokens=True).split(STOP)[0]
 
 
 @pytest.mark.multiprocess
@@ -168,7 +168,7 @@ def test_lmms_eval_answers_the_same_through_hf_and_megatron(hf_dirs, converted, 
 @pytest.mark.timeout(300)
 def test_chat_about_an_anyres_image(converted, references, media):
     """Two turns about an image cut into tiles, from the TP2 checkpoint run in one process."""
-    from tests.eval.test_chat import Terminal, _same_text
+    from tests.support.chat_terminal import Terminal, same_text
 
     reference = references["next"]
     term = Terminal("--megatron-dir", converted["next"], "--image", media["wide"], "--max-new-tokens", MAX_NEW_TOKENS)
@@ -176,11 +176,11 @@ def test_chat_about_an_anyres_image(converted, references, media):
         image = [load_image(media["wide"])]
         first = [{"role": "user", "content": f"<image>\n{PROMPT}"}]
         expected_first = reference.text(reference.greedy(first, image, MAX_NEW_TOKENS))
-        assert expected_first and _same_text(term.answer(PROMPT), expected_first)
+        assert expected_first and same_text(term.answer(PROMPT), expected_first)
         # The second turn sees the first question and answer (the image only in the first turn).
         second = first + [{"role": "assistant", "content": expected_first}, {"role": "user", "content": "And then?"}]
         expected_second = reference.text(reference.greedy(second, image, MAX_NEW_TOKENS))
-        assert expected_second and _same_text(term.answer("And then?"), expected_second)
+        assert expected_second and same_text(term.answer("And then?"), expected_second)
         term.child.sendline("/exit")
     finally:
         term.child.close(force=True)
