@@ -1,19 +1,19 @@
-"""Worker for test_qwen2_5_vl_training (one rank): a trained snapshot's logits on the tiny model's samples.
+"""Worker for test_qwen_vl_training (one rank): a trained snapshot's logits on the tiny model's samples.
 
-Usage: qwen_snapshot_logits.py SAVE_DIR OUT_DIR
+Usage: qwen_snapshot_logits.py SAVE_DIR OUT_DIR SUPPORT
 
 The snapshot is loaded as generation loads it (`lora.checkpoint.load_for_inference`: an adapter
 snapshot on its base, adapters unmerged), and OUT_DIR/SAMPLE.pt holds its full-vocabulary logits on
-each of `tests.support.qwen2_5_vl.samples()`.
+each of the SUPPORT module's `samples()` (tests.support.qwen2_5_vl or qwen3_vl).
 """
 
+import importlib
 import sys
 from pathlib import Path
 
 import torch
 
 from tests.families.qwen_vl_worker import logits
-from tests.support.qwen2_5_vl import samples
 
 
 def main():
@@ -29,7 +29,7 @@ def main():
     model = families.build_model(snapshot.arch, ModelOptions(seq_length=512, init_weights=False, parallel_output=False))
     load_for_inference(model, snapshot)
     model.eval()
-    for name, sample in samples().items():
+    for name, sample in importlib.import_module(sys.argv[3]).samples().items():
         torch.save(logits(model, sample, snapshot.arch.text.vocab_size), out / f"{name}.pt")
     shutdown()
 

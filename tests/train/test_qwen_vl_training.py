@@ -16,12 +16,9 @@ from tests.support.helpers import hf_tensors
 from tests.support.training import assert_held_state_is_planned, metrics, train, trainer_args
 
 ITERS = 4
-# Qwen2.5-VL's patch merger: the projection inside transformers' tower, trained as LLaVA's projector is.
-MERGER = {f"visual.merger.{name}" for name in ("ln_q.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")}
 # The decoder's linear layers LoRA adapts (--lora-targets qkv,proj,fc1,fc2): weights, not q/k/v's biases.
-ADAPTED = {f"model.layers.{i}.{linear}.weight" for i in range(4) for linear in (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-    "mlp.down_proj")}
+ADAPTED_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                   "mlp.up_proj", "mlp.down_proj")
 
 
 @dataclass(frozen=True)
@@ -31,12 +28,18 @@ class Tiny:
     projections: tuple[str, ...]  # ... and the projector's, inside the tower
     merger_tensors: int
     trained: int  # tensors stage 2 trains: the decoder's and the projector's
+    decoder_layers: str  # the prefix of its decoder layers' tensors
+
+    def adapted(self) -> set[str]:
+        """The tiny decoder's (4 layers) weights LoRA adapts."""
+        return {f"{self.decoder_layers}{i}.{linear}.weight" for i in range(4) for linear in ADAPTED_LINEARS}
 
 
 FAMILIES = {
-    "qwen2_5_vl": Tiny("tests.support.qwen2_5_vl", "visual.", ("visual.merger.",), 5, 56),
+    "qwen2_5_vl": Tiny("tests.support.qwen2_5_vl", "visual.", ("visual.merger.",), 5, 56, "model.layers."),
     "qwen3_vl": Tiny("tests.support.qwen3_vl", "model.visual.",
-                     ("model.visual.merger.", "model.visual.deepstack_merger_list."), 18, 65),
+                     ("model.visual.merger.", "model.visual.deepstack_merger_list."), 18, 65,
+                     "model.language_model.layers."),
 }
 
 
@@ -134,38 +137,37 @@ def test_stage_1_trains_the_mergers_and_nothing_else(tmp_path, qwen_hf, qwen_meg
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-def test_lora_at_tp2_trains_the_decoders_linears_and_the_merger_and_exports_them_merged(tmp_path, qwen_hf, qwen_megatron,
+def test_lora_at_tp2_trains_the_decoders_linears_and_the_mergers_and_exports_them_merged(tmp_path, qwen_hf, qwen_megatron,
                                                                                        one_batch, record_property):
     """A LoRA run at TP2 (adapters split over the ranks), exported with its adapters merged: exactly the
-    adapted weights and the merger change, and transformers' logits of the export equal the trained
+    adapted weights and the mergers change, and transformers' logits of the export equal the trained
     Megatron model's (its base with the adapters unmerged, loaded as generation loads it), as do
     those of the PEFT adapter export on the original model."""
     from peft import PeftModel
-    from transformers import Qwen2_5_VLForConditionalGeneration
 
+    from megatron_ext import families
     from megatron_ext.convert.lora_export import write_peft_adapter
     from megatron_ext.convert.to_hf import convert
     from tests.support.helpers import run_ranks
-    from tests.support.qwen2_5_vl import hf_logits, samples
 
-    tiny, qwen_hf = qwen_hf
-    if tiny.support != "tests.support.qwen2_5_vl":
-        pytest.skip("LoRA is tested on Qwen2.5-VL only so far")
+    tiny, hf_dir = qwen_hf
+    support = importlib.import_module(tiny.support)
+    mergers = {name for name in hf_tensors(hf_dir) if name.startswith(tiny.projections)}
     save = tmp_path / "run"
     steps = _train(save, qwen_megatron, one_batch, 2, train_iters=2, lora_rank=4, lora_alpha=8.0,
                    lora_train_projector=True, lr=5e-3)
     assert steps[2]["loss"] < steps[1]["loss"]
     merged = convert(save, tmp_path / "hf", lora_merge=True)
-    assert _hf_changed(qwen_hf, merged) == ADAPTED | MERGER
-    run_ranks(1, "tests/train/qwen_snapshot_logits.py", save, tmp_path, timeout=200)
-    # The merger travels whole as a module to save.
-    peft = PeftModel.from_pretrained(Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_hf, dtype=torch.float32),
+    assert _hf_changed(hf_dir, merged) == tiny.adapted() | mergers
+    run_ranks(1, "tests/train/qwen_snapshot_logits.py", save, tmp_path, tiny.support, timeout=200)
+    # The mergers travel whole as modules to save.
+    peft = PeftModel.from_pretrained(families.load_model(hf_dir, "--hf-dir", dtype=torch.float32),
                                      write_peft_adapter(save, tmp_path / "adapter")).eval()
-    for name, sample in samples().items():
-        ours, base = torch.load(tmp_path / f"{name}.pt"), hf_logits(qwen_hf, sample)
+    for name, sample in support.samples().items():
+        ours, base = torch.load(tmp_path / f"{name}.pt"), support.hf_logits(hf_dir, sample)
         with torch.no_grad():
             adapted = peft(**{k: v for k, v in sample.items() if k != "position_ids"}).logits
-        apart, moved = (ours - hf_logits(merged, sample)).abs().max(), (ours - base).abs().max()
+        apart, moved = (ours - support.hf_logits(merged, sample)).abs().max(), (ours - base).abs().max()
         record_property(name, f"max |dlogit| vs the merged export {apart:.2g}, vs PEFT {(ours - adapted).abs().max():.2g}, "
                               f"vs the base {moved:.2g}; losses {steps[1]['loss']:.6g} -> {steps[2]['loss']:.6g}")
         # The export rounds each merged weight W + scaling * B @ A to float32 once: float noise through
