@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -168,7 +167,7 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
         length; `completion`: only the last message's completion trains (DPO's answer, `ChatTokenizer.encode`);
         `media`: the images' and videos' `_media`, where already computed."""
         media, video_pads = media or self._media(images, self.read_clips(videos, sample.__key__))
-        ids, assistant = self.chat.encode(_with_runs_in(messages, video_pads), completion)
+        ids, assistant = self.chat.encode(with_vision_runs(messages, video_pads), completion)
         counts = self._run_lengths(ids, media)
         ids, assistant = np.repeat(ids, counts), np.repeat(assistant, counts)
         labels = np.append(ids[1:], self.pad_token_id)
@@ -194,7 +193,7 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
         pixel rows and grids where the prompt holds it, Qwen2.5-VL's second_per_grid_ts with videos)
         and position_ids [3, 1, S], the mRoPE positions training computes."""
         media, video_pads = self._media(images, clips)
-        ids = self.chat.encode_prompt(_with_runs_in(messages, video_pads))
+        ids = self.chat.encode_prompt(with_vision_runs(messages, video_pads))
         ids = np.repeat(ids, self._run_lengths(ids, media))
         types = token_types(ids, self.image_token_id, self.video_token_id)
         inputs = {"input_ids": torch.from_numpy(ids)[None], "mm_token_type_ids": torch.from_numpy(types)[None],
@@ -279,17 +278,14 @@ _TOKEN_FIELDS = ("input_ids", "labels", "loss_mask")
 _MEDIA_FIELDS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
-def _with_runs_in(messages: list[dict], video_pads: list[str]) -> list[dict]:
-    """`messages` with each `<image>` / `<video>` marker replaced by the model's vision run, the
-    videos' pads as `_media` gives them."""
+def with_vision_runs(messages: list[dict], video_pads: list[str] = ()) -> list[dict]:
+    """`messages` with each `<image>` / `<video>` marker replaced by the vision run the template renders
+    (as Qwen's own template renders an image or video part), the videos' pads as `_media` gives them
+    in turn (a Qwen3-VL video's timed frame pairs), else one `<|video_pad|>` each."""
     pads = iter(video_pads)
-    return [{**m, "content": with_vision_runs(m["content"], pads)} for m in messages]
 
+    def runs(content: str) -> str:
+        content = content.replace(IMAGE_MARKER, VISION_START + IMAGE_TOKEN + VISION_END)
+        return re.sub(re.escape(VIDEO_MARKER), lambda _: VISION_START + next(pads, VIDEO_TOKEN) + VISION_END, content)
 
-def with_vision_runs(content: str, video_pads: Iterator[str] | None = None) -> str:
-    """A message's text with each `<image>` / `<video>` marker as the vision run the template renders
-    (as Qwen's own template renders an image or video part), a video's pad as `video_pads` gives it in
-    turn (a Qwen3-VL video's timed frame pairs), else one `<|video_pad|>`."""
-    content = content.replace(IMAGE_MARKER, VISION_START + IMAGE_TOKEN + VISION_END)
-    pads = video_pads or iter(())
-    return re.sub(re.escape(VIDEO_MARKER), lambda _: VISION_START + next(pads, VIDEO_TOKEN) + VISION_END, content)
+    return [{**m, "content": runs(m["content"])} for m in messages]

@@ -54,7 +54,7 @@ class NativeSampleReader(SampleReader):
 
     def _fill(self, found: Inspected, sample, encoded) -> None:
         images, messages = conversation_of(sample)
-        messages = [{**m, "content": with_vision_runs(m["content"])} for m in messages]
+        messages = with_vision_runs(messages)
         grids = self._grids(encoded)
         positions = [grid.tokens for _, grid in grids]
         ids = encoded.input_ids.numpy()
