@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -50,10 +51,29 @@ def port_free(port: int) -> bool:
     return True
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands to outgoing connections (Linux's default when unreadable)."""
+    try:
+        low, high = map(int, EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+    """A port free here, outside the kernel's ephemeral range: a port from inside it (what binding port
+    0 gives) can be taken by any process's outgoing connection, gloo's among them, before torchrun
+    listens on it (seen: EADDRINUSE on a busy machine)."""
+    ephemeral = _ephemeral_ports()
+    outside = max(range(max(1024, ephemeral.start - 16384), ephemeral.start), range(ephemeral.stop, 65536), key=len)
+    candidates = outside or range(1024, 65536)
+    for _ in range(1000):
+        if port_free(port := random.choice(candidates)):
+            return port
+    raise UserError(f"no free TCP port between {candidates.start} and {candidates.stop - 1} on this machine")
 
 
 def take_port(port: int) -> bool:

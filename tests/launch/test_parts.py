@@ -123,3 +123,17 @@ def test_the_launchers_help_names_its_plan_and_report_commands():
 
     shown = launch.get_help(click.Context(launch, info_name="megatron-ext-train"))
     assert "plan [--layouts 4x2,8x1] FLAGS..." in shown and "report SAVE_DIR [--png]" in shown
+
+
+@pytest.mark.parametrize("kernel_range", ["32768\t60999", "1024 60999", "1024 65535"])
+def test_free_ports_lie_outside_the_range_the_kernel_gives_outgoing_connections(tmp_path, monkeypatch, kernel_range):
+    from megatron_ext.launch import network
+
+    (tmp_path / "range").write_text(kernel_range + "\n")
+    monkeypatch.setattr(network, "EPHEMERAL_RANGE", tmp_path / "range")
+    low, high = map(int, kernel_range.split())
+    ports = {network.free_port() for _ in range(30)}
+    outside = not (low == 1024 and high == 65535)
+    assert all(1024 <= port < 65536 and network.port_free(port) for port in ports)
+    assert not outside or not any(low <= port <= high for port in ports)
+    assert len(ports) > 10  # drawn at random: two jobs starting together rarely try the same one
