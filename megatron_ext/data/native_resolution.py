@@ -209,8 +209,13 @@ def expand_placeholders(text: str, vision: QwenVision, image_grid_thw=(), video_
 
 def frame_pair_runs(seconds: list[float], pads: str) -> str:
     """What Qwen3-VL's processor writes for one video's `<|video_pad|>`: each frame pair's time
-    (`seconds`, `VideoClip.frame_pair_seconds`) as `<s.s seconds>`, then `pads` between vision start and end."""
-    return "".join(f"<{s:.1f} seconds>{VISION_START}{pads}{VISION_END}" for s in seconds)
+    (`seconds`, `VideoClip.frame_pair_seconds`) as `frame_pair_stamp`, then `pads` between vision start and end."""
+    return "".join(f"{frame_pair_stamp(s)}{VISION_START}{pads}{VISION_END}" for s in seconds)
+
+
+def frame_pair_stamp(seconds: float) -> str:
+    """A Qwen3-VL frame pair's time as its processor writes it before the pair: `<s.s seconds>`."""
+    return f"<{seconds:.1f} seconds>"
 
 
 def token_types(input_ids, image_token_id: int, video_token_id: int) -> np.ndarray:

@@ -224,8 +224,7 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
 
     def _media(self, images: list, clips: list[VideoClip]) -> tuple[dict, list[str]]:
         """Pixel rows and grids of a sample's images and videos (empty ones where it has none), and
-        what each video's `<|video_pad|>` becomes in the text before the pads are repeated: itself,
-        or Qwen3-VL's frame pairs, each with its time (`native_resolution.frame_pair_runs`)."""
+        their `video_pads`."""
         media = {"pixel_values": torch.zeros(0, self.row_width), "image_grid_thw": torch.zeros(0, 3, dtype=torch.long),
                  "pixel_values_videos": torch.zeros(0, self.row_width), "video_grid_thw": torch.zeros(0, 3, dtype=torch.long),
                  "second_per_grid_ts": torch.zeros(0)}
@@ -234,9 +233,14 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
         inputs = [video_inputs(clip, self.vision) for clip in clips]
         if inputs:
             media.update({name: torch.cat([clip[name] for clip in inputs]) for name in inputs[0]})
+        return media, self.video_pads(clips)
+
+    def video_pads(self, clips: list[VideoClip]) -> list[str]:
+        """What each video's `<|video_pad|>` becomes in the text before the pads are repeated: itself,
+        or Qwen3-VL's frame pairs, each with its time (`native_resolution.frame_pair_runs`)."""
         if self.vision.tokens_per_second is not None:
-            return media, [VIDEO_TOKEN] * len(clips)
-        return media, [frame_pair_runs(c.frame_pair_seconds(self.vision.temporal_patch_size), VIDEO_TOKEN) for c in clips]
+            return [VIDEO_TOKEN] * len(clips)
+        return [frame_pair_runs(c.frame_pair_seconds(self.vision.temporal_patch_size), VIDEO_TOKEN) for c in clips]
 
     def select_samples_to_pack(self, samples: list[NativeResolutionSample]) -> list[list[NativeResolutionSample]]:
         bins = knapsack_bins([len(s.input_ids) for s in samples], self.max_length)

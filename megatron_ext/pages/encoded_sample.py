@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -45,6 +46,17 @@ class Piece:
     media: int | None = None  # index into `Inspected.media` for a block
     positions: int = 1
     tokens: int = 1  # text tokens it shows: several where byte-level BPE splits a character over them
+    pair: int | None = None  # a block of one frame pair of a video whose pairs are runs of their own (1-based)
+
+
+class Run(NamedTuple):
+    """One run of media positions in the text: which of the sample's media (index into
+    `Inspected.media`), how many positions, and which frame pair (1-based) where each of a video's
+    pairs is a run of its own (Qwen3-VL's)."""
+
+    media: int
+    positions: int
+    pair: int | None = None
 
 
 @dataclass
@@ -59,6 +71,9 @@ class ShownMedia:
     row: tiling.Media | None = None  # its media-layout row (tiled models)
     times: list[float] | None = None  # a video's sampled frames (a native-resolution one's frame pairs), seconds
     grid: NativeGrid | None = None  # a native-resolution model's patch grid
+    # A video whose frame pairs the text times and separates (Qwen3-VL): each pair's time as the text
+    # writes it and its positions (the pads of its run).
+    timed_pairs: list[tuple[str, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -199,7 +214,7 @@ class SampleReader:
             sequence = Sequence(name, int(kept - np.isin(ids, list(self.media_tokens)).sum()), int(loss_mask.sum()),
                                 sum(positions))
             if shown:
-                sequence.pieces = self._pieces(messages, kept, loss_mask, positions)
+                sequence.pieces = self._pieces(messages, kept, loss_mask, [Run(i, n) for i, n in enumerate(positions)])
             found.sequences.append(sequence)
         found.images = len(sources) if self.encoder.media is None else sum(r.kind == tiling.IMAGE for r in rows)
         found.truncated = bool(encoded.num_truncated)
@@ -225,21 +240,21 @@ class SampleReader:
         layout = self.encoder.media.layout
         return [tiling.feature_count(row, layout.tiling, layout.tile, layout.side) for row in rows]
 
-    def _pieces(self, messages: list[dict], kept: int, loss_mask: np.ndarray, positions: list[int]) -> list[Piece]:
-        """The whole rendered chat as pieces, each image or video one block; the encoder's ids are
-        these tokens with the media expanded, of which it kept the first `kept` (truncation)."""
+    def _pieces(self, messages: list[dict], kept: int, loss_mask: np.ndarray, runs: list[Run]) -> list[Piece]:
+        """The whole rendered chat as pieces, each run of media tokens (`runs`, in text order) one
+        block; the encoder's ids are these tokens with the media expanded, of which it kept the
+        first `kept` (truncation)."""
         roles = [ADDED if r is None else messages[r]["role"] for r in self.encoder.chat.token_roles(messages)]
         chat_ids, _ = self.encoder.chat.encode(messages)
-        pieces, at, media, text = [], 0, iter(enumerate(positions)), []
+        pieces, at, blocks, text = [], 0, iter(runs), []
         for token, role in zip(chat_ids, roles):
             if token in self.media_tokens:
                 pieces += self._text_pieces(text)
                 text = []
-                number, count = next(media)
-                width = count if self.expanded else 1
+                run = next(blocks)
                 kind = VIDEO if token != self.arch.image_token_index else IMAGE
-                pieces.append(Piece(kind, kind, cut=at >= kept, media=number, positions=count))
-                at += width
+                pieces.append(Piece(kind, kind, cut=at >= kept, media=run.media, positions=run.positions, pair=run.pair))
+                at += run.positions if self.expanded else 1
                 continue
             trained = 0 < at < kept and bool(loss_mask[at - 1])
             text.append((int(token), role, trained, at >= kept))

@@ -115,7 +115,8 @@ def _piece(piece: Piece, sample: Inspected) -> str:
     if piece.media is not None:
         css = "block cut" if piece.cut else "block"
         number = sample.media[piece.media].number if sample.media else piece.media + 1
-        return (f'<span class="{css}" data-positions="{piece.positions}">{piece.role} {number}: '
+        pair = f" pair {piece.pair}" if piece.pair else ""
+        return (f'<span class="{css}" data-positions="{piece.positions}">{piece.role} {number}{pair}: '
                 f'{piece.positions:,} positions</span>')
     css = f"tok role-{piece.role}" + (" trained" if piece.trained else "") + (" cut" if piece.cut else "")
     if piece.tokens > 1:  # a character split over tokens: one box, the count on hover

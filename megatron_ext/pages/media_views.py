@@ -84,8 +84,8 @@ def data_uri(picture, max_side: int | None = None) -> str:
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
-def _figure(body: str, caption: str, css: str = "") -> str:
-    return f'<figure class="{css}">{body}<figcaption>{html.escape(caption)}</figcaption></figure>'
+def _figure(body: str, caption: str, css: str = "", attributes: str = "") -> str:
+    return f'<figure class="{css}"{attributes}>{body}<figcaption>{html.escape(caption)}</figcaption></figure>'
 
 
 def _img(uri: str, alt: str, css: str = "") -> str:
@@ -197,15 +197,25 @@ def _native_image(media: ShownMedia) -> str:
 
 
 def _native_pairs(media: ShownMedia) -> str:
-    """A native-resolution video: its frame pairs (one temporal patch each), each with its time."""
+    """A native-resolution video: its frame pairs (one temporal patch each), each with its time; where
+    the text times each pair before a run of its own (Qwen3-VL), that text, the pair's grid and its pads."""
     grid, frames = media.grid, media.tiles
     height, width = frames.shape[1:3]
     scale = min(4.0, NATIVE_FRAME_SIDE / max(height, width))
     per_pair = len(frames) // grid.t
-    pairs = [_figure("".join(_patch_grid(frame, grid, scale) for frame in frames[k * per_pair:(k + 1) * per_pair]),
-                     f"pair {k + 1}: {media.times[k]:.2f} s", "pair") for k in range(grid.t)]
+    pairs = []
+    for k in range(grid.t):
+        drawn = "".join(_patch_grid(frame, grid, scale) for frame in frames[k * per_pair:(k + 1) * per_pair])
+        caption, attributes = f"pair {k + 1}: {media.times[k]:.2f} s", ""
+        if media.timed_pairs:
+            stamp, tokens = media.timed_pairs[k]
+            caption += f"; {stamp} in the text, grid_thw [1, {grid.h}, {grid.w}]: {tokens} {VIDEO_TOKEN}"
+            attributes = f' data-grid-thw="1,{grid.h},{grid.w}" data-tokens="{tokens}" data-stamp="{html.escape(stamp)}"'
+        pairs.append(_figure(drawn, caption, "pair", attributes))
+    runs = (f", each pair a grid [1, {grid.h}, {grid.w}] of its own after its time in the text"
+            if media.timed_pairs else "")
     caption = (f"video {media.number}: {len(frames)} frames resized to {width}x{height}, {grid.t} frame pairs "
-               f"(grid_thw [{grid.t}, {grid.h}, {grid.w}]) of {_grid_words(grid)} each: {media.positions:,} positions, "
-               f"its {media.positions:,} {VIDEO_TOKEN} in the text")
+               f"(grid_thw [{grid.t}, {grid.h}, {grid.w}]{runs}) of {_grid_words(grid)} each: {media.positions:,} "
+               f"positions, its {media.positions:,} {VIDEO_TOKEN} in the text")
     return (f'<div class="strip native" data-grid-thw="{grid.t},{grid.h},{grid.w}" data-tokens="{media.positions}">'
             f'{"".join(pairs)}</div><p class="caption">{html.escape(caption)}</p>')
