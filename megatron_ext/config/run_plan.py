@@ -376,7 +376,8 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
 
 def _check_pixel_bounds(config: TrainConfig, arch) -> None:
     """--min-pixels / --max-pixels: a native-resolution model's image bounds, refused for a LLaVA."""
-    given = [flag for flag, value in (("--min-pixels", config.min_pixels), ("--max-pixels", config.max_pixels)) if value]
+    given = [flag for flag, value in (("--min-pixels", config.min_pixels), ("--max-pixels", config.max_pixels))
+             if value is not None]
     if not given:
         return
     if isinstance(arch, LlavaArch):

@@ -71,7 +71,8 @@ def with_pixel_bounds(vision: QwenVision, min_pixels: int | None, max_pixels: in
         if value is not None and value < area:
             raise UserError(f"{flag} {value} is below {vision.name}'s patch x merge area {area} ({vision.factor} x "
                             f"{vision.factor} pixels, one merged token); give at least {area}")
-    low, high = min_pixels or vision.min_pixels, max_pixels or vision.max_pixels
+    low = vision.min_pixels if min_pixels is None else min_pixels
+    high = vision.max_pixels if max_pixels is None else max_pixels
     if low > high:
         raise UserError(f"--min-pixels {low} is above --max-pixels {high} (where one is not given: {vision.name}'s "
                         "default); give a --min-pixels at most the --max-pixels")

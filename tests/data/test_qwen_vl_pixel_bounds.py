@@ -61,6 +61,7 @@ def test_max_and_min_pixels_resize_training_images_as_transformers_processor_giv
     ({"max_pixels": 500}, "--max-pixels 500 is below {name}'s patch x merge area {area} ({side} x {side} pixels, "
                           "one merged token); give at least {area}"),
     ({"min_pixels": 20}, "--min-pixels 20 is below {name}'s patch x merge area {area}"),
+    ({"max_pixels": 0}, "--max-pixels 0 is below {name}'s patch x merge area {area}"),
     ({"min_pixels": 90_000, "max_pixels": 40_000}, "--min-pixels 90000 is above --max-pixels 40000"),
     ({"min_pixels": 2_000_000}, "--min-pixels 2000000 is above --max-pixels 1003520 (where one is not given: {name}'s "
                                 "default)"),
