@@ -89,26 +89,24 @@ def test_the_largest_image_planned_is_the_largest_the_task_encoders_processor_gi
     assert largest.count == count
 
 
-def test_max_pixels_sets_the_largest_image_the_memory_plan_counts():
+def test_max_pixels_sets_the_largest_image_the_memory_plan_counts(planned_and_saved):
     """Qwen3-VL's tower at a sequence of 256 positions: the family's bound lets one image fill it
-    (256 merged tokens, 1,024 patches); --max-pixels of 100 merged tokens (100 x 32 x 32) makes the
-    largest image 100 tokens and the plan counts ceil(256 / 100) = 3 of them, 300 tokens, so the
-    tower's bytes grow by 300 / 256: under flash attention they are linear in the tokens (measured:
-    1.171875, exactly)."""
+    (256 merged tokens, 1,024 patches: the plan above); --max-pixels of 100 merged tokens
+    (100 x 32 x 32) makes the largest image 100 tokens and the plan counts ceil(256 / 100) = 3 of
+    them, 300 tokens, so the tower's bytes grow by 300 / 256: under flash attention they are linear
+    in the tokens (measured: 1.171875, exactly)."""
     from megatron_ext.config.run_plan import native_vision
     from megatron_ext.memory.native_vision_bytes import LargestImages, largest_images
     from megatron_ext.memory.plan import memory_plan, published_shape_plan, vision_inputs_per_sequence
 
-    config = small_vocabulary(narrowed_qwen_vl(qwen_vl_shapes()["Qwen--Qwen3-VL-2B-Instruct"]))
-    planned = {}
-    for max_pixels in (None, 100 * 32 * 32):
-        options = TrainConfig(train_iters=1, global_batch_size=1, seq_length=256, stage=2, unfreeze_vit=True,
-                              attention_backend="sdpa", recompute_granularity="none", max_pixels=max_pixels)
-        plan = published_shape_plan(config, options, world_size=1, te=False, on_gpu=False)
-        (rank,) = memory_plan(plan, 80 * GIB).ranks
-        planned[max_pixels] = (largest_images(native_vision(plan.arch, options), 256), vision_inputs_per_sequence(plan),
-                               rank.vision_activations)
-    (family, family_images, family_bytes), (bounded, images, tower_bytes) = planned.values()
-    assert (family, family_images) == (LargestImages((1, 2, 512), 1), 1)
-    assert (bounded, images) == (LargestImages((1, 2, 200), 3), 3)
-    assert tower_bytes / family_bytes == pytest.approx(300 / 256, rel=1e-3)
+    shape, seq, _ = CASES["Qwen3-VL"]
+    family_rank, family_images, *_ = planned_and_saved["Qwen3-VL"]
+    options = TrainConfig(train_iters=1, global_batch_size=1, seq_length=seq, stage=2, unfreeze_vit=True,
+                          attention_backend="sdpa", recompute_granularity="none", max_pixels=100 * 32 * 32)
+    plan = published_shape_plan(small_vocabulary(narrowed_qwen_vl(qwen_vl_shapes()[shape])), options, world_size=1,
+                                te=False, on_gpu=False)
+    (rank,) = memory_plan(plan, 80 * GIB).ranks
+    assert family_images == 1
+    assert largest_images(native_vision(plan.arch, options), seq) == LargestImages((1, 2, 200), 3)
+    assert vision_inputs_per_sequence(plan) == 3
+    assert rank.vision_activations / family_rank.vision_activations == pytest.approx(300 / 256, rel=1e-3)
