@@ -1,9 +1,9 @@
 """DPO on a Qwen2-shaped LLaVA with a tokenizer as Qwen2's (byte-level BPE, ChatML), and on the tiny
-Qwen2.5-VL with the same kind of tokenizer, equals TRL's DPOTrainer tokenizing and collating the
-same conversational vision pairs itself (its processor, its chat template, its collator): our pair
-batches are the batch TRL builds (ids, attention and completion masks, pixels; Qwen2.5-VL's grids),
-and our trainer's loss, rewards and log-probs equal TRL's on its own batch at each of three Adam
-steps and after the last."""
+Qwen2.5-VL and Qwen3-VL with the same kind of tokenizer, equals TRL's DPOTrainer tokenizing and
+collating the same conversational vision pairs itself (its processor, its chat template, its
+collator): our pair batches are the batch TRL builds (ids, attention and completion masks, pixels;
+the Qwen-VLs' grids), and our trainer's loss, rewards and log-probs equal TRL's on its own batch at
+each of three Adam steps and after the last."""
 
 from __future__ import annotations
 
