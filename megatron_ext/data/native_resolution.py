@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -60,6 +60,25 @@ QWEN2_5_VL = QwenVision("Qwen2.5-VL", 14, CLIP_MEAN, CLIP_STD, 56 * 56, 28 * 28 
                         128 * 28 * 28, 28 * 28 * 768, tokens_per_second=4)
 QWEN3_VL = QwenVision("Qwen3-VL", 16, (0.5,) * 3, (0.5,) * 3, 56 * 56, 28 * 28 * 1280,
                       128 * 32 * 32, 32 * 32 * 768, tokens_per_second=None)
+
+
+def with_pixel_bounds(vision: QwenVision, min_pixels: int | None, max_pixels: int | None) -> QwenVision:
+    """`vision` with a run's --min-pixels / --max-pixels (None: its own) as its images' bounds. Its
+    videos' bounds are capped at max_pixels, so that the largest image bounds every tower input
+    (the memory plan counts it)."""
+    area = vision.factor**2
+    for flag, value in (("--min-pixels", min_pixels), ("--max-pixels", max_pixels)):
+        if value is not None and value < area:
+            raise UserError(f"{flag} {value} is below {vision.name}'s patch x merge area {area} ({vision.factor} x "
+                            f"{vision.factor} pixels, one merged token); give at least {area}")
+    low = vision.min_pixels if min_pixels is None else min_pixels
+    high = vision.max_pixels if max_pixels is None else max_pixels
+    if low > high:
+        raise UserError(f"--min-pixels {low} is above --max-pixels {high} (where one is not given: {vision.name}'s "
+                        "default); give a --min-pixels at most the --max-pixels")
+    video_high = min(vision.video_max_pixels, high)
+    return replace(vision, min_pixels=low, max_pixels=high, video_max_pixels=video_high,
+                   video_min_pixels=min(vision.video_min_pixels, video_high))
 
 
 # ---------------------------------------------------------------- images

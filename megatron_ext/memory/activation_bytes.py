@@ -141,20 +141,19 @@ def _core_attention_checkpointed(layers):
             a.checkpoint_core_attention = was
 
 
-def _vision(model, arch, seq_length: int, flash: bool, tower_trained: bool) -> int:
+def _vision(model, arch, seq_length: int, flash: bool, tower_trained: bool, native=None) -> int:
     """The tower and the projector for one tile, as megatron-core's LLaVAModel.forward runs them; pixels
     need no grad, so a frozen tower keeps nothing. `flash`: the tower's attention is a flash kernel.
-    A native-resolution tower: for one of the largest images a sequence holds (`native_vision_bytes`)."""
+    A native-resolution tower (`native`: the run's input settings): for one of the largest images a
+    sequence holds (`native_vision_bytes`)."""
     import torch
-
-    from megatron_ext.model.arch import LlavaArch
 
     if model.vision_model is None:
         return 0
-    if not isinstance(arch, LlavaArch):
+    if native is not None:
         from megatron_ext.memory.native_vision_bytes import image_bytes, largest_images
 
-        return image_bytes(model.vision_model, largest_images(arch, seq_length).grid, tower_trained)
+        return image_bytes(model.vision_model, largest_images(native, seq_length).grid, tower_trained)
     v = arch.vision
     tower = model.vision_model
     images = torch.empty((1, 3, v.image_size, v.image_size), dtype=tower.config.params_dtype, device="meta")
@@ -174,11 +173,12 @@ def _vision(model, arch, seq_length: int, flash: bool, tower_trained: bool) -> i
 
 
 def measure(model, arch, seq_length: int, flash_lse: bool, vision_flash: bool, input_grad: bool,
-            tower_trained: bool) -> ActivationPieces:
+            tower_trained: bool, native=None) -> ActivationPieces:
     """The pieces of this rank's model (meta, frozen as in the run, under its parallel state).
     `flash_lse`: the run's attention is a flash kernel that keeps its log-sum-exp (sdpa or te without
     selective recomputation; `model` is then built with it, see above); `vision_flash`: the tower's
-    attention is (sdpa or te); `input_grad`: a gradient flows into the LM layers' input."""
+    attention is (sdpa or te); `input_grad`: a gradient flows into the LM layers' input; `native`: a
+    native-resolution model's input settings in the run (`run_plan.native_vision`)."""
     from megatron.core import tensor_parallel
 
     # megatron's local attention forks the model-parallel RNG stream (for dropout) even on meta,
@@ -195,7 +195,7 @@ def measure(model, arch, seq_length: int, flash_lse: bool, vision_flash: bool, i
     layer_input = saved_bytes(_layer_forward(model, s1, input_grad, checkpointed=True), params) / s1
     return ActivationPieces(layer_linear=linear, layer_quadratic=quadratic, layer_input=math.ceil(layer_input),
                     lm_other=_lm_other(model, seq_length),
-                            vision_tile=_vision(model, arch, seq_length, vision_flash, tower_trained))
+                            vision_tile=_vision(model, arch, seq_length, vision_flash, tower_trained, native))
 
 
 def with_sequence_parallel(at_tp: ActivationPieces, at_one: ActivationPieces, tp: int) -> ActivationPieces:

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron_ext.config.objective_specs import objective_of
-from megatron_ext.config.run_plan import RunPlan
+from megatron_ext.config.run_plan import RunPlan, native_vision
 from megatron_ext.errors import UserError
 from megatron_ext.memory.activation_bytes import (
     ActivationPieces,
@@ -20,6 +20,7 @@ from megatron_ext.memory.activation_bytes import (
     with_sequence_parallel,
 )
 from megatron_ext.memory.state_bytes import StateBytes, ddp_bucket_size, moments, state_bytes
+from megatron_ext.model.arch import LlavaArch
 
 GIB = 2**30
 # Not counted above and not the run's to use: the CUDA context, NCCL's buffers, the allocator's
@@ -103,13 +104,11 @@ def vision_inputs_per_sequence(plan: RunPlan) -> int:
     """Tower inputs one sequence may hold: --max-tiles-per-sequence, else one image (LLaVA-1.5
     unpacked), else as many as the sequence has room for (each takes at least its features' positions);
     a native-resolution model's: as many of its largest images as fill the sequence (`native_vision_bytes`)."""
-    from megatron_ext.model.arch import LlavaArch
-
     cfg = plan.config
     if not isinstance(plan.arch, LlavaArch):
         from megatron_ext.memory.native_vision_bytes import largest_images
 
-        return largest_images(plan.arch, plan.seq_length).count
+        return largest_images(native_vision(plan.arch, cfg), plan.seq_length).count
     if cfg.max_tiles_per_sequence:
         return cfg.max_tiles_per_sequence
     if plan.arch.tiling is None and not cfg.packing_seq_length:
@@ -140,8 +139,9 @@ def _measure(plan: RunPlan, choices: FitChoices, model) -> ActivationPieces:
     cfg = plan.config
     local = plan.execution.model.attention_backend == "local"
     lora_only = cfg.lora_rank > 0 and not cfg.lora_train_projector
+    native = None if isinstance(plan.arch, LlavaArch) else native_vision(plan.arch, cfg)
     return measure(model, plan.arch, plan.seq_length, flash_lse=not local and choices.recompute.granularity != "selective",
-                   vision_flash=not local, input_grad=not lora_only, tower_trained=cfg.unfreeze_vit)
+                   vision_flash=not local, input_grad=not lora_only, tower_trained=cfg.unfreeze_vit, native=native)
 
 
 def _last_stage_at_tp_one(plan: RunPlan, choices: FitChoices) -> ActivationPieces:

@@ -42,7 +42,8 @@ def task_encoder(tokenizer_dir: str | Path, arch: LlavaArch, cfg: TrainConfig, s
     pairs = objective_of(cfg).pairs
     if not isinstance(arch, LlavaArch):  # a native-resolution model's images keep their sizes
         native_class = NativeResolutionPairTaskEncoder if pairs else NativeResolutionTaskEncoder
-        return native_class.for_model(str(tokenizer_dir), arch, **common)
+        return native_class.for_model(str(tokenizer_dir), arch, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
+                                      **common)
     encoder_class = PairTaskEncoder if pairs else LlavaTaskEncoder
     return encoder_class.for_model(str(tokenizer_dir), arch, image_aspect=cfg.image_aspect,
                                    max_tiles=cfg.max_tiles_per_sequence, **common)

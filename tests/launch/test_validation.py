@@ -83,6 +83,9 @@ CASES = {
                                    "--seq-length 200 leaves no room for text after 256 image embeddings"),
     "vision lr of a frozen tower": (["--", "--vision-lr", "2e-6"], 0, "--vision-lr needs --unfreeze-vit"),
     "no video frames": (["--", "--video-frames", "0"], 0, "--video-frames must be >= 1, got 0"),
+    "pixel bounds of a LLaVA": (["--", "--max-pixels", "200704"], 0, "--max-pixels: only native-resolution models "
+                                "(Qwen2.5-VL, Qwen3-VL) resize images within pixel bounds; a LLaVA's images take its "
+                                "vision tower's fixed size, drop the flag"),
     "no tiles": (["--", "--max-tiles-per-sequence", "0"], 0, "--max-tiles-per-sequence must be >= 1, got 0"),
     "answers without evaluations": (["--", "--eval-generate-samples", "4"], 0,
                                     "--eval-generate-samples needs --eval-interval"),

@@ -34,7 +34,7 @@ PAD = 0
 
 @dataclass(frozen=True)
 class NativeSpace:
-    """A native-resolution model's media (Qwen2.5-VL): besides its image token, its video token and
+    """A native-resolution model's media (Qwen2.5-VL, Qwen3-VL): besides its image token, its video token and
     the merge size that makes each image's grid its token count."""
     video_token_id: int
     merge_size: int

@@ -72,37 +72,10 @@ def hf_logits(hf_dir: Path, inputs: dict) -> torch.Tensor:
     return qwen_vl.hf_logits(Qwen2_5_VLForConditionalGeneration, hf_dir, inputs)
 
 
-# ChatML as Qwen2.5-VL's processor renders a message of parts: an image part is its vision run, right
-# before the text that follows; what TRL's collator renders a conversational vision pair with.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}{%- else -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
-
-
 def tiny_processor(hf_dir: Path):
-    """transformers' Qwen2.5-VL processor for the tiny model, images only: its video processor needs
-    torchvision, which does not import beside this CPU torch. Images go through transformers' PIL
-    image processor with its default pixel bounds, as our task encoder's."""
-    from transformers import ProcessorMixin, Qwen2_5_VLProcessor
+    """transformers' Qwen2.5-VL processor for the tiny model, images only, its image processor at its
+    class defaults (`qwen_vl.images_only_processor`)."""
+    from transformers import Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    class ImagesOnly(Qwen2_5_VLProcessor):
-        @classmethod
-        def get_attributes(cls):
-            return [name for name in super().get_attributes() if name != "video_processor"]
-
-        def __init__(self, image_processor, tokenizer, chat_template):
-            # Qwen2_5_VLProcessor's token fields, without its video processor.
-            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
-            self.image_token_id, self.video_token_id = IMAGE_TOKEN, VIDEO_TOKEN
-            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
-
-    from transformers import AutoTokenizer
-
-    return ImagesOnly(Qwen2VLImageProcessorPil(), AutoTokenizer.from_pretrained(hf_dir), CHAT_TEMPLATE)
-
+    return qwen_vl.images_only_processor(Qwen2_5_VLProcessor, Qwen2VLImageProcessorPil(), hf_dir)

@@ -34,14 +34,14 @@ def tiny_config(**text_changes):
                          vision_end_token_id=VISION_END, tie_word_embeddings=False)
 
 
-def write_tiny_model(out: Path, seed: int = 0) -> Path:
+def write_tiny_model(out: Path, seed: int = 0, bos: bool = True) -> Path:
     """The tiny model's config, random float32 weights (saved as transformers saves them) and a
-    tiny tokenizer (the converters copy it)."""
+    tiny tokenizer (the converters copy it; `bos`: as `tiny_tokenizer`'s)."""
     from transformers import Qwen3VLForConditionalGeneration
 
     torch.manual_seed(seed)
     Qwen3VLForConditionalGeneration(tiny_config()).save_pretrained(out)
-    qwen_vl.tiny_tokenizer().save_pretrained(out)
+    qwen_vl.tiny_tokenizer(bos).save_pretrained(out)
     return out
 
 
@@ -77,3 +77,14 @@ def hf_logits(hf_dir: Path, inputs: dict) -> torch.Tensor:
     from transformers import Qwen3VLForConditionalGeneration
 
     return qwen_vl.hf_logits(Qwen3VLForConditionalGeneration, hf_dir, inputs)
+
+
+def tiny_processor(hf_dir: Path):
+    """transformers' Qwen3-VL processor for the tiny model, images only (`qwen_vl.images_only_processor`),
+    its image processor as Qwen3-VL's published preprocessor config sets it (patches of 16, mean and
+    std 0.5), its pixel bounds the class defaults, as `QWEN3_VL`'s."""
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    image_processor = Qwen2VLImageProcessorPil(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    return qwen_vl.images_only_processor(Qwen3VLProcessor, image_processor, hf_dir)

@@ -63,3 +63,37 @@ def hf_logits(model_class, hf_dir: Path, inputs: dict) -> torch.Tensor:
     with torch.no_grad():
         return model(**{k: v for k, v in inputs.items() if k != "position_ids"}).logits.float()
 
+
+
+# ChatML as the Qwen-VL processors render a message of parts: an image part is its vision run, right
+# before the text that follows; what TRL's collator renders a conversational vision pair with.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+def images_only_processor(processor_class, image_processor, hf_dir: Path):
+    """transformers' `processor_class` (Qwen2.5-VL's or Qwen3-VL's) for the tiny model at `hf_dir`,
+    images only: their video processors need torchvision, which does not import beside this CPU
+    torch. Images go through `image_processor` (transformers' PIL one)."""
+    from transformers import AutoTokenizer, ProcessorMixin
+
+    class ImagesOnly(processor_class):
+        @classmethod
+        def get_attributes(cls):
+            return [name for name in super().get_attributes() if name != "video_processor"]
+
+        def __init__(self, image_processor, tokenizer, chat_template):
+            # The token fields both processors set, without their video processor.
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id, self.video_token_id = IMAGE_TOKEN, VIDEO_TOKEN
+            self.vision_start_token, self.vision_end_token = "<|vision_start|>", "<|vision_end|>"
+            self.vision_start_token_id, self.vision_end_token_id = VISION_START, VISION_END
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return ImagesOnly(image_processor, AutoTokenizer.from_pretrained(hf_dir), CHAT_TEMPLATE)

@@ -76,14 +76,37 @@ def test_the_largest_image_planned_is_the_largest_the_task_encoders_processor_gi
 
     from PIL import Image
 
-    from megatron_ext.data.native_resolution import QWEN2_5_VL, QWEN3_VL, image_inputs
+    from megatron_ext.data.native_resolution import image_inputs
+    from megatron_ext.data.native_resolution_encoder import vision_of
     from megatron_ext.families import complete_config, read_model
     from megatron_ext.memory.native_vision_bytes import largest_images
 
-    arch = read_model(complete_config(qwen_vl_shapes()[shape]))
-    vision = {v.name: v for v in (QWEN2_5_VL, QWEN3_VL)}[arch.name]
-    largest = largest_images(arch, 4096)
+    vision = vision_of(read_model(complete_config(qwen_vl_shapes()[shape])))
+    largest = largest_images(vision, 4096)
     patches = [math.prod(image_inputs([Image.new("RGB", size)], vision)["image_grid_thw"][0].tolist())
                for size in ((1120, 896), (1024, 1024), (4000, 3000), (3000, 200), (5000, 5000))]
     assert max(patches) == largest.patches == 4 * tokens
     assert largest.count == count
+
+
+def test_max_pixels_sets_the_largest_image_the_memory_plan_counts(planned_and_saved):
+    """Qwen3-VL's tower at a sequence of 256 positions: the family's bound lets one image fill it
+    (256 merged tokens, 1,024 patches: the plan above); --max-pixels of 100 merged tokens
+    (100 x 32 x 32) makes the largest image 100 tokens and the plan counts ceil(256 / 100) = 3 of
+    them, 300 tokens, so the tower's bytes grow by 300 / 256: under flash attention they are linear
+    in the tokens (measured: 1.171875, exactly)."""
+    from megatron_ext.config.run_plan import native_vision
+    from megatron_ext.memory.native_vision_bytes import LargestImages, largest_images
+    from megatron_ext.memory.plan import memory_plan, published_shape_plan, vision_inputs_per_sequence
+
+    shape, seq, _ = CASES["Qwen3-VL"]
+    family_rank, family_images, *_ = planned_and_saved["Qwen3-VL"]
+    options = TrainConfig(train_iters=1, global_batch_size=1, seq_length=seq, stage=2, unfreeze_vit=True,
+                          attention_backend="sdpa", recompute_granularity="none", max_pixels=100 * 32 * 32)
+    plan = published_shape_plan(small_vocabulary(narrowed_qwen_vl(qwen_vl_shapes()[shape])), options, world_size=1,
+                                te=False, on_gpu=False)
+    (rank,) = memory_plan(plan, 80 * GIB).ranks
+    assert family_images == 1
+    assert largest_images(native_vision(plan.arch, options), seq) == LargestImages((1, 2, 200), 3)
+    assert vision_inputs_per_sequence(plan) == 3
+    assert rank.vision_activations / family_rank.vision_activations == pytest.approx(300 / 256, rel=1e-3)

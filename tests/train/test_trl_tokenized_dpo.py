@@ -1,13 +1,14 @@
 """DPO on a Qwen2-shaped LLaVA with a tokenizer as Qwen2's (byte-level BPE, ChatML), and on the tiny
-Qwen2.5-VL with the same kind of tokenizer, equals TRL's DPOTrainer tokenizing and collating the
-same conversational vision pairs itself (its processor, its chat template, its collator): our pair
-batches are the batch TRL builds (ids, attention and completion masks, pixels; Qwen2.5-VL's grids),
-and our trainer's loss, rewards and log-probs equal TRL's on its own batch at each of three Adam
-steps and after the last."""
+Qwen2.5-VL and Qwen3-VL with the same kind of tokenizer, equals TRL's DPOTrainer tokenizing and
+collating the same conversational vision pairs itself (its processor, its chat template, its
+collator): our pair batches are the batch TRL builds (ids, attention and completion masks, pixels;
+the Qwen-VLs' grids), and our trainer's loss, rewards and log-probs equal TRL's on its own batch at
+each of three Adam steps and after the last."""
 
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 from pathlib import Path
 
@@ -112,12 +113,16 @@ def test_three_dpo_steps_equal_trl_tokenizing_the_pairs_itself(tmp_path, megatro
     assert [t["loss"] for t in theirs] == sorted((t["loss"] for t in theirs), reverse=True)
 
 
-@pytest.fixture(scope="module")
-def qwen_hf(tmp_path_factory):
-    from tests.support.qwen2_5_vl import write_tiny_model
+# Each Qwen-VL family's tiny model writer and TRL processor (tests.support).
+QWEN_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
-    """The tiny Qwen2.5-VL with a tokenizer that adds no BOS, as Qwen's (TRL tokenizes without special tokens)."""
-    return write_tiny_model(tmp_path_factory.mktemp("qwen2_5_vl_hf"), bos=False)
+
+@pytest.fixture(scope="module", params=QWEN_FAMILIES)
+def qwen_hf(request, tmp_path_factory):
+    """(the family's tests.support module, its tiny model with a tokenizer that adds no BOS, as Qwen's:
+    TRL tokenizes without special tokens)."""
+    support = importlib.import_module(f"tests.support.{request.param}")
+    return support, support.write_tiny_model(tmp_path_factory.mktemp(f"{request.param}_hf"), bos=False)
 
 
 def _qwen_space(hf_dir: Path) -> dict:
@@ -128,20 +133,20 @@ def _qwen_space(hf_dir: Path) -> dict:
             "native": NativeSpace(config["video_token_id"], config["vision_config"]["spatial_merge_size"])}
 
 
-def _qwen_trl(policy, reference, hf_dir: Path, output_dir: str):
+def _qwen_trl(policy, reference, support, hf_dir: Path, output_dir: str):
     from tests.reference.trl_dpo import dpo_trainer
-    from tests.support.qwen2_5_vl import tiny_processor
 
     return dpo_trainer(policy, reference, output_dir, beta=BETA, loss_type="sigmoid", label_smoothing=0.0,
-                       rpo_alpha=None, processor=tiny_processor(hf_dir))
+                       rpo_alpha=None, processor=support.tiny_processor(hf_dir))
 
 
-def test_our_qwen2_5_vl_pair_batches_are_the_batch_trl_collates_from_the_same_pairs(tmp_path, qwen_hf):
+def test_our_qwen_vl_pair_batches_are_the_batch_trl_collates_from_the_same_pairs(tmp_path, qwen_hf):
     """Each pair's images are held once and shown at both sequences' image runs (`image_uses`)."""
     from megatron_ext import families
     from megatron_ext.data.native_resolution_pairs import NativeResolutionPairTaskEncoder
     from tests.reference.trl_dpo import trl_batch, trl_examples
 
+    support, qwen_hf = qwen_hf
     encoder = NativeResolutionPairTaskEncoder.for_model(
         str(qwen_hf), families.read_model(json.loads((qwen_hf / "config.json").read_text())), seq_length=256)
     encoded = [encoder.preencode_sample(p) for p in native_pairs()]
@@ -152,7 +157,7 @@ def test_our_qwen2_5_vl_pair_batches_are_the_batch_trl_collates_from_the_same_pa
     packed = encoder.batch([encoder.pack_selected_samples(encoded[:3])]).as_dict()
     assert packed["image_uses"].tolist() == [0, 0, 1, 2, 1, 2, 3, 3] and int(packed["segment_ids"].max()) == 6
     ours = trl_batch(micro_batches, **_qwen_space(qwen_hf))
-    theirs = _qwen_trl(_hf(qwen_hf), _hf(qwen_hf), qwen_hf, str(tmp_path)).data_collator(trl_examples(native_pairs()))
+    theirs = _qwen_trl(_hf(qwen_hf), _hf(qwen_hf), support, qwen_hf, str(tmp_path)).data_collator(trl_examples(native_pairs()))
     assert ours["input_ids"].shape[0] == theirs["input_ids"].shape[0] == 2 * len(native_pairs())
     for row in range(ours["input_ids"].shape[0]):
         assert _rows(ours, row) == _rows(theirs, row)
@@ -162,14 +167,14 @@ def test_our_qwen2_5_vl_pair_batches_are_the_batch_trl_collates_from_the_same_pa
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(500)
-def test_three_qwen2_5_vl_dpo_steps_equal_trl_tokenizing_the_pairs_itself(tmp_path, qwen_hf, preference_data,
-                                                                          record_property):
+def test_three_qwen_vl_dpo_steps_equal_trl_tokenizing_the_pairs_itself(tmp_path, qwen_hf, preference_data,
+                                                                       record_property):
     from megatron_ext.convert.to_megatron import convert
     from megatron_ext.verify.hf_loop import frozen
     from tests.reference.trl_dpo import trl_dpo_step, trl_examples
     from tests.support.helpers import run_ranks
-    from tests.support.qwen2_5_vl import tiny_processor
 
+    support, qwen_hf = qwen_hf
     checkpoint = convert(qwen_hf, tmp_path / "megatron", 1, 1)
     run_ranks(1, WORKER, checkpoint, preference_data, tmp_path, json.dumps({"steps": STEPS, "pairs": "native"}),
               timeout=400)
@@ -181,6 +186,6 @@ def test_three_qwen2_5_vl_dpo_steps_equal_trl_tokenizing_the_pairs_itself(tmp_pa
     # TRL's collator makes its batch: the image token is all `trl_dpo_step` asks of the model's space.
     theirs = trl_dpo_step(policy, _hf(qwen_hf), [], image_token_index=_qwen_space(qwen_hf)["image_token_index"],
                           img_seq_len=1, lr=LR, steps=STEPS, optimizer="adamw",
-                          beta=BETA, examples=trl_examples(native_pairs()), processor=tiny_processor(qwen_hf))
+                          beta=BETA, examples=trl_examples(native_pairs()), processor=support.tiny_processor(qwen_hf))
     _assert_steps_equal(ours, theirs, record_property)
     assert theirs[-1]["loss"] < 0.01 * theirs[0]["loss"]  # Adam at 1e-3 overshoots on the way (step 2's loss rises)

@@ -1,0 +1,77 @@
+"""--min-pixels / --max-pixels of a native-resolution run (Qwen2.5-VL, Qwen3-VL): the trainer's task
+encoder resizes images within them exactly as transformers' processor does given the same
+min_pixels / max_pixels, and bounds below one merged token, or crossed, are refused in one line."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from megatron_ext import families
+from megatron_ext.config.options import TrainConfig
+from megatron_ext.errors import UserError
+from tests.support.qwen_vl import noise, tiny_tokenizer
+
+# 1000x17 is raised to --min-pixels, 370x910 lowered to --max-pixels: both sizes differ from the
+# family's default bounds' (which keep 1000x17 near its own area and 370x910 whole).
+MIN_PIXELS, MAX_PIXELS = 40_000, 90_000
+IMAGES = [Image.fromarray(noise(17, 1000, 3)), Image.fromarray(noise(910, 370, 4))]
+
+
+@pytest.fixture(scope="module", params=("qwen2_5_vl", "qwen3_vl"))
+def tiny(request, tmp_path_factory):
+    """(the family's tests.support module, a directory with its tiny config and tokenizer)."""
+    support = importlib.import_module(f"tests.support.{request.param}")
+    out = tmp_path_factory.mktemp(f"{request.param}_tokenizer")
+    support.tiny_config().save_pretrained(out)
+    tiny_tokenizer(bos=False).save_pretrained(out)
+    return support, out
+
+
+def _arch(hf_dir):
+    return families.read_model(json.loads((hf_dir / "config.json").read_text()))
+
+
+def _training_media(hf_dir, config: TrainConfig) -> dict:
+    """The images' pixel rows and grids as the trainer's task encoder makes them under `config`."""
+    from megatron_ext.model.sequence_alignment import SequenceAlignment
+    from megatron_ext.train.batches import task_encoder
+
+    encoder = task_encoder(hf_dir, _arch(hf_dir), config, 2048, SequenceAlignment())
+    return encoder.encode_prompt([{"role": "user", "content": "<image><image>Which is taller?"}], IMAGES, [])
+
+
+def test_max_and_min_pixels_resize_training_images_as_transformers_processor_given_them(tiny):
+    support, hf_dir = tiny
+    ours = _training_media(hf_dir, TrainConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS))
+    theirs = support.tiny_processor(hf_dir).image_processor(images=IMAGES, min_pixels=MIN_PIXELS,
+                                                              max_pixels=MAX_PIXELS, return_tensors="pt")
+    assert torch.equal(ours["image_grid_thw"], theirs["image_grid_thw"])
+    assert torch.equal(ours["pixel_values"], theirs["pixel_values"])
+    # The flags change both images' grids (their defaults' are others).
+    default = _training_media(hf_dir, TrainConfig())["image_grid_thw"]
+    assert (ours["image_grid_thw"] != default).any(dim=1).all(), (ours["image_grid_thw"], default)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_pixels": 500}, "--max-pixels 500 is below {name}'s patch x merge area {area} ({side} x {side} pixels, "
+                          "one merged token); give at least {area}"),
+    ({"min_pixels": 20}, "--min-pixels 20 is below {name}'s patch x merge area {area}"),
+    ({"max_pixels": 0}, "--max-pixels 0 is below {name}'s patch x merge area {area}"),
+    ({"min_pixels": 90_000, "max_pixels": 40_000}, "--min-pixels 90000 is above --max-pixels 40000"),
+    ({"min_pixels": 2_000_000}, "--min-pixels 2000000 is above --max-pixels 1003520 (where one is not given: {name}'s "
+                                "default)"),
+])
+def test_pixel_bounds_below_one_merged_token_or_crossed_are_refused_in_one_line(tiny, options, message):
+    from megatron_ext.config.run_plan import native_vision
+
+    arch = _arch(tiny[1])
+    side = arch.vision_config["patch_size"] * arch.vision_config["spatial_merge_size"]
+    with pytest.raises(UserError) as refused:
+        native_vision(arch, TrainConfig(**options))
+    assert message.format(name=arch.name, area=side**2, side=side) in str(refused.value)
+    assert "\n" not in str(refused.value)
