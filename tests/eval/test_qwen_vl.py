@@ -205,14 +205,17 @@ def _lmms_answers(out: Path) -> dict[int, str]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-def test_lmms_eval_scores_hf_and_megatron_tp2_with_transformers_answers(tiny, tmp_path):
+def test_lmms_eval_scores_hf_megatron_tp2_and_the_trainer_with_transformers_answers(tiny, train_data, tmp_path):
     """benchmark.py on a local VQA task about an image, a second image and a video: the HF checkpoint
     and the Megatron one at TP2 answer each document as transformers' `generate` does on the prompt
-    lmms-eval builds (the visual, then the question), and lmms-eval scores them the same."""
+    lmms-eval builds (the visual, then the question), and lmms-eval scores them the same; so does the
+    trainer's --eval-benchmarks, and its --eval-generate-samples answers are transformers'."""
     from megatron_ext.eval.prompts import load_image
+    from megatron_ext.eval.samples import read_samples
     from tests.support.helpers import child_env
     from tests.support.hf_generate import HFReference
     from tests.support.lmms_tasks import write_tasks
+    from tests.support.training import metrics, train, trainer_args
 
     folder, question = tiny.requests.parent, "What is shown?"
     reference = HFReference(tiny.hf_dir)
@@ -243,3 +246,15 @@ def test_lmms_eval_scores_hf_and_megatron_tp2_with_transformers_answers(tiny, tm
     summary = json.loads((hf_out / "summary.json").read_text())
     assert summary == json.loads((megatron_out / "summary.json").read_text())
     assert summary == [{"task": "tiny_vqa", "metric": "exact_match", "score": pytest.approx(1.6 / 3), "n": 3}]
+
+    # The trainer at DP2, evaluating after an iteration that changed no weight (skipped); its context fits
+    # the video's 32 frames (the trainer's lmms-eval model reads videos at the default frame count).
+    save = tmp_path / "run"
+    train(2, *trainer_args(tiny.megatron_dir, train_data, save, seq_length=1024, train_iters=1, skip_train_iteration_range="1-1",
+                           eval_interval=1, eval_iters=1, eval_benchmarks="tiny_vqa", eval_benchmark_include_path=tasks,
+                           eval_benchmark_limit=3, eval_generate_samples=3, eval_max_new_tokens=MAX_NEW_TOKENS),
+          env=env, timeout=400)
+    assert metrics(save, split="val")[1]["benchmark/tiny_vqa/exact_match"] == summary[0]["score"]
+    predictions = [json.loads(line)["prediction"] for line in (save / "predictions" / "iter_0000001.jsonl").read_text().splitlines()]
+    assert predictions == [reference.text(reference.greedy(s.messages, s.images, MAX_NEW_TOKENS))
+                           for s in read_samples(train_data, "val", limit=3)]
