@@ -125,8 +125,9 @@ def evaluate(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, d
 def benchmark(megatron_dir, hf_dir, tp, pp, chat_template, dtype, image_aspect, tasks, include_path, limit, output_dir,
               force, tensorboard_dir, wandb_project, video_frames):
     """Score a checkpoint on lmms-eval tasks (its prompts and scorers): lmms-eval's result files and
-    per-sample logs plus OUT/summary.json, and a table. HF checkpoints run in lmms-eval's llava_hf model;
-    Megatron ones directly at any TP x PP: --tp/--pp above 1 start their ranks here (or run under torchrun)."""
+    per-sample logs plus OUT/summary.json, and a table. HF LLaVA checkpoints run in lmms-eval's llava_hf model,
+    HF Qwen-VL ones in transformers' generate on the trainer's prompt encoding; Megatron ones directly at any
+    TP x PP: --tp/--pp above 1 start their ranks here (or run under torchrun)."""
     from megatron_ext.distributed import shutdown
     from megatron_ext.eval.benchmark import run_benchmark
     from megatron_ext.eval.checkpoints import open_checkpoint

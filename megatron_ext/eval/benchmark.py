@@ -1,11 +1,13 @@
 """Standard benchmark scores (TextVQA, GQA, MMMU, ScienceQA, ...) through lmms-eval, the evaluator
 LLaVA papers report with: its task definitions, prompts and scorers, none of ours.
 
-- HF checkpoints run in lmms-eval's own LLaVA-HF model (`llava_hf`); the processor our converters
+- HF LLaVA checkpoints run in lmms-eval's own LLaVA-HF model (`llava_hf`); the processor our converters
   write renders lmms-eval's messages as training did (`chat_template.processor_template`).
 - Megatron checkpoints run directly, at any TP x PP under torchrun, in `lmms_model.MegatronLlava`.
   lmms-eval runs as a single process on every rank (it would otherwise split requests over all
   ranks, tensor-parallel peers included); the model splits them over data-parallel replicas.
+- HF Qwen2.5-VL / Qwen3-VL checkpoints run in `MegatronLlava` too, with transformers' `generate`
+  answering the prompts the trainer's task encoder encodes, as their Megatron checkpoints' are.
 
 Output: lmms-eval's own files (`*_results.json`, `*_samples_<task>.jsonl`) and `summary.json`, a
 list of {"task", "metric", "score", "n"}, also printed as a table.
@@ -214,12 +216,7 @@ def run_benchmark(open_source: Callable[[], ModelSource], *, tasks: list[str], i
 
     manager = task_manager(tasks, include_path)
     source = open_source()
-    if not isinstance(source.encoder, PromptEncoder):
-        # lmms-eval's llava_hf and our MegatronLlava render its requests through a LLaVA processor.
-        raise UserError(f"{source.flag} {source.path}: lmms-eval benchmarks take LLaVA checkpoints only so far; score "
-                        "this model on a prepared split with scripts/eval/evaluate.py, or answer requests with "
-                        "scripts/eval/generate.py")
-    if source.kind == "hf":
+    if source.kind == "hf" and isinstance(source.encoder, PromptEncoder):
         import torch
 
         model = model_name = "llava_hf"
@@ -229,6 +226,8 @@ def run_benchmark(open_source: Callable[[], ModelSource], *, tasks: list[str], i
     else:
         from megatron_ext.eval.lmms_model import MODEL_ID, MegatronLlava
 
+        # A native-resolution HF checkpoint too: its prompts encoded as the Megatron checkpoint's are,
+        # answered by transformers' generate (source.generator()).
         model = MegatronLlava(encoder=source.encoder, generator=source.generator(tp, pp), video_frames=video_frames)
         model_args = f"pretrained={source.path}"  # names the run in lmms-eval's results
         output_rank = model.generator.is_output_rank

@@ -53,13 +53,9 @@ class ModelSource:
             if world_size() > 1:
                 raise UserError(f"{HF_FLAG}: HF checkpoints run in one process; start the script without torchrun")
             return HFGenerator.load(self.path, self.processor, self.dtype)
-        from megatron_ext.eval.megatron_generator import MegatronGenerator
-        from megatron_ext.eval.mrope_generator import MRopeGenerator
-
         model = load_megatron_model(self.snapshot, *self.parallel_layout(tp, pp), seq_length=self.context_length,
                                     dtype=self.dtype)
-        generator_class = MegatronGenerator if isinstance(self.snapshot.arch, LlavaArch) else MRopeGenerator
-        return generator_class(model, self.snapshot.arch, self.processor, stop_token_ids(self.processor.tokenizer))
+        return megatron_generator(model, self.snapshot.arch, self.processor)
 
     def parallel_layout(self, tp: int | None, pp: int | None) -> tuple[int, int]:
         """--tp/--pp, defaulting to the saved layout when the process count fits it, else 1 x 1."""
@@ -77,6 +73,15 @@ class ModelSource:
                             f"start it with torchrun --nproc-per-node {tp * pp}")
         self.snapshot.arch.check_parallel(tp, pp)
         return tp, pp
+
+
+def megatron_generator(model, arch, processor) -> Generator:
+    """The generator of `arch`'s Megatron model (this rank's, unwrapped): a LLaVA's, or mRoPE's."""
+    from megatron_ext.eval.megatron_generator import MegatronGenerator
+    from megatron_ext.eval.mrope_generator import MRopeGenerator
+
+    generator_class = MegatronGenerator if isinstance(arch, LlavaArch) else MRopeGenerator
+    return generator_class(model, arch, processor, stop_token_ids(processor.tokenizer))
 
 
 def world_size() -> int:
@@ -148,12 +153,19 @@ def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template:
     arch = families.read_model(hf_config)
     trained = _trained_options(snapshot)
     image_aspect = image_aspect or trained.get("image_aspect", "crop")
-    prompts = (_llava_prompts if isinstance(arch, LlavaArch) else _native_resolution_prompts)(
-        processor_dir, flag, hf_config, arch, chat_template or trained.get("chat_template"), trained.get("lang", "en"),
-        image_aspect)
+    prompts = prompt_encoding(processor_dir, flag, hf_config, arch, chat_template or trained.get("chat_template"),
+                              trained.get("lang", "en"), image_aspect)
     return ModelSource(kind=kind, path=snapshot.root if snapshot else path, **prompts,
                        context_length=arch.text.max_position_embeddings,
                        dtype=compute_dtype(dtype, torch.cuda.is_available()), image_aspect=image_aspect, snapshot=snapshot)
+
+
+def prompt_encoding(processor_dir: Path, flag: str, hf_config: dict, arch, chat_template: str | None, lang: str,
+                    image_aspect: str) -> dict:
+    """{"processor", "template_name", "encoder"} of `arch`'s prompts, its processor read from `processor_dir`
+    (`flag` names it in errors); `chat_template` None: the tokenizer's own, else its family's."""
+    builder = _llava_prompts if isinstance(arch, LlavaArch) else _native_resolution_prompts
+    return builder(processor_dir, flag, hf_config, arch, chat_template, lang, image_aspect)
 
 
 def _llava_prompts(processor_dir: Path, flag: str, hf_config: dict, arch, chat_template: str | None, lang: str,

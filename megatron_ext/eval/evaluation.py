@@ -59,27 +59,23 @@ def score_records(records: list[dict]) -> dict:
 
 
 class TrainerPrompts:
-    """How the trainer's evaluations prompt its model: its processor, chat template and aspect mode."""
+    """How the trainer's evaluations prompt its model: as scripts/eval prompts a checkpoint of its arch
+    (`checkpoints.prompt_encoding`), with the run's chat template, language and aspect mode."""
 
     def __init__(self, plan):
-        from megatron_ext import families
-        from megatron_ext.data.chat_template import resolve_chat_template
-        from megatron_ext.eval.prompts import stop_token_ids
-        from megatron_ext.hf.processors import load_processor
+        from megatron_ext.eval.checkpoints import prompt_encoding
 
         cfg = plan.config
-        self.processor = load_processor(plan.tokenizer_dir, "--tokenizer-load-dir", families.llava_kind(plan.hf_config))
-        _, template = resolve_chat_template(cfg.chat_template, cfg.lang, self.processor.tokenizer,
-                                            family_default=families.of(plan.arch).text.chat_template)
-        self.encoder = PromptEncoder(self.processor, template, cfg.image_aspect)
-        self.stop_ids = stop_token_ids(self.processor.tokenizer)
+        prompts = prompt_encoding(plan.tokenizer_dir, "--tokenizer-load-dir", plan.hf_config, plan.arch,
+                                  cfg.chat_template, cfg.lang, cfg.image_aspect)
+        self.processor, self.encoder = prompts["processor"], prompts["encoder"]
         self.arch = plan.arch
 
     def generator(self, model):
-        """A generator over this rank's bare LLaVAModel (`TrainingModel.model`), collective."""
-        from megatron_ext.eval.megatron_generator import MegatronGenerator
+        """A generator over this rank's bare model (`TrainingModel.model`), collective."""
+        from megatron_ext.eval.checkpoints import megatron_generator
 
-        return MegatronGenerator(model, self.arch, self.processor, self.stop_ids)
+        return megatron_generator(model, self.arch, self.processor)
 
 
 class AnswerEvaluation:

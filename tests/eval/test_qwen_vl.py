@@ -3,7 +3,7 @@ converted Megatron checkpoint at TP1 and TP2, and of the HF checkpoint, equal tr
 on the HF checkpoint, for prompts about images of odd sizes (37x91, 1000x17), two images, no image and
 a video. The prompts are encoded once, by the trainer's task encoder; transformers computes
 its own mRoPE positions from them, prompt and generated tokens alike. compare_hf_megatron.py: the
-two checkpoints' logits on such a prompt."""
+two checkpoints' logits on such a prompt. benchmark.py: lmms-eval's answers and scores, HF and TP2."""
 
 from __future__ import annotations
 
@@ -198,15 +198,63 @@ def test_chat_answers_two_turns_about_an_image_as_transformers(tiny):
         term.child.close(force=True)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_lmms_eval_refuses_the_model_in_one_line(tiny, tmp_path):
-    from tests.support.lmms_tasks import write_tasks
+def _lmms_answers(out: Path) -> dict[int, str]:
+    (path,) = out.rglob("*_samples_tiny_vqa.jsonl")
+    return {r["doc_id"]: r["filtered_resps"] for r in map(json.loads, path.read_text().splitlines())}
 
-    tasks = write_tasks(tmp_path / "tasks", {"tiny_vqa": []}, MAX_NEW_TOKENS)
-    proc = run_script("eval/benchmark.py", "--megatron-dir", tiny.megatron_dir, "--tasks", "tiny_vqa", "--include-path",
-                      tasks, "--output-dir", tmp_path / "out", check=False, timeout=200, fresh=True)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"error: --megatron-dir {tiny.megatron_dir}: lmms-eval benchmarks take LLaVA checkpoints only")
-    assert not (tmp_path / "out").exists()
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_lmms_eval_scores_hf_megatron_tp2_and_the_trainer_with_transformers_answers(tiny, train_data, tmp_path):
+    """benchmark.py on a local VQA task about an image, a second image and a video: the HF checkpoint
+    and the Megatron one at TP2 answer each document as transformers' `generate` does on the prompt
+    lmms-eval builds (the visual, then the question), and lmms-eval scores them the same; so does the
+    trainer's --eval-benchmarks, and its --eval-generate-samples answers are transformers'."""
+    from megatron_ext.eval.prompts import load_image
+    from megatron_ext.eval.samples import read_samples
+    from tests.support.helpers import child_env
+    from tests.support.hf_generate import HFReference
+    from tests.support.lmms_tasks import write_tasks
+    from tests.support.training import metrics, train, trainer_args
+
+    folder, question = tiny.requests.parent, "What is shown?"
+    reference = HFReference(tiny.hf_dir)
+    images = [[load_image(folder / name).convert("RGB")] for name in ("wide.png", "tall.png")]
+    video = reference.encoder.load_video(folder / "clip.mkv", VIDEO_FRAMES)
+    turns = [f"<image>\n{question}"] * 2 + [f"<video>\n{question}"]
+    expected = [reference.tokenizer.decode(reference.greedy(
+        [{"role": "user", "content": turn + "\nAnswer the question using a single word or phrase."}], pictures,
+        MAX_NEW_TOKENS, videos), skip_special_tokens=True)
+        for turn, pictures, videos in zip(turns, [*images, []], [[], [], [video]])]
+    # References made from the expected answers, so the scores are not 0: all 10, 2 of 10, none.
+    references = [[expected[0]] * 10, [expected[1]] * 2 + ["zebra"] * 8, ["zebra"] * 10]
+    visuals = [{"image_path": str(folder / "wide.png")}, {"image_path": str(folder / "tall.png")},
+               {"video_path": str(folder / "clip.mkv")}]
+    tasks = write_tasks(tmp_path / "tasks", {"tiny_vqa": [{"question_id": i, **visual, "question": question,
+                                                           "answers": refs}
+                                                          for i, (visual, refs) in enumerate(zip(visuals, references))]},
+                        MAX_NEW_TOKENS)
+    env = child_env(HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    common = ["--include-path", tasks, "--tasks", "tiny_vqa", "--video-frames", VIDEO_FRAMES]
+    hf_out, megatron_out = tmp_path / "hf", tmp_path / "megatron"
+    run_script("eval/benchmark.py", "--hf-dir", tiny.hf_dir, *common, "--output-dir", hf_out, env=env, timeout=300)
+    run_ranks(2, "scripts/eval/benchmark.py", "--megatron-dir", tiny.megatron_dir, "--tp", 2, *common, "--output-dir",
+              megatron_out, env=env, timeout=400)
+
+    assert _lmms_answers(hf_out) == _lmms_answers(megatron_out) == dict(enumerate(expected))
+    assert len(set(expected)) == 3  # each visual reaches the model
+    summary = json.loads((hf_out / "summary.json").read_text())
+    assert summary == json.loads((megatron_out / "summary.json").read_text())
+    assert summary == [{"task": "tiny_vqa", "metric": "exact_match", "score": pytest.approx(1.6 / 3), "n": 3}]
+
+    # The trainer at DP2, evaluating after an iteration that changed no weight (skipped); its context fits
+    # the video's 32 frames (the trainer's lmms-eval model reads videos at the default frame count).
+    save = tmp_path / "run"
+    train(2, *trainer_args(tiny.megatron_dir, train_data, save, seq_length=1024, train_iters=1, skip_train_iteration_range="1-1",
+                           eval_interval=1, eval_iters=1, eval_benchmarks="tiny_vqa", eval_benchmark_include_path=tasks,
+                           eval_benchmark_limit=3, eval_generate_samples=3, eval_max_new_tokens=MAX_NEW_TOKENS),
+          env=env, timeout=400)
+    assert metrics(save, split="val")[1]["benchmark/tiny_vqa/exact_match"] == summary[0]["score"]
+    predictions = [json.loads(line)["prediction"] for line in (save / "predictions" / "iter_0000001.jsonl").read_text().splitlines()]
+    assert predictions == [reference.text(reference.greedy(s.messages, s.images, MAX_NEW_TOKENS))
+                           for s in read_samples(train_data, "val", limit=3)]

@@ -21,10 +21,12 @@ def test_videos_go_before_the_text_unless_the_prompt_places_them():
 
 def test_lmms_eval_video_parts_become_video_markers_and_frames():
     from megatron_ext.eval.lmms_model import as_training_messages
+    from megatron_ext.eval.videos import load_video
 
     frames = [synthetic_image(i, (32, 24)) for i in range(6)]
     messages, images, videos = as_training_messages(
-        [{"role": "user", "content": [{"type": "video", "url": frames}, {"type": "text", "text": "Why?"}]}], 3)
+        [{"role": "user", "content": [{"type": "video", "url": frames}, {"type": "text", "text": "Why?"}]}],
+        lambda url: load_video(url, 3, "video"))
     assert messages == [{"role": "user", "content": "<video>\nWhy?"}] and images == []
     assert [v.shape for v in videos] == [(3, 24, 32, 3)]
     assert np.array_equal(videos[0][2], np.asarray(frames[5]))

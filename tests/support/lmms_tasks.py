@@ -17,7 +17,7 @@ from lmms_eval.tasks.textvqa.utils import textvqa_process_results
 
 
 def doc_to_visual(doc):
-    if "video_path" in doc:
+    if doc.get("video_path"):  # a JSON task whose other documents have one gives this one None
         return [doc["video_path"]]
     return [Image.open(doc["image_path"]).convert("RGB")]
 
