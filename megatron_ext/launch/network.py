@@ -40,6 +40,23 @@ def claim_port(port: int) -> bool:
     return True
 
 
+def claimed(port: int) -> bool:
+    """Whether a run.py process of this machine (this one included) holds `port`'s claim."""
+    if port in _claims:
+        return True
+    try:
+        fd = os.open(CLAIMS_DIR / f"{port}.lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases the lock if it was taken here
+    return False
+
+
 def port_free(port: int) -> bool:
     """Whether a server could listen on `port` here (as torchrun's TCPStore will, with SO_REUSEADDR)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -64,14 +81,14 @@ def _ephemeral_ports() -> range:
 
 
 def free_port() -> int:
-    """A port free here, outside the kernel's ephemeral range: a port from inside it (what binding port
-    0 gives) can be taken by any process's outgoing connection, gloo's among them, before torchrun
-    listens on it (seen: EADDRINUSE on a busy machine)."""
+    """A port free here and claimed by no run.py, outside the kernel's ephemeral range: a port from
+    inside it (what binding port 0 gives) can be taken by any process's outgoing connection, gloo's
+    among them, before torchrun listens on it (seen: EADDRINUSE on a busy machine)."""
     ephemeral = _ephemeral_ports()
     outside = max(range(max(1024, ephemeral.start - 16384), ephemeral.start), range(ephemeral.stop, 65536), key=len)
     candidates = outside or range(1024, 65536)
     for _ in range(1000):
-        if port_free(port := random.choice(candidates)):
+        if port_free(port := random.choice(candidates)) and not claimed(port):
             return port
     raise UserError(f"no free TCP port between {candidates.start} and {candidates.stop - 1} on this machine")
 

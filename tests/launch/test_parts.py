@@ -137,3 +137,24 @@ def test_free_ports_lie_outside_the_range_the_kernel_gives_outgoing_connections(
     assert all(1024 <= port < 65536 and network.port_free(port) for port in ports)
     assert not outside or not any(low <= port <= high for port in ports)
     assert len(ports) > 10  # drawn at random: two jobs starting together rarely try the same one
+
+
+def test_a_free_port_is_never_one_another_run_py_has_claimed(tmp_path, monkeypatch):
+    import fcntl
+    import os
+
+    from megatron_ext.launch import network
+
+    (tmp_path / "range").write_text("1024 65533\n")  # leaves 65534 and 65535
+    monkeypatch.setattr(network, "EPHEMERAL_RANGE", tmp_path / "range")
+    monkeypatch.setattr(network, "CLAIMS_DIR", tmp_path / "claims")
+    (tmp_path / "claims").mkdir()
+    if not network.port_free(65534) or not network.port_free(65535):
+        pytest.skip("ports 65534/65535 are in use on this machine")
+    holder = os.open(tmp_path / "claims" / "65534.lock", os.O_RDONLY | os.O_CREAT)  # as another run.py holds it
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        assert {network.free_port() for _ in range(20)} == {65535}
+    finally:
+        os.close(holder)
+    assert network.free_port() in (65534, 65535) and not network.claimed(65534)
