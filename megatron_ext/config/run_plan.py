@@ -364,7 +364,7 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
                         f"{arch.smallest_image_positions} image embeddings")
     if config.vision_lr is not None and not config.unfreeze_vit:
         raise UserError("--vision-lr needs --unfreeze-vit (the vision tower is frozen otherwise)")
-    _check_pixel_bounds(config, arch)
+    _check_pixel_bounds(plan)
     if config.video_frames < 1:
         raise UserError(f"--video-frames must be >= 1, got {config.video_frames}")
     if config.max_tiles_per_sequence is not None and config.max_tiles_per_sequence < 1:
@@ -374,8 +374,9 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
     return plan
 
 
-def _check_pixel_bounds(config: TrainConfig, arch) -> None:
+def _check_pixel_bounds(plan: RunPlan) -> None:
     """--min-pixels / --max-pixels: a native-resolution model's image bounds, refused for a LLaVA."""
+    config, arch = plan.config, plan.arch
     given = [flag for flag, value in (("--min-pixels", config.min_pixels), ("--max-pixels", config.max_pixels))
              if value is not None]
     if not given:
@@ -383,12 +384,13 @@ def _check_pixel_bounds(config: TrainConfig, arch) -> None:
     if isinstance(arch, LlavaArch):
         raise UserError(f"{' and '.join(given)}: only native-resolution models (Qwen2.5-VL, Qwen3-VL) resize images "
                         f"within pixel bounds; a LLaVA's images take its vision tower's fixed size, drop the flag")
-    native_vision(arch, config)  # its refusal as one line
+    native_vision(plan)  # its refusal as one line
 
 
-def native_vision(arch, config: TrainConfig):
-    """A native-resolution model's input settings in this run: its family's, within --min-pixels /
-    --max-pixels (what the task encoder resizes with and the memory plan counts)."""
+def native_vision(plan: RunPlan):
+    """A native-resolution model's input settings in this run: its checkpoint's processor's (else its
+    family's), within --min-pixels / --max-pixels (what the task encoder resizes with and the memory
+    plan counts)."""
     from megatron_ext.data.native_resolution_encoder import vision_of
 
-    return vision_of(arch, config.min_pixels, config.max_pixels)
+    return vision_of(plan.arch, plan.tokenizer_dir, plan.config.min_pixels, plan.config.max_pixels)

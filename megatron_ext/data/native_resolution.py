@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,8 +34,8 @@ CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.261302
 
 @dataclass(frozen=True)
 class QwenVision:
-    """One family's vision input settings. Pixel bounds are transformers' class defaults; a
-    checkpoint's saved min/max pixels replace them (`dataclasses.replace`)."""
+    """One family's vision input settings. Pixel bounds, mean and std are transformers' class
+    defaults; a checkpoint's saved processor replaces them (`with_saved_settings`)."""
 
     name: str
     patch_size: int
@@ -64,7 +65,7 @@ QWEN3_VL = QwenVision("Qwen3-VL", 16, (0.5,) * 3, (0.5,) * 3, 56 * 56, 28 * 28 *
 
 def with_pixel_bounds(vision: QwenVision, min_pixels: int | None, max_pixels: int | None) -> QwenVision:
     """`vision` with a run's --min-pixels / --max-pixels (None: its own) as its images' bounds. Its
-    videos' bounds are capped at max_pixels, so that the largest image bounds every tower input
+    videos' bounds are capped at --max-pixels, so that the largest image bounds every tower input
     (the memory plan counts it)."""
     area = vision.factor**2
     for flag, value in (("--min-pixels", min_pixels), ("--max-pixels", max_pixels)):
@@ -74,11 +75,47 @@ def with_pixel_bounds(vision: QwenVision, min_pixels: int | None, max_pixels: in
     low = vision.min_pixels if min_pixels is None else min_pixels
     high = vision.max_pixels if max_pixels is None else max_pixels
     if low > high:
-        raise UserError(f"--min-pixels {low} is above --max-pixels {high} (where one is not given: {vision.name}'s "
-                        "default); give a --min-pixels at most the --max-pixels")
-    video_high = min(vision.video_max_pixels, high)
+        raise UserError(f"--min-pixels {low} is above --max-pixels {high} (where one is not given: the "
+                        f"checkpoint's processor's, else {vision.name}'s default); give a --min-pixels at most the --max-pixels")
+    # Capped only by the flag: without it, videos keep the bounds their processor gives them.
+    video_high = vision.video_max_pixels if max_pixels is None else min(vision.video_max_pixels, high)
     return replace(vision, min_pixels=low, max_pixels=high, video_max_pixels=video_high,
                    video_min_pixels=min(vision.video_min_pixels, video_high))
+
+
+def with_saved_settings(vision: QwenVision, processor_dir: str | Path | None) -> QwenVision:
+    """`vision` with what a checkpoint's processor files save, read as transformers reads them when
+    it loads the processor from that directory: the image processor's bounds, mean and std, and the
+    video processor's bounds (found as transformers finds it, falling back to
+    preprocessor_config.json). A published checkpoint's bounds are not the class defaults (Qwen2.5-VL
+    saves 12,845,056 max pixels, the class has 1,003,520). Files absent: `vision` as it is."""
+    if processor_dir is None:
+        return vision
+    from transformers.image_processing_utils import ImageProcessingMixin
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    image = _saved(ImageProcessingMixin.get_image_processor_dict, processor_dir)
+    video = _saved(BaseVideoProcessor.get_video_processor_dict, processor_dir)
+    low, high = _saved_bounds(image, vision.min_pixels, vision.max_pixels)
+    video_low, video_high = _saved_bounds(video, vision.video_min_pixels, vision.video_max_pixels)
+    return replace(vision, min_pixels=low, max_pixels=high, video_min_pixels=video_low, video_max_pixels=video_high,
+                   image_mean=tuple(image.get("image_mean", vision.image_mean)),
+                   image_std=tuple(image.get("image_std", vision.image_std)))
+
+
+def _saved(reader, processor_dir: str | Path) -> dict:
+    try:
+        return reader(str(processor_dir))[0]
+    except OSError:  # no such file
+        return {}
+
+
+def _saved_bounds(saved: dict, low: int, high: int) -> tuple[int, int]:
+    """(min, max) pixels of a saved processor: min_pixels / max_pixels where saved (its __init__ lets
+    them override size), else size's shortest / longest edge, else the given ones."""
+    size = saved.get("size") or {}
+    return (saved.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or low,
+            saved.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or high)
 
 
 # ---------------------------------------------------------------- images

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -58,6 +59,7 @@ from megatron_ext.data.native_resolution import (
     video_inputs,
     video_run_grids,
     with_pixel_bounds,
+    with_saved_settings,
 )
 from megatron_ext.data.packing import knapsack_bins
 from megatron_ext.data.shard_format import ImageModeKeepingDecoder, conversation_of, videos_of
@@ -109,15 +111,17 @@ _BATCH_FIELDS = ("input_ids", "labels", "loss_mask", "segment_ids", "position_id
                  "num_skipped")
 
 
-def vision_of(arch, min_pixels: int | None = None, max_pixels: int | None = None) -> QwenVision:
+def vision_of(arch, processor_dir: str | Path | None = None, min_pixels: int | None = None,
+              max_pixels: int | None = None) -> QwenVision:
     """The input settings of `arch`'s family (Qwen2.5-VL's or Qwen3-VL's, by its name) with its
-    checkpoint's patch, merge and temporal sizes, (Qwen2.5-VL's) video time scale and the run's
-    --min-pixels / --max-pixels (`with_pixel_bounds`)."""
+    checkpoint's patch, merge and temporal sizes, (Qwen2.5-VL's) video time scale, what the processor
+    files in `processor_dir` save (`with_saved_settings`), and the run's --min-pixels / --max-pixels
+    over them (`with_pixel_bounds`)."""
     config = arch.vision_config
     base = next(v for v in (QWEN2_5_VL, QWEN3_VL) if v.name == arch.name)
     vision = replace(base, patch_size=config["patch_size"], merge_size=config["spatial_merge_size"],
                      temporal_patch_size=config["temporal_patch_size"], tokens_per_second=config.get("tokens_per_second"))
-    return with_pixel_bounds(vision, min_pixels, max_pixels)
+    return with_pixel_bounds(with_saved_settings(vision, processor_dir), min_pixels, max_pixels)
 
 
 class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, NativeResolutionBatch,
@@ -155,10 +159,11 @@ class NativeResolutionTaskEncoder(TaskEncoder[Sample, NativeResolutionSample, Na
     def for_model(cls, tokenizer_dir: str, arch, min_pixels: int | None = None, max_pixels: int | None = None,
                   **kwargs) -> "NativeResolutionTaskEncoder":
         """Encoder for a native-resolution model's arch (`families.qwen2_5_vl.Qwen2_5_VLArch`), its
-        images within the run's --min-pixels / --max-pixels (None: the family's bounds)."""
+        images within the run's --min-pixels / --max-pixels (None: the bounds the processor files in
+        `tokenizer_dir` save, else the family's)."""
         from megatron_ext import families
 
-        return cls(tokenizer_dir, vision=vision_of(arch, min_pixels, max_pixels), image_token_id=arch.image_token_id,
+        return cls(tokenizer_dir, vision=vision_of(arch, tokenizer_dir, min_pixels, max_pixels), image_token_id=arch.image_token_id,
                    video_token_id=arch.video_token_id, family_template=families.of(arch).text.chat_template, **kwargs)
 
     @stateless

@@ -108,7 +108,7 @@ def vision_inputs_per_sequence(plan: RunPlan) -> int:
     if not isinstance(plan.arch, LlavaArch):
         from megatron_ext.memory.native_vision_bytes import largest_images
 
-        return largest_images(native_vision(plan.arch, cfg), plan.seq_length).count
+        return largest_images(native_vision(plan), plan.seq_length).count
     if cfg.max_tiles_per_sequence:
         return cfg.max_tiles_per_sequence
     if plan.arch.tiling is None and not cfg.packing_seq_length:
@@ -139,7 +139,7 @@ def _measure(plan: RunPlan, choices: FitChoices, model) -> ActivationPieces:
     cfg = plan.config
     local = plan.execution.model.attention_backend == "local"
     lora_only = cfg.lora_rank > 0 and not cfg.lora_train_projector
-    native = None if isinstance(plan.arch, LlavaArch) else native_vision(plan.arch, cfg)
+    native = None if isinstance(plan.arch, LlavaArch) else native_vision(plan)
     return measure(model, plan.arch, plan.seq_length, flash_lse=not local and choices.recompute.granularity != "selective",
                    vision_flash=not local, input_grad=not lora_only, tower_trained=cfg.unfreeze_vit, native=native)
 

@@ -63,15 +63,57 @@ def test_max_and_min_pixels_resize_training_images_as_transformers_processor_giv
     ({"min_pixels": 20}, "--min-pixels 20 is below {name}'s patch x merge area {area}"),
     ({"max_pixels": 0}, "--max-pixels 0 is below {name}'s patch x merge area {area}"),
     ({"min_pixels": 90_000, "max_pixels": 40_000}, "--min-pixels 90000 is above --max-pixels 40000"),
-    ({"min_pixels": 2_000_000}, "--min-pixels 2000000 is above --max-pixels 1003520 (where one is not given: {name}'s "
-                                "default)"),
+    ({"min_pixels": 2_000_000}, "--min-pixels 2000000 is above --max-pixels 1003520 (where one is not given: the "
+                                "checkpoint's processor's, else {name}'s default)"),
 ])
 def test_pixel_bounds_below_one_merged_token_or_crossed_are_refused_in_one_line(tiny, options, message):
-    from megatron_ext.config.run_plan import native_vision
+    from megatron_ext.data.native_resolution_encoder import vision_of
 
     arch = _arch(tiny[1])
     side = arch.vision_config["patch_size"] * arch.vision_config["spatial_merge_size"]
     with pytest.raises(UserError) as refused:
-        native_vision(arch, TrainConfig(**options))
+        vision_of(arch, tiny[1], **options)
     assert message.format(name=arch.name, area=side**2, side=side) in str(refused.value)
     assert "\n" not in str(refused.value)
+
+
+def _with_saved_processor(hf_dir, out, saved: dict):
+    """A copy of `hf_dir` whose preprocessor_config.json is `saved` over the family's processor."""
+    import shutil
+
+    shutil.copytree(hf_dir, out)
+    vision = _arch(hf_dir).vision_config
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": vision["patch_size"], "merge_size": 2,
+        "temporal_patch_size": 2, **saved}))
+    return out
+
+
+# A published Qwen2.5-VL's file names its bounds min_pixels / max_pixels; transformers 5 saves them
+# as size's shortest / longest edge; both are read.
+@pytest.mark.parametrize("saved", [{"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS},
+                                   {"size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}],
+                         ids=["published-keys", "size"])
+def test_a_checkpoints_saved_processor_resizes_and_normalizes_as_transformers_loads_it(tiny, tmp_path, saved):
+    from transformers import Qwen2VLImageProcessorPil
+
+    support, hf_dir = tiny
+    mean, std = [0.25, 0.5, 0.75], [0.2, 0.3, 0.4]
+    checkpoint = _with_saved_processor(hf_dir, tmp_path / "ckpt", {**saved, "image_mean": mean, "image_std": std})
+    ours = _training_media(checkpoint, TrainConfig())
+    theirs = Qwen2VLImageProcessorPil.from_pretrained(checkpoint)(images=IMAGES, return_tensors="pt")
+    assert torch.equal(ours["image_grid_thw"], theirs["image_grid_thw"])
+    assert torch.equal(ours["pixel_values"], theirs["pixel_values"])
+    assert (ours["image_grid_thw"] != _training_media(hf_dir, TrainConfig())["image_grid_thw"]).any(dim=1).all()
+    # Videos take the bounds transformers' video processor takes from the same file (it has no video file).
+    vision = _training_encoder_vision(checkpoint, TrainConfig())
+    assert (vision.video_min_pixels, vision.video_max_pixels) == (MIN_PIXELS, MAX_PIXELS)
+    # The run's flags bound over the saved processor's.
+    assert _training_encoder_vision(checkpoint, TrainConfig(max_pixels=60_000)).max_pixels == 60_000
+
+
+def _training_encoder_vision(hf_dir, config: TrainConfig):
+    from megatron_ext.model.sequence_alignment import SequenceAlignment
+    from megatron_ext.train.batches import task_encoder
+
+    return task_encoder(hf_dir, _arch(hf_dir), config, 2048, SequenceAlignment()).vision

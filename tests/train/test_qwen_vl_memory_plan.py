@@ -107,6 +107,6 @@ def test_max_pixels_sets_the_largest_image_the_memory_plan_counts(planned_and_sa
                                 te=False, on_gpu=False)
     (rank,) = memory_plan(plan, 80 * GIB).ranks
     assert family_images == 1
-    assert largest_images(native_vision(plan.arch, options), seq) == LargestImages((1, 2, 200), 3)
+    assert largest_images(native_vision(plan), seq) == LargestImages((1, 2, 200), 3)
     assert vision_inputs_per_sequence(plan) == 3
     assert rank.vision_activations / family_rank.vision_activations == pytest.approx(300 / 256, rel=1e-3)
