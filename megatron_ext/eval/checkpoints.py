@@ -154,18 +154,21 @@ def open_checkpoint(megatron_dir: str | None, hf_dir: str | None, chat_template:
     trained = _trained_options(snapshot)
     image_aspect = image_aspect or trained.get("image_aspect", "crop")
     prompts = prompt_encoding(processor_dir, flag, hf_config, arch, chat_template or trained.get("chat_template"),
-                              trained.get("lang", "en"), image_aspect)
+                              trained.get("lang", "en"), image_aspect,
+                              (trained.get("min_pixels"), trained.get("max_pixels")))
     return ModelSource(kind=kind, path=snapshot.root if snapshot else path, **prompts,
                        context_length=arch.text.max_position_embeddings,
                        dtype=compute_dtype(dtype, torch.cuda.is_available()), image_aspect=image_aspect, snapshot=snapshot)
 
 
 def prompt_encoding(processor_dir: Path, flag: str, hf_config: dict, arch, chat_template: str | None, lang: str,
-                    image_aspect: str) -> dict:
+                    image_aspect: str, pixels: tuple[int | None, int | None] = (None, None)) -> dict:
     """{"processor", "template_name", "encoder"} of `arch`'s prompts, its processor read from `processor_dir`
-    (`flag` names it in errors); `chat_template` None: the tokenizer's own, else its family's."""
-    builder = _llava_prompts if isinstance(arch, LlavaArch) else _native_resolution_prompts
-    return builder(processor_dir, flag, hf_config, arch, chat_template, lang, image_aspect)
+    (`flag` names it in errors); `chat_template` None: the tokenizer's own, else its family's. `pixels`:
+    a native-resolution model's (--min-pixels, --max-pixels) as trained (None: its processor's)."""
+    if isinstance(arch, LlavaArch):
+        return _llava_prompts(processor_dir, flag, hf_config, arch, chat_template, lang, image_aspect)
+    return _native_resolution_prompts(processor_dir, arch, chat_template, lang, pixels)
 
 
 def _llava_prompts(processor_dir: Path, flag: str, hf_config: dict, arch, chat_template: str | None, lang: str,
@@ -181,14 +184,14 @@ def _llava_prompts(processor_dir: Path, flag: str, hf_config: dict, arch, chat_t
     return {"processor": processor, "template_name": name, "encoder": PromptEncoder(processor, template, image_aspect)}
 
 
-def _native_resolution_prompts(processor_dir: Path, flag: str, hf_config: dict, arch, chat_template: str | None,
-                               lang: str, image_aspect: str) -> dict:
-    """A native-resolution model's prompt encoder: the trainer's task encoder for it; it holds the
-    tokenizer, all that the generators ask of a processor."""
+def _native_resolution_prompts(processor_dir: Path, arch, chat_template: str | None, lang: str,
+                               pixels: tuple[int | None, int | None]) -> dict:
+    """A native-resolution model's prompt encoder: the trainer's task encoder for it, its images within
+    the bounds it was trained with; it holds the tokenizer, all that the generators ask of a processor."""
     from megatron_ext.data.native_resolution_encoder import NativeResolutionTaskEncoder
 
     task_encoder = NativeResolutionTaskEncoder.for_model(
-        str(processor_dir), arch, seq_length=arch.text.max_position_embeddings, pad_token_id=arch.pad_token_id,
+        str(processor_dir), arch, *pixels, seq_length=arch.text.max_position_embeddings, pad_token_id=arch.pad_token_id,
         chat_template=chat_template, lang=lang)
     encoder = NativeResolutionPromptEncoder(task_encoder)
     return {"processor": encoder, "template_name": task_encoder.template_name, "encoder": encoder}

@@ -67,7 +67,7 @@ class TrainerPrompts:
 
         cfg = plan.config
         prompts = prompt_encoding(plan.tokenizer_dir, "--tokenizer-load-dir", plan.hf_config, plan.arch,
-                                  cfg.chat_template, cfg.lang, cfg.image_aspect)
+                                  cfg.chat_template, cfg.lang, cfg.image_aspect, (cfg.min_pixels, cfg.max_pixels))
         self.processor, self.encoder = prompts["processor"], prompts["encoder"]
         self.arch = plan.arch
 

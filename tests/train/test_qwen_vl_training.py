@@ -80,10 +80,15 @@ def _train(save, checkpoint, data, tp: int, **options):
 SGD = {"optimizer": "sgd", "sgd_momentum": 0.9, "lr": 1e-3}
 
 
+# Above every synthetic image (at most 96 x 96): the run trains as without it, and the checkpoint
+# carries it to the eval commands.
+TRAINED_MAX_PIXELS = 200_000
+
+
 @pytest.fixture(scope="module")
 def tp2_run(tmp_path_factory, qwen_megatron, one_batch):
     save = tmp_path_factory.mktemp("qwen_tp2") / "run"
-    return save, _train(save, qwen_megatron, one_batch, 2, **SGD)
+    return save, _train(save, qwen_megatron, one_batch, 2, max_pixels=TRAINED_MAX_PIXELS, **SGD)
 
 
 def _hf_changed(before, after) -> set[str]:
@@ -106,6 +111,10 @@ def test_stage_2_trains_the_decoder_and_the_mergers_and_not_the_rest_of_the_towe
     mergers = {name for name in tower if name.startswith(tiny.projections)}
     assert changed == set(hf_tensors(hf_dir)) - tower | mergers
     assert len(mergers) == tiny.merger_tensors and len(changed) == tiny.trained
+    # Generation, chat and evaluation of the checkpoint resize within the bounds it was trained with.
+    from megatron_ext.eval.checkpoints import open_checkpoint
+
+    assert open_checkpoint(str(save), None).encoder.task_encoder.vision.max_pixels == TRAINED_MAX_PIXELS
 
 
 @pytest.mark.multiprocess
