@@ -143,11 +143,12 @@ class TrainConfig:
                                                   "of a tiled model with videos (LLaVA-OneVision; 32 as its training "
                                                   "recipes' frames_upbound).")
     max_pixels: int | None = opt(None, "Native-resolution models (Qwen2.5-VL, Qwen3-VL): the most pixels the processor "
-                                       "resizes an image to, as transformers' max_pixels (default: the family's, "
-                                       "1,003,520); no video frame gets more either. The memory plan counts the "
-                                       "tower's largest image from it.")
+                                       "resizes an image to, as transformers' max_pixels (default: the checkpoint's "
+                                       "processor's, else the family's 1,003,520); no video frame gets more either. "
+                                       "The memory plan counts the tower's largest image from it.")
     min_pixels: int | None = opt(None, "Native-resolution models: the fewest pixels the processor resizes an image to, "
-                                       "as transformers' min_pixels (default: the family's, 3,136).")
+                                       "as transformers' min_pixels (default: the checkpoint's processor's, else the "
+                                       "family's 3,136).")
     num_workers: int = opt(2, "Data loader worker processes per rank.")
     lang: str = opt("en", "Main language; selects the default chat template.", choices=["en", "ja", "jp"])
     chat_template: str | None = opt(None, "Chat template: 'tokenizer' or a name from megatron_ext/data/chat_templates.")

@@ -3,14 +3,15 @@ module, whole on every tensor rank of the first stage), measured on meta as `act
 measures a LLaVA's.
 
 A micro batch's images vary in size; two things bound them: each image, the processor's
-max_pixels (--max-pixels, else the family's; the largest has max_pixels / (patch x merge)^2
-merged tokens), and all of them together, the sequence (each merged token takes one of its
-positions). What the tower keeps grows
+max_pixels (--max-pixels, else the checkpoint's processor's, else the family's; the largest has
+max_pixels / (patch x merge)^2 merged tokens), and all of them together, the sequence (each merged
+token takes one of its positions). What the tower keeps grows
 at least linearly with an image's patches (linearly under flash attention, quadratically within an
 image where a kernel keeps scores), so for a given number of positions it is largest when they are
 filled by the largest images: the plan counts --seq-length / the largest image's tokens of them,
-rounded up (`largest_images`), each measured as one image of that size (`image_bytes`). Videos are
-bounded by it too: a frame pair is attended to alone, and the processor gives it no more pixels.
+rounded up (`largest_images`), each measured as one image of that size (`image_bytes`). A video's
+frame pair is attended to alone, within the video processor's max pixels: the larger of the two
+bounds is planned (--max-pixels caps both).
 
 The tower runs transformers' own forward on meta. Its host-side inputs (window order, sequence
 boundaries) are computed from the grid on the host, as transformers computes them; the positions
@@ -44,12 +45,12 @@ class LargestImages:
 
 
 def largest_images(vision, seq_length: int) -> LargestImages:
-    """The largest image the task encoder gives a model of `vision`'s input settings (a
-    `data.native_resolution.QwenVision`: the family's, its checkpoint's patch and merge sizes, the run's
-    --max-pixels): max_pixels over patch x merge, capped at the sequence; and how many of them fill
-    one sequence."""
+    """The largest tower input the task encoder gives a model of `vision`'s input settings (a
+    `data.native_resolution.QwenVision`: its checkpoint's processor's or its family's, the run's
+    --max-pixels): the larger of the image and video max pixels over patch x merge, capped at the
+    sequence; and how many of them fill one sequence."""
     merge = vision.merge_size
-    tokens = min(vision.max_pixels // vision.factor**2, seq_length)
+    tokens = min(max(vision.max_pixels, vision.video_max_pixels) // vision.factor**2, seq_length)
     # Any grid of this many merged tokens: under flash attention the layout does not change what is kept.
     return LargestImages(grid=(1, merge, merge * tokens), count=math.ceil(seq_length / tokens))
 

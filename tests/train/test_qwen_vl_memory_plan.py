@@ -110,3 +110,16 @@ def test_max_pixels_sets_the_largest_image_the_memory_plan_counts(planned_and_sa
     assert largest_images(native_vision(plan), seq) == LargestImages((1, 2, 200), 3)
     assert vision_inputs_per_sequence(plan) == 3
     assert rank.vision_activations / family_rank.vision_activations == pytest.approx(300 / 256, rel=1e-3)
+
+
+def test_a_video_bound_above_the_image_bound_is_the_largest_input_planned():
+    """A checkpoint whose video processor allows more pixels than its image processor (without
+    --max-pixels, which caps both): the plan counts the video's frame pair."""
+    from dataclasses import replace
+
+    from megatron_ext.data.native_resolution import QWEN2_5_VL
+    from megatron_ext.memory.native_vision_bytes import LargestImages, largest_images
+
+    vision = replace(QWEN2_5_VL, max_pixels=100 * 28 * 28, video_max_pixels=300 * 28 * 28)
+    assert largest_images(vision, 4096) == LargestImages((1, 2, 600), 14)
+    assert largest_images(replace(vision, video_max_pixels=50 * 28 * 28), 4096) == LargestImages((1, 2, 200), 41)
