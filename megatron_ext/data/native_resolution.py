@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -91,6 +92,7 @@ def with_saved_settings(vision: QwenVision, processor_dir: str | Path | None) ->
     saves 12,845,056 max pixels, the class has 1,003,520). Files absent: `vision` as it is."""
     if processor_dir is None:
         return vision
+    _check_processor_files(Path(processor_dir))
     from transformers.image_processing_utils import ImageProcessingMixin
     from transformers.video_processing_utils import BaseVideoProcessor
 
@@ -103,10 +105,26 @@ def with_saved_settings(vision: QwenVision, processor_dir: str | Path | None) ->
                    image_std=tuple(image.get("image_std", vision.image_std)))
 
 
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+
+
+def _check_processor_files(processor_dir: Path) -> None:
+    """transformers' readers take a file that is not JSON for a missing one (both OSError): the
+    defaults would then be used silently."""
+    for path in (processor_dir / name for name in _PROCESSOR_FILES):
+        if not path.is_file():
+            continue
+        try:
+            json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise UserError(f"{path} is not valid JSON ({exc}); fix it or copy it again from the model's "
+                            "published files") from None
+
+
 def _saved(reader, processor_dir: str | Path) -> dict:
     try:
         return reader(str(processor_dir))[0]
-    except OSError:  # no such file
+    except OSError:  # no such file (`_check_processor_files` has refused a broken one)
         return {}
 
 

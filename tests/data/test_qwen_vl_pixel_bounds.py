@@ -117,3 +117,13 @@ def _training_encoder_vision(hf_dir, config: TrainConfig):
     from megatron_ext.train.batches import task_encoder
 
     return task_encoder(hf_dir, _arch(hf_dir), config, 2048, SequenceAlignment()).vision
+
+
+def test_a_saved_processor_file_that_is_not_json_is_one_line_naming_it(tiny, tmp_path):
+    _, hf_dir = tiny
+    checkpoint = _with_saved_processor(hf_dir, tmp_path / "ckpt", {})
+    (checkpoint / "preprocessor_config.json").write_text('{"min_pixels": 40000,')
+    with pytest.raises(UserError) as refused:
+        _training_encoder_vision(checkpoint, TrainConfig())
+    message = str(refused.value)
+    assert message.startswith(f"{checkpoint / 'preprocessor_config.json'} is not valid JSON (") and "\n" not in message
