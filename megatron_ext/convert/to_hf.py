@@ -149,6 +149,7 @@ def _write_configs(snapshot: layout.Snapshot, tokenizer_dir: Path, out: Path) ->
     config.save_pretrained(out)
     copy_tokenizer_files(tokenizer_dir, out)
     _write_chat_template(snapshot, out)
+    _write_trained_pixel_bounds(snapshot, out)
     if not (out / GENERATION_CONFIG_FILE).is_file():
         transformers.GenerationConfig.from_model_config(config).save_pretrained(out)
 
@@ -170,6 +171,17 @@ def _write_chat_template(snapshot: layout.Snapshot, out: Path) -> None:
         log.warning("the exported processor keeps the tokenizer's chat template: the trained one is not found (%s)", exc)
         return
     (out / CHAT_TEMPLATE_FILE).write_text(processor_template(template, tokenizer))
+
+
+def _write_trained_pixel_bounds(snapshot: layout.Snapshot, out: Path) -> None:
+    """A run trained with --min-pixels / --max-pixels resized its images within them: so does its export's processor."""
+    low, high = (snapshot.trainer_options.get(name) for name in ("min_pixels", "max_pixels"))
+    if low is None and high is None:
+        return
+    from megatron_ext.data.native_resolution import save_pixel_bounds
+    from megatron_ext.data.native_resolution_encoder import vision_of
+
+    save_pixel_bounds(vision_of(snapshot.arch, out, low, high), out)
 
 
 def _top_level(name: str) -> str:

@@ -50,6 +50,7 @@ class QwenVision:
     # model config's vision_config.tokens_per_second). Qwen3-VL (None): each frame pair is a grid of
     # its own, with its timestamp as text.
     tokens_per_second: int | None
+    video_processor_type: str  # transformers' class for its videos, named in a video processor file we write
     merge_size: int = 2
     temporal_patch_size: int = 2
 
@@ -59,9 +60,9 @@ class QwenVision:
 
 
 QWEN2_5_VL = QwenVision("Qwen2.5-VL", 14, CLIP_MEAN, CLIP_STD, 56 * 56, 28 * 28 * 1280,
-                        128 * 28 * 28, 28 * 28 * 768, tokens_per_second=4)
+                        128 * 28 * 28, 28 * 28 * 768, tokens_per_second=4, video_processor_type="Qwen2VLVideoProcessor")
 QWEN3_VL = QwenVision("Qwen3-VL", 16, (0.5,) * 3, (0.5,) * 3, 56 * 56, 28 * 28 * 1280,
-                      128 * 32 * 32, 32 * 32 * 768, tokens_per_second=None)
+                      128 * 32 * 32, 32 * 32 * 768, tokens_per_second=None, video_processor_type="Qwen3VLVideoProcessor")
 
 
 def with_pixel_bounds(vision: QwenVision, min_pixels: int | None, max_pixels: int | None) -> QwenVision:
@@ -106,6 +107,36 @@ def with_saved_settings(vision: QwenVision, processor_dir: str | Path | None) ->
 
 
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+
+
+def save_pixel_bounds(vision: QwenVision, directory: Path) -> None:
+    """Write `vision`'s image and video bounds, mean and std where transformers (and
+    `with_saved_settings`) read them in `directory`: into the processor files there, and as preprocessor_config.json /
+    video_preprocessor_config.json (`vision`'s whole settings) where it would find none. An HF export
+    of a run trained with --min/--max-pixels then resizes as the run did."""
+    nested_file, image_file, video_file = (directory / name for name in _PROCESSOR_FILES)
+    normalized = {"image_mean": list(vision.image_mean), "image_std": list(vision.image_std)}
+    bounds = {"image_processor": {**_bounds(vision.min_pixels, vision.max_pixels), **normalized},
+              "video_processor": {**_bounds(vision.video_min_pixels, vision.video_max_pixels), **normalized}}
+    nested = json.loads(nested_file.read_text()) if nested_file.is_file() else {}
+    for key in bounds.keys() & nested.keys():
+        nested[key].update(bounds[key])
+    if nested:
+        nested_file.write_text(json.dumps(nested, indent=2))
+    settings = image_processor(vision).to_dict()
+    video_settings = {**{k: v for k, v in settings.items() if k != "image_processor_type"},
+                      "video_processor_type": vision.video_processor_type}
+    for path, key, whole in ((image_file, "image_processor", settings), (video_file, "video_processor", video_settings)):
+        if path.is_file():
+            path.write_text(json.dumps({**json.loads(path.read_text()), **bounds[key]}, indent=2))
+        elif key not in nested:
+            path.write_text(json.dumps({**whole, **bounds[key]}, indent=2))
+
+
+def _bounds(low: int, high: int) -> dict:
+    """A Qwen-VL processor's bounds as transformers 5 saves them (size) and as earlier releases and
+    the published files do (min_pixels / max_pixels, which override size where both are read)."""
+    return {"min_pixels": low, "max_pixels": high, "size": {"shortest_edge": low, "longest_edge": high}}
 
 
 def _check_processor_files(processor_dir: Path) -> None:

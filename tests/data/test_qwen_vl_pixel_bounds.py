@@ -127,3 +127,42 @@ def test_a_saved_processor_file_that_is_not_json_is_one_line_naming_it(tiny, tmp
         _training_encoder_vision(checkpoint, TrainConfig())
     message = str(refused.value)
     assert message.startswith(f"{checkpoint / 'preprocessor_config.json'} is not valid JSON (") and "\n" not in message
+
+
+def _nested_processor(hf_dir, out):
+    """A copy of `hf_dir` with one processor_config.json as transformers 5 saves it: the image and the
+    video processor nested in it, the family's class bounds in each."""
+    import shutil
+
+    shutil.copytree(hf_dir, out)
+    vision = _arch(hf_dir).vision_config
+    common = {"patch_size": vision["patch_size"], "merge_size": 2, "temporal_patch_size": 2,
+              "size": {"shortest_edge": 3136, "longest_edge": 1003520}}
+    (out / "processor_config.json").write_text(json.dumps({
+        "image_processor": {"image_processor_type": "Qwen2VLImageProcessor", **common},
+        "video_processor": {"video_processor_type": "Qwen2VLVideoProcessor", **common}}))
+    return out
+
+
+@pytest.mark.parametrize("saved", ["no-processor-files", "published-image-file", "nested-processor-file"])
+def test_an_hf_export_of_a_bounded_run_resizes_images_and_videos_as_the_run_did(tiny, tmp_path, saved):
+    """The export's processor files, as transformers and our encoder read them, hold the run's bounds."""
+    import shutil
+
+    from transformers import Qwen2VLImageProcessorPil
+
+    from megatron_ext.data.native_resolution import save_pixel_bounds
+    from megatron_ext.data.native_resolution_encoder import vision_of
+
+    _, hf_dir = tiny
+    checkpoint = {"no-processor-files": lambda out: shutil.copytree(hf_dir, out) and out,
+                  "published-image-file": lambda out: _with_saved_processor(hf_dir, out, {"max_pixels": 12_845_056}),
+                  "nested-processor-file": lambda out: _nested_processor(hf_dir, out)}[saved](tmp_path / "ckpt")
+    trained = vision_of(_arch(hf_dir), checkpoint, MIN_PIXELS, MAX_PIXELS)
+    export = shutil.copytree(checkpoint, tmp_path / "export")
+    save_pixel_bounds(trained, export)
+    assert vision_of(_arch(hf_dir), export) == trained
+    theirs = Qwen2VLImageProcessorPil.from_pretrained(export)(images=IMAGES, return_tensors="pt")
+    ours = _training_media(checkpoint, TrainConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS))
+    assert torch.equal(ours["image_grid_thw"], theirs["image_grid_thw"])
+    assert torch.equal(ours["pixel_values"], theirs["pixel_values"])

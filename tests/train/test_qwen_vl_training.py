@@ -106,7 +106,8 @@ def test_stage_2_trains_the_decoder_and_the_mergers_and_not_the_rest_of_the_towe
     losses = [steps[i]["loss"] for i in range(1, ITERS + 1)]
     assert all(a > b for a, b in zip(losses, losses[1:])), losses
     assert all(steps[i]["loss_tokens"] == steps[1]["loss_tokens"] for i in steps)  # the same batch every step
-    changed = _hf_changed(hf_dir, convert(save, tmp_path / "hf"))
+    export = convert(save, tmp_path / "hf")
+    changed = _hf_changed(hf_dir, export)
     tower = {name for name in hf_tensors(hf_dir) if name.startswith(tiny.tower)}
     mergers = {name for name in tower if name.startswith(tiny.projections)}
     assert changed == set(hf_tensors(hf_dir)) - tower | mergers
@@ -115,6 +116,10 @@ def test_stage_2_trains_the_decoder_and_the_mergers_and_not_the_rest_of_the_towe
     from megatron_ext.eval.checkpoints import open_checkpoint
 
     assert open_checkpoint(str(save), None).encoder.task_encoder.vision.max_pixels == TRAINED_MAX_PIXELS
+    # So does transformers' processor of its HF export.
+    from transformers import Qwen2VLImageProcessorPil
+
+    assert Qwen2VLImageProcessorPil.from_pretrained(export).size["longest_edge"] == TRAINED_MAX_PIXELS
 
 
 @pytest.mark.multiprocess
@@ -125,7 +130,8 @@ def test_vision_lr_sets_the_towers_rate_and_not_the_mergers(tmp_path, qwen_hf, q
     tiny, hf_dir = qwen_hf
     save = tmp_path / "run"
     _train(save, qwen_megatron, one_batch, 2, unfreeze_vit=True, vision_lr=0.0, train_iters=1)
-    changed = _hf_changed(hf_dir, convert(save, tmp_path / "hf"))
+    export = convert(save, tmp_path / "hf")
+    changed = _hf_changed(hf_dir, export)
     moved = {name for name in changed if name.startswith(tiny.tower)}
     assert moved == {name for name in hf_tensors(hf_dir) if name.startswith(tiny.projections)}
     assert len(moved) == tiny.merger_tensors and len(changed) == tiny.trained
