@@ -51,10 +51,38 @@ def _in_process_only(item):
         f"{item.nodeid} initialised torch.distributed: mark it multiprocess"
 
 
-# The longest files, started first: two workers (`-n 2 --dist loadfile`) then end together instead of
-# one running a long file alone at the end.
-LONGEST_FIRST = ("tests/train/test_parity.py", "tests/demo/test_demo.py", "tests/train/test_resume.py",
-                 "tests/convert/test_published_shapes.py")
+# Each test file's seconds in a recorded run (setup, call, teardown), written by
+# `pytest --record-file-durations`. Files start longest first, so that the two workers (`-n 2 --dist
+# loadfile`) end together instead of one running a long file alone at the end; a file not yet
+# recorded starts last.
+FILE_DURATIONS = Path(__file__).parent / "file_durations.json"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-file-durations", action="store_true",
+                     help=f"write each test file's seconds in this run to {FILE_DURATIONS.name}, the order files start in")
+
+
+def pytest_configure(config):
+    # pytest-xdist would start the files with the most tests first, whatever their length.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    # Only the controller: with pytest-xdist, it receives every worker's reports.
+    if session.config.getoption("--record-file-durations") and not hasattr(session.config, "workerinput"):
+        recorded = {**json.loads(FILE_DURATIONS.read_text()), **_file_seconds}  # a partial run keeps the others'
+        ordered = sorted(recorded.items(), key=lambda item: -item[1])
+        FILE_DURATIONS.write_text(json.dumps({path: round(s, 1) for path, s in ordered}, indent=1) + "\n")
 
 
 # The tests that reach into megatron-core (its private names, specs, checkpoints, optimizers, parallel
@@ -87,12 +115,9 @@ def _mark_megatron_internals(items) -> None:
 
 
 def pytest_collection_modifyitems(items):
-    def rank(item):
-        path = item.nodeid.split("::")[0]
-        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-
+    durations = json.loads(FILE_DURATIONS.read_text())
     _mark_megatron_internals(items)
-    items.sort(key=rank)
+    items.sort(key=lambda item: -durations.get(item.nodeid.split("::")[0], 0.0))
 
 
 def pytest_terminal_summary(terminalreporter):
