@@ -150,11 +150,12 @@ def _on_every_stage(logits: torch.Tensor | None, shape: tuple, device) -> torch.
     return logits.cpu()
 
 
-def mrope_forward(model, inputs: dict) -> torch.Tensor | None:
+def mrope_forward(model, inputs: dict, inference_context=None) -> torch.Tensor | None:
     """A native-resolution model's (`model/mrope_vlm.py`) logits [1, S, padded vocab] on the last
     pipeline stage, None elsewhere, for `NativeResolutionTaskEncoder.encode_prompt`'s inputs on the
     model's device (its own positions; transformers' token types unused), gathered over TP.
-    Collective over the model-parallel group."""
+    `inference_context`: a KV cache holding the positions before `input_ids` (`position_ids` then
+    cover those too). Collective over the model-parallel group."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -162,7 +163,8 @@ def mrope_forward(model, inputs: dict) -> torch.Tensor | None:
     media = {name: inputs[name] for name in _MROPE_MEDIA if name in inputs}
 
     def forward_step(data_iterator, module):
-        return module(next(data_iterator), inputs["position_ids"], runtime_gather_output=True, **media), None
+        return module(next(data_iterator), inputs["position_ids"], runtime_gather_output=True,
+                      inference_context=inference_context, **media), None
 
     outputs = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter([ids]), model=[model], num_microbatches=1,

@@ -105,7 +105,7 @@ class MRopeVisionLanguageModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                 pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, labels=None,
                 loss_mask=None, packed_seq_params=None, image_uses=None, video_uses=None,
-                runtime_gather_output: bool | None = None):
+                runtime_gather_output: bool | None = None, inference_context=None):
         """Logits [B, S, V]; with `labels` and `loss_mask`, (loss [B, S], loss_mask) as megatron-core's
         LLaVAModel returns them. `input_ids` [B, S] with every image and video expanded to one token
         per merged patch, `position_ids` [3, B, S]; `packed_seq_params`: a one-row batch of packed
@@ -113,7 +113,7 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         [uses], the image (video) each run of media tokens shows, in reading order, where one serves
         several sequences (a preference pair's); None: each is shown once, in order.
         `runtime_gather_output`: GPTModel's (this call's logits gathered over TP, the model built with
-        parallel output)."""
+        parallel output). `inference_context`: GPTModel's KV cache (`eval/mrope_generator.py`)."""
         embeddings = None
         self._deepstack = []
         if self.language_model.pre_process:
@@ -131,7 +131,7 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         try:
             output = self.language_model(input_ids, position_ids, attention_mask, decoder_input=embeddings,
                                          labels=labels, packed_seq_params=packed_seq_params,
-                                         runtime_gather_output=runtime_gather_output)
+                                         runtime_gather_output=runtime_gather_output, inference_context=inference_context)
         finally:
             self._deepstack = []  # the features are this forward's only
         return output if loss_mask is None else (output, loss_mask)

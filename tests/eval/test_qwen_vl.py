@@ -1,5 +1,5 @@
 """The eval commands on Qwen2.5-VL and Qwen3-VL. scripts/eval/generate.py: the greedy tokens of a
-converted Megatron checkpoint at TP1 and TP2, and of the HF checkpoint, equal transformers' `generate`
+converted Megatron checkpoint at TP1, TP2 and PP2 (KV-cached), and of the HF checkpoint, equal transformers' `generate`
 on the HF checkpoint, for prompts about images of odd sizes (37x91, 1000x17), two images, no image and
 a video. The prompts are encoded once, by the trainer's task encoder; transformers computes
 its own mRoPE positions from them, prompt and generated tokens alike. compare_hf_megatron.py: the
@@ -77,11 +77,11 @@ def tiny(request, tmp_path_factory, video_file) -> Tiny:
     return Tiny(hf_dir, megatron_dir, path, expected, [reference.text(ids) for ids in expected])
 
 
-def _generate(tiny: Tiny, ranks: int, checkpoint: list, out: Path) -> list[dict]:
+def _generate(tiny: Tiny, checkpoint: list, out: Path, tp: int = 1, pp: int = 1) -> list[dict]:
     args = [*checkpoint, "--input-jsonl", tiny.requests, "--output-jsonl", out, "--max-new-tokens", MAX_NEW_TOKENS,
             "--video-frames", VIDEO_FRAMES]
-    if ranks > 1:
-        run_ranks(ranks, "scripts/eval/generate.py", *args, "--tp", ranks, timeout=400)
+    if tp * pp > 1:
+        run_ranks(tp * pp, "scripts/eval/generate.py", *args, "--tp", tp, "--pp", pp, timeout=400)
     else:
         run_script("eval/generate.py", *args, timeout=400)
     return [json.loads(line) for line in out.read_text().splitlines()]
@@ -97,15 +97,16 @@ def _check(results: list[dict], tiny: Tiny) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_greedy_tokens_equal_transformers_generate(tiny, tp, tmp_path):
-    _check(_generate(tiny, tp, ["--megatron-dir", tiny.megatron_dir], tmp_path / "answers.jsonl"), tiny)
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
+def test_megatron_greedy_tokens_equal_transformers_generate(tiny, tp, pp, tmp_path):
+    """Through megatron-core's KV cache: one prefill, then one pass per new token, across pipeline stages too."""
+    _check(_generate(tiny, ["--megatron-dir", tiny.megatron_dir], tmp_path / "answers.jsonl", tp, pp), tiny)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
 def test_hf_checkpoint_greedy_tokens_equal_transformers_generate(tiny, tmp_path):
-    _check(_generate(tiny, 1, ["--hf-dir", tiny.hf_dir], tmp_path / "answers.jsonl"), tiny)
+    _check(_generate(tiny, ["--hf-dir", tiny.hf_dir], tmp_path / "answers.jsonl"), tiny)
 
 
 @pytest.mark.multiprocess
