@@ -1,10 +1,11 @@
 """CPU generation speed: megatron-core KV-cached generation (scripts/eval/generate.py's path) vs
 transformers' `generate` on the same converted checkpoint, one process, fp32, greedy.
 
-    python bench/generate_bench.py [--new-tokens 64] [--rounds 3] [--workdir DIR]
+    python bench/generate_bench.py [--family llava|qwen2_5_vl] [--new-tokens 64] [--rounds 3] [--workdir DIR]
 
-Builds a small LLaVA locally (Llama text 8 layers x 512, GQA 8/4 heads, + the tiny CLIP tower,
-16 image tokens), converts it to a Megatron checkpoint (TP1), and for a short and a long prompt
+Builds a small model locally: a LLaVA (Llama text 8 layers x 512, GQA 8/4 heads, + the tiny CLIP
+tower, 16 image tokens) or a Qwen2.5-VL (the same decoder widths with mRoPE, + the demo's tiny
+tower, the image at its own size), converts it to a Megatron checkpoint (TP1), and for a short and a long prompt
 measures the prefill (time to the first new token) and the time per further token, as the median
 of `--rounds` runs. End-of-turn stops are disabled so every run makes exactly `--new-tokens`.
 Per-token time that stays flat from the short to the long prompt is what the KV cache buys.
@@ -24,16 +25,31 @@ REPO = Path(__file__).resolve().parent.parent
 PROMPTS = {"short": "Describe this image.", "long": "Describe this image in detail. " + "red green blue " * 150}
 
 
-def _build(work: Path) -> tuple[Path, Path]:
+# The decoder's widths, both families.
+WIDTHS = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1408}
+
+
+def _build(work: Path, family: str) -> tuple[Path, Path]:
     from megatron_ext.convert.to_megatron import convert
-    from megatron_ext.demo.tiny_models import TinyTextSpec, make_all
+    from megatron_ext.demo.tiny_models import TinyTextSpec, make_all, make_qwen_vl
     from megatron_ext.hf.build_llava import build_llava
 
-    text = TinyTextSpec(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408,
-                        max_position_embeddings=2048)
-    tiny = make_all(work / "tiny", text_spec=text)
-    hf = build_llava(work / "hf", str(tiny["text"]), str(tiny["vision-clip"]))
+    if family == "qwen2_5_vl":
+        w = WIDTHS
+        hf = make_qwen_vl(work / "hf", "qwen2_5_vl", text_fields={
+            "hidden_size": w["hidden_size"], "num_hidden_layers": w["num_layers"], "num_attention_heads": w["num_heads"],
+            "num_key_value_heads": w["num_kv_heads"], "intermediate_size": w["intermediate_size"], "head_dim": 64,
+            "max_position_embeddings": 2048, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                                                 "mrope_section": [8, 12, 12]}})
+    else:
+        tiny = make_all(work / "tiny", text_spec=TinyTextSpec(**WIDTHS, max_position_embeddings=2048))
+        hf = build_llava(work / "hf", str(tiny["text"]), str(tiny["vision-clip"]))
     return hf, convert(hf, work / "megatron", tp=1, pp=1)
+
+
+MODELS = {"llava": "Llama text 8 layers x 512 (GQA 8/4 heads, FFN 1408, vocab ~1k) + tiny CLIP (16 image tokens)",
+          "qwen2_5_vl": "Qwen2.5-VL, decoder 8 layers x 512 (GQA 8/4 heads, FFN 1408, mRoPE 8/12/12, vocab ~450) + "
+                        "the demo's 2-block tower, the 64x64 image as 4 merged tokens"}
 
 
 def _timed(generator, prompt, new_tokens: int) -> float:
@@ -56,12 +72,13 @@ def _measure(generator, prompt, new_tokens: int, rounds: int) -> tuple[float, fl
 
 
 @click.command()
+@click.option("--family", type=click.Choice(["llava", "qwen2_5_vl"]), default="llava", show_default=True)
 @click.option("--new-tokens", type=int, default=64, show_default=True)
 @click.option("--rounds", type=int, default=3, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False), help="Keep the built models here (default: a temp dir).")
-@click.option("--output", type=click.Path(dir_okay=False), default=str(REPO / "bench/results/generate.md"),
-              show_default=True)
-def main(new_tokens, rounds, workdir, output):
+@click.option("--output", type=click.Path(dir_okay=False), help="The report [default: bench/results/generate.md, "
+              "generate_qwen2_5_vl.md for --family qwen2_5_vl].")
+def main(family, new_tokens, rounds, workdir, output):
     import torch
 
     from megatron_ext.convert.compare import synthetic_image
@@ -72,7 +89,7 @@ def main(new_tokens, rounds, workdir, output):
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(workdir or tmp)
-        hf_dir, megatron_dir = _build(work)
+        hf_dir, megatron_dir = _build(work, family)
         image = synthetic_image(0)
         rows = []
         for kind, path in (("megatron-core, KV cache (StaticInferenceContext)", megatron_dir),
@@ -94,10 +111,10 @@ def main(new_tokens, rounds, workdir, output):
         f"Machine: {platform.machine()}, 2 CPU cores (shared), no GPU, Python {platform.python_version()}, "
         f"torch {torch.__version__}; one process, one intra-op thread, fp32, greedy.",
         "",
-        f"Command: `python bench/generate_bench.py --new-tokens {new_tokens} --rounds {rounds}`",
+        f"Command: `python bench/generate_bench.py --family {family} --new-tokens {new_tokens} --rounds {rounds}`",
         "",
-        "Model: Llama text 8 layers x 512 (GQA 8/4 heads, FFN 1408, vocab ~1k) + tiny CLIP (16 image tokens), "
-        f"built locally and converted to Megatron TP1. {new_tokens} new tokens per run, median of {rounds} runs.",
+        f"Model: {MODELS[family]}, built locally and converted to Megatron TP1. {new_tokens} new tokens per run, "
+        f"median of {rounds} runs.",
         "",
         "| generator | prompt | prompt positions | prefill ms | ms per further token |",
         "|---|---|---:|---:|---:|",
@@ -105,7 +122,8 @@ def main(new_tokens, rounds, workdir, output):
           for kind, name, length, prefill, per_token in rows],
         "",
     ]
-    Path(output).write_text("\n".join(lines))
+    report = output or REPO / "bench/results" / ("generate.md" if family == "llava" else f"generate_{family}.md")
+    Path(report).write_text("\n".join(lines))
     print("\n".join(lines))
 
 

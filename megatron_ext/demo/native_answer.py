@@ -1,4 +1,4 @@
-"""One greedy answer about an image from an HF Qwen2.5-VL checkpoint, with transformers' own
+"""One greedy answer about an image from an HF Qwen2.5-VL or Qwen3-VL checkpoint, with transformers' own
 `generate`: the prompt encoded by the trainer's task encoder as `compare` encodes it
 (`convert.compare.native_resolution_inputs`: the chat template, the image smart-resized, its pad
 token expanded to its merged patch count, the token types transformers computes mRoPE from)."""

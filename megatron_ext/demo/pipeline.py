@@ -8,9 +8,9 @@ about an image with the HF model -> evaluate.py scores the Megatron checkpoint o
 about the same pictures, prepared -> run.py --stage dpo tunes the stage 2 checkpoint on them (2
 processes, TP2), its held-out pairs evaluated before and after.
 
-`--family qwen2_5_vl` runs a native-resolution model instead (`run_qwen2_5_vl_demo`): a tiny
-Qwen2.5-VL -> TP2 -> the same synthetic images at their own sizes -> stage 2 -> HF -> an answer
-from transformers' generate.
+`--family qwen2_5_vl` or `qwen3_vl` runs a native-resolution model instead (`run_qwen_vl_demo`): a
+tiny Qwen2.5-VL or Qwen3-VL -> TP2 -> the same synthetic images at their own sizes -> stage 2 -> HF
+-> an answer from transformers' generate.
 
 Each step runs the real command in a subprocess (`python -m megatron_ext.commands.<group> <command>`,
 what the megatron-ext-* console scripts and the files under scripts/ run), so the demo works from an
@@ -162,25 +162,31 @@ def run_demo(out: Path, settings: DemoSettings = DemoSettings()) -> dict[str, Pa
     return paths
 
 
-# The Qwen2.5-VL demo: fewer samples and steps, so that it stays within about two minutes on 2 cores.
-QWEN2_5_VL_SETTINGS = DemoSettings(samples=64, stage2_iters=30)
+# The Qwen-VL demos: fewer samples and steps, so that each stays within about two minutes on 2 cores.
+QWEN_VL_SETTINGS = DemoSettings(samples=64, stage2_iters=30)
+# family: (its name, its tiny model: decoder and tower, each printed in the step's title)
+QWEN_VL_DEMOS = {
+    "qwen2_5_vl": ("Qwen2.5-VL", "windowed tower, mRoPE decoder"),
+    "qwen3_vl": ("Qwen3-VL", "tower with a DeepStack feature, interleaved-mRoPE decoder"),
+}
 
 
-def run_qwen2_5_vl_demo(out: Path, settings: DemoSettings = QWEN2_5_VL_SETTINGS) -> dict[str, Path]:
-    """A native-resolution model through the pipeline: a tiny random Qwen2.5-VL -> Megatron (TP2) ->
-    the synthetic dataset, prepared -> stage 2 (2 processes, TP2) -> HF -> one answer from
-    transformers' generate. Returns where each artifact is."""
+def run_qwen_vl_demo(out: Path, family: str = "qwen2_5_vl", settings: DemoSettings = QWEN_VL_SETTINGS) -> dict[str, Path]:
+    """A native-resolution model through the pipeline: a tiny random Qwen2.5-VL or Qwen3-VL (`family`)
+    -> Megatron (TP2) -> the synthetic dataset, prepared -> stage 2 (2 processes, TP2) -> HF -> one
+    answer from transformers' generate. Returns where each artifact is."""
     log, s = _log_in(out), settings
+    name, parts = QWEN_VL_DEMOS[family]
     paths = {
-        "tiny HF Qwen2.5-VL": out / "hf-qwen2_5_vl",
+        f"tiny HF {name}": out / f"hf-{family}",
         **_converted_and_data(out),
         "stage 2 checkpoints": out / "stage2",
-        "trained HF Qwen2.5-VL": out / "hf-trained",
+        f"trained HF {name}": out / "hf-trained",
         "answer (transformers)": out / "answer.jsonl",
     }
     p = list(paths.values())
-    _run("1/7 a tiny random Qwen2.5-VL (windowed tower, mRoPE decoder, byte-level BPE tokenizer in ChatML)",
-         "demo tiny-qwen2-5-vl", "--save-dir", p[0], "--force", log=log)
+    _run(f"1/7 a tiny random {name} ({parts}, byte-level BPE tokenizer in ChatML)",
+         "demo tiny-qwen-vl", "--family", family, "--save-dir", p[0], "--force", log=log)
     _run("2/7 convert it to a Megatron checkpoint for TP2 (the tower whole on every rank)", "convert hf-to-megatron",
          "--tp", s.tp, "--pp", 1, "--hf-dir", p[0], "--megatron-dir", p[1], "--force", log=log)
     _run("3/7 a synthetic image dataset (LLaVA JSON; images of many sizes)", "data synthetic", "--output-dir", p[2],

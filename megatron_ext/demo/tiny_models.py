@@ -287,26 +287,38 @@ QWEN2_5_VL_TEXT = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_hea
                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}}
 QWEN2_5_VL_VISION = {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
                      "fullatt_block_indexes": [1], "window_size": 56, "tokens_per_second": 4}
+# A tiny Qwen3-VL: the same decoder (its sections interleaved over the channels, as Qwen3-VL's are),
+# a 2-block tower of 16-pixel patches with an 8 x 8 learned position grid, and the first block's
+# DeepStack feature added after the first decoder layer.
+QWEN3_VL_TEXT = QWEN2_5_VL_TEXT
+QWEN3_VL_VISION = {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+                   "deepstack_visual_indexes": [0], "num_position_embeddings": 64}
 QWEN_VL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+# family: (config class, model class, its decoder's and tower's tiny configs)
+QWEN_VL_MODELS = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", QWEN2_5_VL_TEXT,
+                                 QWEN2_5_VL_VISION),
+                  "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", QWEN3_VL_TEXT, QWEN3_VL_VISION)}
 
 
-def make_qwen2_5_vl(save_dir: Path, seed: int = 0) -> Path:
-    """Write a random Qwen2.5-VL with the byte-level BPE tokenizer in ChatML's format (no BOS,
-    <|im_end|> ends a turn) and Qwen-VL's vision tokens added after it."""
-    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def make_qwen_vl(save_dir: Path, family: str = "qwen2_5_vl", seed: int = 0, text_fields: dict | None = None) -> Path:
+    """Write a random Qwen2.5-VL or Qwen3-VL (`family`) with the byte-level BPE tokenizer in ChatML's
+    format (no BOS, <|im_end|> ends a turn) and Qwen-VL's vision tokens added after it;
+    `text_fields` over the decoder's tiny config (bench/generate_bench.py's wider one)."""
+    import transformers
 
+    config_class, model_class, text_config, vision_config = QWEN_VL_MODELS[family]
     tokenizer = train_tokenizer(400, "chatml")
     tokenizer.add_tokens(list(QWEN_VL_TOKENS), special_tokens=True)
     image, video, start, end = tokenizer.convert_tokens_to_ids(list(QWEN_VL_TOKENS))
     special = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     # The vocabulary rounded up to a multiple of 64, as published checkpoints pad theirs.
-    text = {**copy.deepcopy(QWEN2_5_VL_TEXT), "vocab_size": -(-len(tokenizer) // 64) * 64, **special}
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=copy.deepcopy(QWEN2_5_VL_VISION), image_token_id=image,
-                              video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
-                              tie_word_embeddings=False, **special)
+    text = {**copy.deepcopy(text_config), **(text_fields or {}), "vocab_size": -(-len(tokenizer) // 64) * 64, **special}
+    config = getattr(transformers, config_class)(
+        text_config=text, vision_config=copy.deepcopy(vision_config), image_token_id=image, video_token_id=video,
+        vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False, **special)
     _seeded(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(**special)
+    model = getattr(transformers, model_class)(config)
+    model.generation_config = transformers.GenerationConfig(**special)
     model.save_pretrained(save_dir)
     tokenizer.save_pretrained(save_dir)
     return save_dir

@@ -61,16 +61,23 @@ def test_demo_runs_the_whole_pipeline(tmp_path):
     assert f"rewards/accuracies {after['rewards/accuracies']:.3f}" in proc.stdout
 
 
+# family: (transformers' class, its tower's tensor prefix, the prefixes of the tower's mergers stage 2 trains)
+QWEN_VL = {"qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "visual.", ("visual.merger.",)),
+           "qwen3_vl": ("Qwen3VLForConditionalGeneration", "model.visual.",
+                        ("model.visual.merger.", "model.visual.deepstack_merger_list."))}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)  # about 2 minutes on 2 idle cores; 8 with 5 other suites on them
-def test_the_qwen2_5_vl_demo_trains_at_tp2_converts_back_and_answers_with_transformers(tmp_path):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+@pytest.mark.parametrize("family", QWEN_VL)
+def test_the_qwen_vl_demo_trains_at_tp2_converts_back_and_answers_with_transformers(tmp_path, family):
+    import transformers
 
     from tests.support.helpers import hf_tensors
 
+    model_class, tower_prefix, merger_prefixes = QWEN_VL[family]
     out = tmp_path / "demo"
-    proc = run_script("demo/run_demo.py", "--family", "qwen2_5_vl", "--output-dir", out, "--stage2-iters", 4,
-                      timeout=600)
+    proc = run_script("demo/run_demo.py", "--family", family, "--output-dir", out, "--stage2-iters", 4, timeout=600)
     answer = json.loads((out / "answer.jsonl").read_text())["answer"]
     assert f"answer:    {answer}\n" in proc.stdout and "demo finished" in proc.stdout
     assert "megatron_ext.commands.demo answer --hf-dir " + str(out / "hf-trained") in proc.stdout
@@ -80,12 +87,14 @@ def test_the_qwen2_5_vl_demo_trains_at_tp2_converts_back_and_answers_with_transf
     assert snapshot.meta["run_config"]["start"].startswith(str(out / "megatron-tp2"))
     records = [json.loads(line) for line in (out / "stage2" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records if r["split"] == "train"][-1] == 4
-    # Back in HF, stage 2 moved the decoder and the tower's merger, and no other tower tensor.
-    before, after = hf_tensors(out / "hf-qwen2_5_vl"), hf_tensors(out / "hf-trained")
+    # Back in HF, stage 2 moved the decoder and the tower's mergers, and no other tower tensor.
+    before, after = hf_tensors(out / f"hf-{family}"), hf_tensors(out / "hf-trained")
     assert before.keys() == after.keys()
-    tower = {name for name in before if name.startswith("visual.")}
-    merger = {name for name in tower if name.startswith("visual.merger.")}
+    tower = {name for name in before if name.startswith(tower_prefix)}
+    mergers = {name for name in tower if name.startswith(merger_prefixes)}
     changed = {name for name in before if not torch.equal(before[name], after[name])}
-    assert changed == set(before) - tower | merger and merger
-    _, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(out / "hf-trained", output_loading_info=True)
+    assert changed == set(before) - tower | mergers
+    untrained = [prefix for prefix in merger_prefixes if not any(name.startswith(prefix) for name in mergers)]
+    assert not untrained, f"no trained tensor under {untrained}"
+    _, info = getattr(transformers, model_class).from_pretrained(out / "hf-trained", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
