@@ -49,7 +49,7 @@ def _build(work: Path, family: str) -> tuple[Path, Path]:
 
 MODELS = {"llava": "Llama text 8 layers x 512 (GQA 8/4 heads, FFN 1408, vocab ~1k) + tiny CLIP (16 image tokens)",
           "qwen2_5_vl": "Qwen2.5-VL, decoder 8 layers x 512 (GQA 8/4 heads, FFN 1408, mRoPE 8/12/12, vocab ~450) + "
-                        "the demo's 2-block tower, the 64x64 image as 4 merged tokens"}
+                        "the demo's 2-block tower, the 70x60 image resized to 56x56, 4 merged tokens"}
 
 
 def _timed(generator, prompt, new_tokens: int) -> float:

@@ -314,7 +314,8 @@ def make_qwen_vl(save_dir: Path, family: str = "qwen2_5_vl", seed: int = 0, text
     # The vocabulary rounded up to a multiple of 64, as published checkpoints pad theirs.
     text = {**copy.deepcopy(text_config), **(text_fields or {}), "vocab_size": -(-len(tokenizer) // 64) * 64, **special}
     config = getattr(transformers, config_class)(
-        text_config=text, vision_config=copy.deepcopy(vision_config), image_token_id=image, video_token_id=video,
+        text_config=text, vision_config={**copy.deepcopy(vision_config), "out_hidden_size": text["hidden_size"]},
+        image_token_id=image, video_token_id=video,
         vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False, **special)
     _seeded(seed)
     model = getattr(transformers, model_class)(config)
