@@ -111,9 +111,9 @@ _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_
 
 def save_pixel_bounds(vision: QwenVision, directory: Path) -> None:
     """Write `vision`'s image and video bounds, mean and std where transformers (and
-    `with_saved_settings`) read them in `directory`: into the processor files there, and as preprocessor_config.json /
-    video_preprocessor_config.json (`vision`'s whole settings) where it would find none. An HF export
-    of a run trained with --min/--max-pixels then resizes as the run did."""
+    `with_saved_settings`) read them in `directory`: into the processor files there, and as
+    preprocessor_config.json / video_preprocessor_config.json (`vision`'s whole settings) where it
+    would find none. An HF export of a run trained with --min/--max-pixels then resizes as the run did."""
     nested_file, image_file, video_file = (directory / name for name in _PROCESSOR_FILES)
     normalized = {"image_mean": list(vision.image_mean), "image_std": list(vision.image_std)}
     bounds = {"image_processor": {**_bounds(vision.min_pixels, vision.max_pixels), **normalized},

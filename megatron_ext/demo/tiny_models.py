@@ -285,13 +285,14 @@ QWEN2_5_VL_TEXT = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_hea
                    "intermediate_size": 128, "head_dim": 16, "max_position_embeddings": 1024,
                    "initializer_range": TinyTextSpec.initializer_range,
                    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}}
-QWEN2_5_VL_VISION = {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+# The towers' output width is the decoder's (`make_qwen_vl` sets it).
+QWEN2_5_VL_VISION = {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
                      "fullatt_block_indexes": [1], "window_size": 56, "tokens_per_second": 4}
 # A tiny Qwen3-VL: the same decoder (its sections interleaved over the channels, as Qwen3-VL's are),
 # a 2-block tower of 16-pixel patches with an 8 x 8 learned position grid, and the first block's
 # DeepStack feature added after the first decoder layer.
 QWEN3_VL_TEXT = QWEN2_5_VL_TEXT
-QWEN3_VL_VISION = {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+QWEN3_VL_VISION = {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
                    "deepstack_visual_indexes": [0], "num_position_embeddings": 64}
 QWEN_VL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 # family: (config class, model class, its decoder's and tower's tiny configs)
@@ -315,8 +316,8 @@ def make_qwen_vl(save_dir: Path, family: str = "qwen2_5_vl", seed: int = 0, text
     text = {**copy.deepcopy(text_config), **(text_fields or {}), "vocab_size": -(-len(tokenizer) // 64) * 64, **special}
     config = getattr(transformers, config_class)(
         text_config=text, vision_config={**copy.deepcopy(vision_config), "out_hidden_size": text["hidden_size"]},
-        image_token_id=image, video_token_id=video,
-        vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False, **special)
+        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+        tie_word_embeddings=False, **special)
     _seeded(seed)
     model = getattr(transformers, model_class)(config)
     model.generation_config = transformers.GenerationConfig(**special)
