@@ -76,7 +76,7 @@ def test_hf_and_megatron_tp2_give_the_same_answers_and_lmms_eval_scores(llava_cl
                           "answer": ["a small picture of noise", "random colored pixels"]} for i, p in enumerate(paths)],
     }
     tasks = write_tasks(tmp_path / "tasks", docs, MAX_NEW_TOKENS)
-    env = child_env(HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    env = child_env(HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "datasets"))
     common = ["--include-path", tasks, "--tasks", TASKS]
 
     hf_out, megatron_out = tmp_path / "hf", tmp_path / "megatron"

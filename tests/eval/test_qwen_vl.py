@@ -235,7 +235,7 @@ def test_lmms_eval_scores_hf_megatron_tp2_and_the_trainer_with_transformers_answ
                                                            "answers": refs}
                                                           for i, (visual, refs) in enumerate(zip(visuals, references))]},
                         MAX_NEW_TOKENS)
-    env = child_env(HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    env = child_env(HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "datasets"))
     common = ["--include-path", tasks, "--tasks", "tiny_vqa", "--video-frames", VIDEO_FRAMES]
     hf_out, megatron_out = tmp_path / "hf", tmp_path / "megatron"
     run_script("eval/benchmark.py", "--hf-dir", tiny.hf_dir, *common, "--output-dir", hf_out, env=env, timeout=300)

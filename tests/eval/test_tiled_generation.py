@@ -138,7 +138,7 @@ def test_lmms_eval_answers_the_same_through_hf_and_megatron(hf_dirs, converted, 
             "tiny_video": [{"question_id": 0, "video_path": str(media["video"]), "question": question,
                             "answers": ["a"] * 10}]}
     tasks = write_tasks(tmp_path / "tasks", docs, MAX_NEW_TOKENS)
-    env = child_env(HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    env = child_env(HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "datasets"))
 
     hf_out, megatron_out, video_out = tmp_path / "hf", tmp_path / "megatron", tmp_path / "video"
     common = ["--include-path", tasks, "--tasks"]

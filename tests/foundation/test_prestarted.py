@@ -64,6 +64,9 @@ def test_the_server_forks_only_what_a_fresh_interpreter_would_run_alike(script):
     python = sys.executable
     assert server.serves([python, str(script), "0"], child_env(RANK="1", REHEARSAL_REPORT="r.json"))
     assert server.serves([python, "-m", "megatron_ext.train.pretrain_llava"], child_env())
+    # lmms-eval's `datasets` is imported by the job, after the fork: its cache can be the test's own.
+    assert server.serves([python, str(script)], child_env(HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE="/elsewhere"))
+    assert not server.serves([python, str(script)], child_env(HF_HOME="/elsewhere"))  # huggingface_hub's, at import
     assert not server.serves([python, str(script)], child_env(PYTHONPATH="/elsewhere"))  # seen at import
     assert not server.serves([python, str(script)], child_env(gpu=True))
     assert not server.serves([python, "-c", "pass"], child_env())

@@ -13,8 +13,8 @@ converter workers from a preloaded server the same way (megatron_ext/convert/wor
 What a fork cannot give is a fresh interpreter, so `serves` sends a job to a real process where
 that could matter:
 - the environment the libraries saw at import is the server's: a job whose environment differs
-  from it (other than the distributed variables and TEST_HOOKS, which are read at run time) starts
-  fresh, as does any command but `python SCRIPT|-m MODULE`;
+  from it (other than the distributed variables, TEST_HOOKS and DATASETS_VARS, which are read after
+  the fork) starts fresh, as does any command but `python SCRIPT|-m MODULE`;
 - what the libraries print while imported, they print once, in the server: a test of what a command
   prints (no warnings, one error line) passes `fresh=True`;
 - the process's command line (/proc, psutil) is the server's: tests that find processes by it run
@@ -43,6 +43,9 @@ from tests.support.helpers import DISTRIBUTED_VARS, REPO_ROOT, child_env
 # Read by the test jobs at run time (tests/train/gpu_rehearsal.py, failing_save.py, the workers):
 # a job that sets them can still be forked.
 TEST_HOOKS = frozenset({"REHEARSAL_REPORT", "REHEARSAL_MATH_LIMIT", "FAIL_SAVE"})
+# Read by `datasets` (lmms-eval's) when imported, which the server never does (`serve` checks): a job
+# whose benchmark caches its tasks' data apart from others' can still be forked.
+DATASETS_VARS = frozenset({"HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE"})
 PRELOAD = ("torch", "megatron.core.models.multimodal.llava_model", "megatron.core.optimizer",
            "megatron.core.distributed", "megatron.core.dist_checkpointing", "megatron.energon",
            "transformers", "transformers.image_processing_utils", "transformers.tokenization_utils_fast",
@@ -86,6 +89,7 @@ def serve(fd: int) -> None:
         importlib.import_module(name)
     # A fork copies one thread: one the imports left running would be missing in every job.
     assert threading.active_count() == 1, threading.enumerate()
+    assert "datasets" not in sys.modules, "the preloaded imports read DATASETS_VARS: serves() must compare them"
     _send(sock, {"ready": os.getpid()})
     jobs: set[int] = set()
     events = selectors.DefaultSelector()
@@ -237,7 +241,7 @@ class Server:
             return False
         if not (cmd[1].endswith(".py") or (cmd[1] == "-m" and len(cmd) > 2)):
             return False
-        ignored = TEST_HOOKS.union(DISTRIBUTED_VARS)
+        ignored = TEST_HOOKS.union(DISTRIBUTED_VARS, DATASETS_VARS)
         return ({k: v for k, v in env.items() if k not in ignored}
                 == {k: v for k, v in self.env.items() if k not in ignored})
 
