@@ -1,8 +1,8 @@
 """Does our trainer train the model transformers would? The parity check behind
 scripts/train/check_parity.py.
 
-1. `run_ours`: the HF checkpoint converted, N steps of our real trainer under torchrun in the
-   layout asked for (`verify.parity_run` records each global batch and the first step's gradients),
+1. `run_ours`: the HF checkpoint converted, N steps of our real trainer on N processes (under
+   torchrun on GPUs, forked on a CPU) in the layout asked for (`verify.parity_run` records each global batch and the first step's gradients),
    the result exported to HF (LoRA: its initial and final adapters exported to PEFT).
 2. `run_hf`: N steps of `verify.hf_loop` (transformers' model, trained as its Trainer trains; LoRA:
    a PEFT model starting from our initial adapters) on the same global batches, with the same
@@ -138,11 +138,7 @@ def run_ours(hf_dir: str | Path, data_path: str, work_dir: Path, steps: int, gpu
         raise UserError(f"{work_dir / 'ours'} holds a run already: give the parity check an empty --work-dir")
     config_json = work_dir / "config.json"
     config_json.write_text(json.dumps(config.to_dict()))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-           "-m", "megatron_ext.verify.parity_run", str(work_dir / "batches"), str(config_json)]
-    done = subprocess.run(cmd, capture_output=quiet, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if done.returncode:
-        raise UserError(f"our trainer failed (exit {done.returncode}){': ' + done.stderr[-2000:] if quiet else ''}")
+    (_torchrun_ranks if torch.cuda.is_available() else _forked_ranks)(work_dir, config_json, gpus, quiet)
     metrics = [json.loads(line) for line in (work_dir / "ours" / "metrics.jsonl").read_text().splitlines()]
     steps_logged = {r["iteration"]: r for r in metrics if r["split"] == "train"}
     steps_logged = [steps_logged[i] for i in sorted(steps_logged)]
@@ -155,6 +151,45 @@ def run_ours(hf_dir: str | Path, data_path: str, work_dir: Path, steps: int, gpu
     initial = write_peft_adapter(work_dir / "ours" / layout.snapshot_name(0), work_dir / "adapter_initial", force=True)
     final = write_peft_adapter(work_dir / "ours", work_dir / "adapter", force=True)
     return OurRun(plan, work_dir / "batches", final, steps_logged, Path(hf_dir), initial)
+
+
+def _torchrun_ranks(work_dir: Path, config_json: Path, gpus: int, quiet: bool) -> None:
+    """Our trainer's ranks on GPUs: `verify.parity_run` under torchrun."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+           "-m", "megatron_ext.verify.parity_run", str(work_dir / "batches"), str(config_json)]
+    done = subprocess.run(cmd, capture_output=quiet, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if done.returncode:
+        raise UserError(f"our trainer failed (exit {done.returncode}){': ' + done.stderr[-2000:] if quiet else ''}")
+
+
+def _forked_ranks(work_dir: Path, config_json: Path, gpus: int, quiet: bool) -> None:
+    """Our trainer's ranks on a CPU: `verify.parity_run` forked from the converters' preloaded server
+    (convert.cpu_ranks), which spares each rank the fresh interpreter's imports torchrun would start
+    (about 10 s of CPU each, more than a check's few steps compute). `quiet`: their output in a log."""
+    from torch.multiprocessing.spawn import ProcessException
+
+    from megatron_ext.convert.cpu_ranks import run_on_cpu_ranks
+
+    log = work_dir / "ours.log" if quiet else None
+    try:
+        run_on_cpu_ranks(_trainer_rank, gpus, str(work_dir / "batches"), str(config_json), log and str(log))
+    except ProcessException as exc:
+        shown = f": {log.read_text()[-2000:]}" if log else ""
+        raise UserError(f"our trainer failed ({exc}){shown}") from None
+
+
+def _trainer_rank(record_dir: str, config_json: str, log: str | None) -> None:
+    """One forked rank: `parity_run.main`, exiting with its status; `log`: where its output goes
+    (every rank appends). parity_run is imported here, in the rank: it arms the rank to die with its parent."""
+    from megatron_ext.verify import parity_run
+
+    if log:
+        with open(log, "a") as out:
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+    status = parity_run.main([record_dir, config_json])
+    if status:
+        sys.exit(status)
 
 
 def global_batch(ours: OurRun, iteration: int) -> list[dict]:

@@ -1,5 +1,6 @@
-"""The parity check's run of our trainer, under torchrun: the real Trainer, which also saves every
-global batch it trains on, so the transformers loop (`verify.hf_loop`) replays exactly those samples.
+"""The parity check's run of our trainer, under torchrun (on a CPU forked: `verify.parity._forked_ranks`):
+the real Trainer, which also saves every global batch it trains on, so the transformers loop
+(`verify.hf_loop`) replays exactly those samples.
 
     torchrun --nproc-per-node N -m megatron_ext.verify.parity_run RECORD_DIR CONFIG_JSON
 

@@ -87,7 +87,10 @@ def test_qwen_vl_at_tp2_trains_as_transformers_does(request, tmp_path, qwen, nam
 
 
 def _planted(monkeypatch, double: Path) -> None:
+    """`double`'s defect in our ranks, which then run under torchrun, as on GPUs: a fresh interpreter
+    imports sitecustomize; a forked rank (the check's CPU path) would not."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(double), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setattr(parity, "_forked_ranks", parity._torchrun_ranks)
 
 
 @pytest.mark.parametrize("qwen", ["qwen2_5_vl"], indirect=True)
