@@ -2,8 +2,9 @@
 scripts/train/check_parity.py.
 
 1. `run_ours`: the HF checkpoint converted, N steps of our real trainer on N processes (under
-   torchrun on GPUs, forked on a CPU) in the layout asked for (`verify.parity_run` records each global batch and the first step's gradients),
-   the result exported to HF (LoRA: its initial and final adapters exported to PEFT).
+   torchrun on GPUs, forked on a CPU) in the layout asked for (`verify.parity_run` records each
+   global batch and the first step's gradients), the result exported to HF (LoRA: its initial and
+   final adapters exported to PEFT).
 2. `run_hf`: N steps of `verify.hf_loop` (transformers' model, trained as its Trainer trains; LoRA:
    a PEFT model starting from our initial adapters) on the same global batches, with the same
    optimizer (AdamW or SGD), schedule and frozen parts.
