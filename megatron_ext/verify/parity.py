@@ -134,12 +134,13 @@ def run_ours(hf_dir: str | Path, data_path: str, work_dir: Path, steps: int, gpu
     if megatron_dir is None:
         megatron_dir = to_megatron.convert(hf_dir, work_dir / "megatron", tp=1, pp=1, force=True)
     config = trainer_config(megatron_dir, data_path, work_dir / "ours", steps, options)
-    plan = make_plan(config, gpus, torch.cuda.is_available())
+    on_gpu = torch.cuda.is_available()
+    plan = make_plan(config, gpus, on_gpu)
     if plan.resume is not None:
         raise UserError(f"{work_dir / 'ours'} holds a run already: give the parity check an empty --work-dir")
     config_json = work_dir / "config.json"
     config_json.write_text(json.dumps(config.to_dict()))
-    (_torchrun_ranks if torch.cuda.is_available() else _forked_ranks)(work_dir, config_json, gpus, quiet)
+    (_torchrun_ranks if on_gpu else _forked_ranks)(work_dir, config_json, gpus, quiet)
     metrics = [json.loads(line) for line in (work_dir / "ours" / "metrics.jsonl").read_text().splitlines()]
     steps_logged = {r["iteration"]: r for r in metrics if r["split"] == "train"}
     steps_logged = [steps_logged[i] for i in sorted(steps_logged)]

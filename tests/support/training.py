@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -100,3 +101,13 @@ def _check_held_state(record: dict, save_dir: Path, plan) -> None:
         assert max(shares) == state.optimizer_bytes, (stage, tp, shares)
         whole = state.trained * per_element
         assert sum(shares) == (whole if plan.config.dist_optim else whole * len(mine)), (stage, tp, shares)
+
+
+def plant_in_parity_ranks(monkeypatch, double: Path) -> None:
+    """The defect `double`'s sitecustomize plants, in the parity check's ranks (`verify.parity.run_ours`).
+    They then run under torchrun, as on GPUs: a fresh interpreter imports sitecustomize; a forked
+    rank (the check's CPU path) would not."""
+    from megatron_ext.verify import parity
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(double), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setattr(parity, "_forked_ranks", parity._torchrun_ranks)

@@ -10,14 +10,13 @@ Each run is made once; each check replays its recorded batches."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from pathlib import Path
 
 import pytest
 
 from megatron_ext.verify import hf_loop, parity
-from tests.support.training import assert_held_state_is_planned
+from tests.support.training import assert_held_state_is_planned, plant_in_parity_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -227,10 +226,8 @@ def test_catches_weight_decay_on_norms(ours, monkeypatch):
 
 def test_catches_clipping_per_rank(tmp_path, llava_clip, megatron_clip, train_data, monkeypatch):
     """Our trainer at TP2, each rank clipping by the norm of its own half of the split weights: the
-    norm it reports and clips by is not the global one. One step shows it. The ranks run under
-    torchrun, as on GPUs (the defect is planted in each fresh interpreter), where the other runs here fork."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(CLIP_PER_RANK), os.environ.get("PYTHONPATH")) if p))
-    monkeypatch.setattr(parity, "_forked_ranks", parity._torchrun_ranks)
+    norm it reports and clips by is not the global one. One step shows it."""
+    plant_in_parity_ranks(monkeypatch, CLIP_PER_RANK)
     ours = parity.run_ours(llava_clip, str(train_data), tmp_path, 1, 2,
                            {**BASE, "tp": 2, "micro_batch_size": 2, "global_batch_size": 2}, quiet=True,
                            megatron_dir=megatron_clip)

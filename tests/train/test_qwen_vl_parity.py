@@ -9,12 +9,12 @@ ours shows: each one planted in our trainer is caught."""
 from __future__ import annotations
 
 import importlib
-import os
 from pathlib import Path
 
 import pytest
 
 from megatron_ext.verify import parity
+from tests.support.training import plant_in_parity_ranks
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -86,16 +86,9 @@ def test_qwen_vl_at_tp2_trains_as_transformers_does(request, tmp_path, qwen, nam
     assert max(max(row.rel) for row in report.rows) <= 1e-5 and max(report.grads.values()) <= 1e-5
 
 
-def _planted(monkeypatch, double: Path) -> None:
-    """`double`'s defect in our ranks, which then run under torchrun, as on GPUs: a fresh interpreter
-    imports sitecustomize; a forked rank (the check's CPU path) would not."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(double), os.environ.get("PYTHONPATH")) if p))
-    monkeypatch.setattr(parity, "_forked_ranks", parity._torchrun_ranks)
-
-
 @pytest.mark.parametrize("qwen", ["qwen2_5_vl"], indirect=True)
 def test_catches_our_image_positions_shifted_by_one(tmp_path, qwen, train_data, monkeypatch):
-    _planted(monkeypatch, SHIFTED_IMAGE_POSITIONS)
+    plant_in_parity_ranks(monkeypatch, SHIFTED_IMAGE_POSITIONS)
     report = _report(qwen, train_data, tmp_path)
     assert "step 1: loss differs" in " ".join(report.problems), report.table()
     assert any("first-step gradient differs" in p for p in report.problems)
@@ -103,14 +96,14 @@ def test_catches_our_image_positions_shifted_by_one(tmp_path, qwen, train_data, 
 
 @pytest.mark.parametrize("qwen", ["qwen2_5_vl"], indirect=True)
 def test_catches_packed_samples_attending_to_each_other(tmp_path, qwen, train_data, monkeypatch):
-    _planted(monkeypatch, LEAKY_PACKS)
+    plant_in_parity_ranks(monkeypatch, LEAKY_PACKS)
     report = _report(qwen, train_data, tmp_path, **RUNS["packed"][0])
     assert "step 1: loss differs" in " ".join(report.problems), report.table()
 
 
 @pytest.mark.parametrize("qwen", ["qwen3_vl"], indirect=True)
 def test_catches_deepstack_features_added_one_decoder_layer_late(tmp_path, qwen, train_data, monkeypatch):
-    _planted(monkeypatch, LATE_DEEPSTACK)
+    plant_in_parity_ranks(monkeypatch, LATE_DEEPSTACK)
     report = _report(qwen, train_data, tmp_path, **RUNS["packed"][0])
     assert "step 1: loss differs" in " ".join(report.problems), report.table()
     assert any("first-step gradient differs" in p for p in report.problems)
