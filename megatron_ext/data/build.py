@@ -3,8 +3,8 @@
 
 Order of work: read the records; check each one and load its image in worker processes (in
 input order); write webdataset shards ``NNNNNN.tar`` into a temporary directory, each split's
-records (`splits`: by record, in input order) in shards of their own; run
-``energon prepare`` there non-interactively, naming each split's shards, and write the task's dataset.yaml of `shard_format`; check that the
+records (`splits`: by record, in input order) in shards of their own; index them there as
+``energon prepare`` does non-interactively, naming each split's shards, and write the task's dataset.yaml of `shard_format`; check that the
 prepared sample count is what was written; write ``build_report.json``; only then rename the
 temporary directory to the output directory. A failure anywhere leaves no output behind.
 """
@@ -15,9 +15,6 @@ import functools
 import json
 import logging
 import multiprocessing
-import os
-import subprocess
-import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +28,7 @@ from megatron_ext.data.splits import split_of_records, split_parts, split_sizes
 from megatron_ext.data.tasks import PREFERENCE, SFT, TASKS
 from megatron_ext.errors import UserError
 from megatron_ext.fsutil import atomic_output_dir, check_output_dir
-from megatron_ext.progress import QUIET_ENV, progress
+from megatron_ext.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -132,16 +129,20 @@ def _write_shards(samples, out: Path, splits: list[str], samples_per_shard: int,
 
 def run_energon_prepare(path: Path, shards: dict[str, list[int]], num_workers: int, dataset_yaml: dict = DATASET_YAML) -> None:
     """Index the shards in `path`, `shards` naming the shard numbers of each split, and name the
-    sample type they hold (`dataset_yaml`)."""
-    cmd = [sys.executable, "-m", "megatron.energon.cli.main", "prepare", str(path), "--non-interactive",
-           "--skip-dataset-yaml", "--num-workers", str(max(1, num_workers))]
-    cmd += [arg for part in split_parts(shards) for arg in ("--split-parts", part)]
-    if not sys.stderr.isatty() or os.environ.get(QUIET_ENV):
-        cmd.append("--no-progress")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or ["no output"]
-        raise UserError(f"energon prepare failed on the new shards: {tail[0]}")
+    sample type they hold (`dataset_yaml`): what `energon prepare PATH --non-interactive
+    --skip-dataset-yaml --split-parts ...` does, called in this process (a command of its own would
+    import torch and energon again, seconds of every build)."""
+    from megatron.energon.epathlib import EPath
+    from megatron.energon.flavors import BaseWebdatasetFactory
+
+    tars = sorted(str(tar.relative_to(path)) for tar in path.glob("*.tar"))
+    patterns = [tuple(part.split(":", 1)) for part in split_parts(shards)]
+    try:
+        BaseWebdatasetFactory.prepare_dataset(
+            EPath(path), tars, split_parts_patterns=patterns, shuffle_seed=None, workers=max(1, num_workers),
+            progress_fn=lambda tars, total=None: iter(progress(tars, total=total, desc="indexing shards", unit="shard")))
+    except Exception as exc:  # noqa: BLE001 - whatever energon raises, said in one line
+        raise UserError(f"energon prepare failed on the new shards: {type(exc).__name__}: {exc}") from exc
     (path / META_DIR / "dataset.yaml").write_text(yaml.safe_dump(dataset_yaml, sort_keys=False))
 
 

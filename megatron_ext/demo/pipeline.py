@@ -12,13 +12,16 @@ processes, TP2), its held-out pairs evaluated before and after.
 tiny Qwen2.5-VL or Qwen3-VL -> TP2 -> the same synthetic images at their own sizes -> stage 2 -> HF
 -> an answer from transformers' generate.
 
-Each step runs the real command in a subprocess (`python -m megatron_ext.commands.<group> <command>`,
-what the megatron-ext-* console scripts and the files under scripts/ run), so the demo works from an
-installed package as from a checkout, and is printed as a copyable shell command.
+Each step runs the real command (`python -m megatron_ext.commands.<group> <command>`, what the
+megatron-ext-* console scripts and the files under scripts/ run) in a process of its own, so the demo
+works from an installed package as from a checkout, and is printed as a copyable shell command. On a
+CPU machine that process is a fork of the demo's, which has imported the commands' libraries once
+(launch/forked.py): each step would otherwise spend seconds importing them again.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -49,18 +52,40 @@ class DemoSettings:
     dpo_beta: float = 0.5
 
 
+# Every step's environment: one thread per process (two run side by side), tokenizers without threads.
+STEP_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@functools.cache
+def _forking() -> bool:
+    """Whether the steps will be forked from this process (a CPU machine's: `launch.forked`), which
+    then imports their libraries once, in the steps' environment."""
+    from megatron_ext.launch import forked
+
+    if not forked.can_fork():
+        return False
+    os.environ.update(STEP_ENV)
+    forked.preload()
+    return True
+
+
 def _run(title: str, command_name: str, *args, log: Path) -> None:
     """`command_name`: "<module of megatron_ext.commands> [<command>]", e.g. "convert hf-to-megatron"."""
+    from megatron_ext.launch import forked
+
     module, *command = command_name.split()
     shown = ["-m", f"megatron_ext.commands.{module}", *command, *map(str, args)]
     command = [sys.executable, *shown]
     print(f"\n==> {title}\n$ {shlex.join(['python', *shown])}", flush=True)
     start = time.perf_counter()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, **STEP_ENV}
     with log.open("a") as out:
         out.write(f"\n$ {shlex.join(command)}\n")
         out.flush()
-        status = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        if _forking():
+            status = forked.call(shown, env, out)
+        else:
+            status = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     if status != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-25:])
         raise UserError(f"demo step '{title}' failed (exit {status}); its output is in {log}\n{tail}")

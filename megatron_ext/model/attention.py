@@ -26,6 +26,8 @@ repeated, since the memory-efficient kernel takes masks and fp32 but no GQA. Mas
 its `PackedSeqParams`) or once per shape (band), not in every layer. `varlen_attn` is called with
 the keywords the installed torch has: before `enable_gqa`/`scale`/`window_size` existed (torch
 2.11's lacks `enable_gqa`), K/V are repeated, q pre-scaled and windowed layers take the masked path.
+It is imported on first use: its module imports TorchDynamo, a second of CPU at every process's
+start where no call reaches it (CPU, fp32).
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.varlen import varlen_attn
 
 from megatron_ext.model.kernel_rules import AttentionCall, fused_kernels
 
@@ -106,7 +107,8 @@ class SDPAttention(torch.nn.Module):
     def _varlen(self, query, key, value, cu_seqlens, max_seqlen: int, causal: bool, window):
         """[t, h, d] sequences delimited by `cu_seqlens` (int32, on the device), one flash call."""
         before, after = window if window is not None else (-1, -1)
-        takes = _varlen_keywords(varlen_attn)
+        kernel = _varlen_kernel()
+        takes = _varlen_keywords(kernel)
         options = {}
         if self.heads != self.groups:
             if "enable_gqa" in takes:
@@ -121,7 +123,7 @@ class SDPAttention(torch.nn.Module):
             options["window_size"] = (before, 0 if causal else after)
         else:
             options["is_causal"] = causal
-        out = varlen_attn(query, key, value, cu_seqlens.int(), cu_seqlens.int(), max_seqlen, max_seqlen, **options)
+        out = kernel(query, key, value, cu_seqlens.int(), cu_seqlens.int(), max_seqlen, max_seqlen, **options)
         return out.reshape(query.shape[0], -1)
 
     def _attend(self, q, k, v, attention_mask, causal: bool, dropout: float):
@@ -179,6 +181,17 @@ def _flash_varlen(t: torch.Tensor) -> bool:
     return (t.is_cuda or t.is_meta) and t.dtype in (torch.float16, torch.bfloat16)
 
 
+# torch's `varlen_attn` once `_varlen_kernel` has imported it; tests and the GPU rehearsal set their own.
+varlen_attn = None
+
+
+def _varlen_kernel():
+    global varlen_attn
+    if varlen_attn is None:
+        from torch.nn.attention.varlen import varlen_attn
+    return varlen_attn
+
+
 @functools.lru_cache(maxsize=4)
 def _varlen_keywords(kernel) -> frozenset[str]:
     """The keyword arguments the installed `varlen_attn` takes (they grew across torch releases)."""
@@ -186,7 +199,7 @@ def _varlen_keywords(kernel) -> frozenset[str]:
 
 
 def _varlen_takes_window(window) -> bool:
-    return window is None or "window_size" in _varlen_keywords(varlen_attn)
+    return window is None or "window_size" in _varlen_keywords(_varlen_kernel())
 
 
 def _repeat_heads(t: torch.Tensor, times: int, dim: int) -> torch.Tensor:

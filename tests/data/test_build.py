@@ -134,6 +134,15 @@ def test_failed_prepare_leaves_no_dataset(messy_input, tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
+@pytest.mark.multiprocess  # energon's indexing forks its workers
+@pytest.mark.timeout(120)
+def test_shards_energon_cannot_index_are_refused_in_one_line_naming_energons_reason(tmp_path):
+    tarfile.open(tmp_path / "000000.tar", "w").close()  # a shard without a sample
+    with pytest.raises(UserError) as refused:
+        build.run_energon_prepare(tmp_path, {"train": [0]}, num_workers=1)
+    assert str(refused.value) == "energon prepare failed on the new shards: AssertionError: Shard 000000.tar has no samples."
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_jsonl_question_answer_input(tmp_path):

@@ -1,5 +1,6 @@
 """lean_import: a CPU process imports megatron-core without TorchDynamo/Inductor and W&B, in the
-converters' fork server and wherever `init_parallel` first imports it (trainer, evaluation)."""
+converters' fork server and wherever `init_parallel` first imports it (trainer, evaluation); nor
+does our attention import them."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ import sys
 # The CPU entry points import no megatron-core before init_parallel, which imports it lean.
 import megatron_ext.train.pretrain_llava, megatron_ext.train.trainer, megatron_ext.commands.eval
 import megatron_ext.eval.checkpoints, megatron_ext.convert.compare
+# SDPAttention imports torch's varlen_attn (which imports TorchDynamo) only where it calls it: on a GPU.
+import megatron_ext.model.attention
 before = "megatron.core" in sys.modules
 from megatron_ext.distributed import init_parallel, shutdown
 init_parallel(1, 1)

@@ -3,12 +3,11 @@
 Every rank of a test job, and most scripts a test runs, first imports torch, megatron-core,
 transformers and energon: about 7.5 s of CPU per process on the 2-core CI machine, more than most
 of these tiny jobs then compute, and most of the suite's time. So each pytest worker keeps one
-server that has imported them (as a CPU process imports megatron-core: `lean_import`); a job's
-process is a fork of it, with the job's argv, environment, working directory and output files, in a
-session of its own. It runs the script as `python SCRIPT ARGS` (or `python -m MODULE ARGS`) would,
-as `__main__`, and exits as Python does: non-daemon threads joined, atexit handlers run, streams
-flushed, the exit status of `sys.exit` or 1 after an uncaught exception. The product forks its
-converter workers from a preloaded server the same way (megatron_ext/convert/worker_preload.py).
+server that has imported them (`megatron_ext.launch.forked.preload`, which the demo's steps are forked
+after too); a job's process is a fork of it, with the job's argv, environment, working directory and
+output files, in a session of its own. It runs the script as `python SCRIPT ARGS` (or `python -m
+MODULE ARGS`) would, as `__main__`, and exits as Python does (`forked.run_main`). The product forks
+its converter workers from a preloaded server the same way (megatron_ext/convert/worker_preload.py).
 
 What a fork cannot give is a fresh interpreter, so `serves` sends a job to a real process where
 that could matter:
@@ -38,6 +37,7 @@ import subprocess
 import sys
 import time
 
+from megatron_ext.launch import forked
 from tests.support.helpers import DISTRIBUTED_VARS, REPO_ROOT, child_env
 
 # Read by the test jobs at run time (tests/train/gpu_rehearsal.py, failing_save.py, the workers):
@@ -46,10 +46,6 @@ TEST_HOOKS = frozenset({"REHEARSAL_REPORT", "REHEARSAL_MATH_LIMIT", "FAIL_SAVE"}
 # Read by `datasets` (lmms-eval's) when imported, which the server never does (`serve` checks): a job
 # whose benchmark caches its tasks' data apart from others' can still be forked.
 DATASETS_VARS = frozenset({"HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE"})
-PRELOAD = ("torch", "megatron.core.models.multimodal.llava_model", "megatron.core.optimizer",
-           "megatron.core.distributed", "megatron.core.dist_checkpointing", "megatron.energon",
-           "transformers", "transformers.image_processing_utils", "transformers.tokenization_utils_fast",
-           "safetensors.torch", "tokenizers", "PIL.Image", "numpy")
 _HEADER = struct.Struct("!I")
 _MAX_FDS = 2
 
@@ -77,16 +73,12 @@ def _receive(sock: socket.socket) -> tuple[dict, list[int]] | None:
 # ---- the server -------------------------------------------------------------------------------
 
 def serve(fd: int) -> None:
-    """Import PRELOAD, say {"ready"}, then start jobs until the client closes its end."""
-    import importlib
+    """Import what the jobs import (`forked.preload`), say {"ready"}, then start jobs until the client
+    closes its end."""
     import threading
 
-    from megatron_ext.compat.lean_import import import_lean
-
     sock = socket.socket(fileno=fd)
-    import_lean()
-    for name in PRELOAD:
-        importlib.import_module(name)
+    forked.preload()
     # A fork copies one thread: one the imports left running would be missing in every job.
     assert threading.active_count() == 1, threading.enumerate()
     assert "datasets" not in sys.modules, "the preloaded imports read DATASETS_VARS: serves() must compare them"
@@ -142,55 +134,9 @@ def _job(sock: socket.socket, request: dict, fds: list[int], leading: int) -> No
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        code = _run_main(request["argv"][1:])
+        code = forked.run_main(request["argv"][1:])
     finally:
         os._exit(code)
-
-
-def _run_main(args: list[str]) -> int:
-    """`python ARGS` in this process: the script (or `-m` module) as __main__, then Python's exit."""
-    import atexit
-    import runpy
-    import tempfile
-    import threading
-    import traceback
-
-    import numpy
-    import torch
-
-    # What a fresh interpreter would start with, where the server's imports could have moved it.
-    tempfile.tempdir = None
-    numpy.random.seed()
-    torch.manual_seed(torch.initial_seed())
-    try:
-        if args[0] == "-m":
-            sys.path[0] = os.getcwd()
-            sys.argv = [args[1], *args[2:]]
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
-            sys.argv = list(args)
-            runpy.run_path(args[0], run_name="__main__")
-        code = 0
-    except SystemExit as exit:
-        code = _exit_status(exit.code)
-    except BaseException:  # noqa: BLE001 - printed and turned into status 1, as the interpreter does
-        traceback.print_exc()
-        code = 1
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    return code
-
-
-def _exit_status(code) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
 
 
 # ---- the client -------------------------------------------------------------------------------

@@ -1,0 +1,110 @@
+"""Commands run as forks of a process that has imported their libraries once.
+
+A fresh `python -m megatron_ext.commands...` first imports torch, megatron-core, transformers and
+energon, 5-10 s of CPU before it does anything, and a pipeline of such commands (the demo's) pays
+it at every step. A process that has imported them (`preload`) can fork each command instead: the
+child runs it as `__main__` (`run_main`) and exits as the interpreter would, with sys.exit's status
+or 1 after an uncaught exception, non-daemon threads joined, atexit handlers run, streams flushed.
+
+Only a process without CUDA forks (`can_fork`): CUDA does not survive a fork, and megatron-core is
+imported as a CPU process imports it (`lean_import`). The tests' prestarted server
+(tests/support/prestarted.py) preloads and runs its jobs with the same two functions.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import IO
+
+# What the commands import first; a fork finds them imported.
+PRELOAD = ("torch", "megatron.core.models.multimodal.llava_model", "megatron.core.optimizer",
+           "megatron.core.distributed", "megatron.core.dist_checkpointing", "megatron.energon",
+           "transformers", "transformers.image_processing_utils", "transformers.tokenization_utils_fast",
+           "safetensors.torch", "tokenizers", "PIL.Image", "numpy")
+
+
+def can_fork() -> bool:
+    """No CUDA here (asking initialises CUDA where there is one; this process then never forks)."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def preload() -> None:
+    """Import PRELOAD, megatron-core as a CPU process does; the caller checks `can_fork` first."""
+    import importlib
+
+    from megatron_ext.compat.lean_import import import_lean
+
+    import_lean()
+    for name in PRELOAD:
+        importlib.import_module(name)
+
+
+def call(args: list[str], env: dict[str, str], output: IO) -> int:
+    """`python ARGS` in a fork of this process, in `env`, its stdout and stderr into `output`; its
+    exit status (negative: the signal that ended it), as subprocess.call returns it."""
+    for stream in (sys.stdout, sys.stderr, output):
+        stream.flush()  # else what they buffer would be written twice, by the child too
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            stdin = os.open(os.devnull, os.O_RDONLY)
+            for target, source in ((0, stdin), (1, output.fileno()), (2, output.fileno())):
+                os.dup2(source, target)
+            os.close(stdin)
+            os.environ.clear()
+            os.environ.update(env)
+            code = run_main(args)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def run_main(args: list[str]) -> int:
+    """`python ARGS` in this process: the script (or `-m` module) as __main__, then Python's exit."""
+    import atexit
+    import runpy
+    import tempfile
+    import threading
+    import traceback
+
+    import numpy
+    import torch
+
+    # What a fresh interpreter would start with, where the preloaded imports could have moved it.
+    tempfile.tempdir = None
+    numpy.random.seed()
+    torch.manual_seed(torch.initial_seed())
+    try:
+        if args[0] == "-m":
+            sys.path[0] = os.getcwd()
+            sys.argv = [args[1], *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+            sys.argv = list(args)
+            runpy.run_path(args[0], run_name="__main__")
+        code = 0
+    except SystemExit as exit:
+        code = _exit_status(exit.code)
+    except BaseException:  # noqa: BLE001 - printed and turned into status 1, as the interpreter does
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    return code
+
+
+def _exit_status(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
