@@ -27,20 +27,6 @@ from megatron_ext.errors import UserError
 Stored = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-def stored_tensors(snapshot_dir: Path, prefixes: tuple[str, ...]) -> Stored:
-    """{canonical Megatron name: (TP1 shape, dtype)} of every tensor the checkpoint stores under a
-    key starting with one of `prefixes` (the model's; a trainer snapshot also holds its optimizer's)."""
-    try:
-        metadata = FileSystemReader(str(snapshot_dir)).read_metadata()
-    except FileNotFoundError:
-        raise UserError(f"--megatron-dir {snapshot_dir} holds no dist checkpoint (no .metadata file)") from None
-    stored = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata) and key.startswith(prefixes):
-            stored.update({name: (shape, entry.properties.dtype) for name, shape in tensors_of_key(key, entry.size)})
-    return stored
-
-
 class _ChunkLoadPlanner(DefaultLoadPlanner):
     """Reads, for each key, the chunk at `offsets[key]` the size of the tensor given for it, into it."""
 
@@ -66,7 +52,7 @@ class _ChunkLoadPlanner(DefaultLoadPlanner):
 
 def by_layer(stored: Stored) -> list[Stored]:
     """The stored tensors, a layer (or one tensor outside the layers) at a time: the unit
-    `read_tensors` reads at once."""
+    `SnapshotTensors.read` reads at once."""
     groups: dict[str, Stored] = {}
     for name, shape_dtype in stored.items():
         layer = re.match(r"^(.*\.decoder\.layers\.\d+)\.", name)
@@ -74,21 +60,54 @@ def by_layer(stored: Stored) -> list[Stored]:
     return list(groups.values())
 
 
-def read_tensors(snapshot_dir: Path, tensors: Stored) -> dict[str, torch.Tensor]:
-    """{canonical name: (TP1 shape, dtype)} -> those whole Megatron tensors, read from the snapshot
-    (in this process alone: no collective) into fresh memory. At most one tensor of each checkpoint
-    key (the same tensor of every layer is one key): read a `by_layer` group at a time."""
-    requests, offsets, out = {}, {}, {}
-    for name, (shape, dtype) in tensors.items():
-        key, key_offsets, sizes = chunk_of_tensor(name, shape)
-        if key in requests:
-            raise ValueError(f"{name} and another tensor asked for at once are both parts of {key}; "
-                             "read one layer at a time (by_layer)")
-        offsets[key] = key_offsets
-        requests[key] = torch.empty(sizes, dtype=dtype)
-        out[name] = requests[key].view(shape)
-    with warnings.catch_warnings():  # that it reads in this process alone: that is the intent
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp_load(requests, storage_reader=FileSystemReader(str(snapshot_dir)),
-                 planner=_ChunkLoadPlanner(offsets, Path(snapshot_dir)), no_dist=True)
-    return out
+class SnapshotTensors:
+    """The tensors of one dist checkpoint, read a few at a time. Its metadata (every chunk of every
+    key: megabytes at published depths) is unpickled once here, not again at each read, which
+    torch's own reader would do."""
+
+    def __init__(self, snapshot_dir: Path):
+        self.dir = Path(snapshot_dir)
+        try:
+            self._metadata = FileSystemReader(str(self.dir)).read_metadata()
+        except FileNotFoundError:
+            raise UserError(f"--megatron-dir {self.dir} holds no dist checkpoint (no .metadata file)") from None
+
+    def stored(self, prefixes: tuple[str, ...]) -> Stored:
+        """{canonical Megatron name: (TP1 shape, dtype)} of every tensor stored under a key starting
+        with one of `prefixes` (the model's; a trainer snapshot also holds its optimizer's)."""
+        stored = {}
+        for key, entry in self._metadata.state_dict_metadata.items():
+            if isinstance(entry, TensorStorageMetadata) and key.startswith(prefixes):
+                stored.update({name: (shape, entry.properties.dtype) for name, shape in tensors_of_key(key, entry.size)})
+        return stored
+
+    def read(self, tensors: Stored) -> dict[str, torch.Tensor]:
+        """{canonical name: (TP1 shape, dtype)} -> those whole Megatron tensors, read (in this
+        process alone: no collective) into fresh memory. At most one tensor of each checkpoint key
+        (the same tensor of every layer is one key): read a `by_layer` group at a time."""
+        requests, offsets, out = {}, {}, {}
+        for name, (shape, dtype) in tensors.items():
+            key, key_offsets, sizes = chunk_of_tensor(name, shape)
+            if key in requests:
+                raise ValueError(f"{name} and another tensor asked for at once are both parts of {key}; "
+                                 "read one layer at a time (by_layer)")
+            offsets[key] = key_offsets
+            requests[key] = torch.empty(sizes, dtype=dtype)
+            out[name] = requests[key].view(shape)
+        with warnings.catch_warnings():  # that it reads in this process alone: that is the intent
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp_load(requests, storage_reader=_ReaderOf(self.dir, self._metadata),
+                     planner=_ChunkLoadPlanner(offsets, self.dir), no_dist=True)
+        return out
+
+
+class _ReaderOf(FileSystemReader):
+    """torch's reader of the checkpoint in `path`, handed its metadata already read."""
+
+    def __init__(self, path: Path, metadata):
+        super().__init__(str(path))
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        self._metadata.storage_meta.load_id = self.load_id  # as FileSystemReader's own sets it
+        return self._metadata

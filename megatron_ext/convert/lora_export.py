@@ -50,14 +50,14 @@ class TrainedTensors:
 
 
 def read_trained(snapshot: layout.Snapshot) -> TrainedTensors:
-    from megatron_ext.convert.dist_read import read_tensors, stored_tensors
+    from megatron_ext.convert.dist_read import SnapshotTensors
 
     options = snapshot.trainer_options
     # One read per tensor: a checkpoint key stacks a tensor of every layer, and one read fills one layer's.
     # A native-resolution model's projector is inside its encoder (`vision_model.`).
     trained = ("language_model.", "vision_projection.", "vision_model.")
-    tensors = {name: read_tensors(snapshot.path, {name: spec})[name]
-               for name, spec in stored_tensors(snapshot.path, trained).items()}
+    weights = SnapshotTensors(snapshot.path)
+    tensors = {name: weights.read({name: spec})[name] for name, spec in weights.stored(trained).items()}
     adapters = {name[: -len(_A)] + ".weight": (tensors.pop(name), tensors.pop(name[: -len(_A)] + _B))
                 for name in list(tensors) if name.endswith(_A)}
     return TrainedTensors(snapshot=snapshot, base=verified_base(snapshot), scaling=saved_settings(options).scaling,

@@ -103,10 +103,9 @@ def _refuse(export: Export, problems: list[str], extra: list[str]) -> None:
                         + "; ".join(problems))
 
 
-def _write_weights(groups: list[dict], extra: list[TensorSpec], export: Export, out: Path) -> None:
+def _write_weights(snapshot_tensors, groups: list[dict], extra: list[TensorSpec], export: Export, out: Path) -> None:
     from safetensors import safe_open
 
-    from megatron_ext.convert.dist_read import read_tensors
     from megatron_ext.model.provider import DTYPES
 
     # Megatron keeps norms and the patch embedding in float32 whatever the model dtype; HF stores
@@ -123,7 +122,7 @@ def _write_weights(groups: list[dict], extra: list[TensorSpec], export: Export, 
     writer = ShardWriter(out, export.max_shard_size, planned + extra)
     bar = progress(total=len(planned), desc="writing tensors", unit="tensor")
     for group in groups:
-        loaded = read_tensors(export.weights.path, group)
+        loaded = snapshot_tensors.read(group)
         for name in group:
             tensor = loaded.pop(name)
             for hf_name, hf_tensor in hf_tensors(name, export.lora.merged(name, tensor) if export.lora else tensor):
@@ -201,16 +200,17 @@ def _export(export: Export, out: Path) -> None:
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as helper:
         expected_hf = helper.submit(hf_model_names, snapshot.hf_config)
         configs = helper.submit(_write_configs, snapshot, export.tokenizer_dir, out)
-        from megatron_ext.convert.dist_read import by_layer, stored_tensors
+        from megatron_ext.convert.dist_read import SnapshotTensors, by_layer
 
         extra_specs = _extra_specs(snapshot)
         extra = [spec.name for spec in extra_specs]
         table = model_mapping(export.arch)
         # The model's tensors are those under the table's top-level prefixes (a trainer snapshot also
         # holds its optimizer state); anything there the table does not know is refused by the check.
-        stored = stored_tensors(export.weights.path, tuple({_top_level(name) for name in table}))
+        weights = SnapshotTensors(export.weights.path)
+        stored = weights.stored(tuple({_top_level(name) for name in table}))
         _refuse(export, coverage.megatron_to_hf_problems(table, list(stored), extra), extra)
-        _write_weights(by_layer(stored), extra_specs, export, out)
+        _write_weights(weights, by_layer(stored), extra_specs, export, out)
         written = coverage.hf_names_written(table, list(stored), extra)
         _refuse(export, coverage.expected_hf_problems(written, expected_hf.result()), extra)
         configs.result()

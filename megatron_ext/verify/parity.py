@@ -256,7 +256,7 @@ def first_step_grads(ours: OurRun) -> dict[str, torch.Tensor]:
     """Our iteration 1's gradients (`parity_run.save_grads`) by HF name (`hf_key`), through the
     converters' mapping table: a fused weight's gradient splits as the weight does; an adapter's goes
     to each HF module it feeds, as the PEFT export maps its weights."""
-    from megatron_ext.convert.dist_read import by_layer, read_tensors, stored_tensors
+    from megatron_ext.convert.dist_read import SnapshotTensors, by_layer
     from megatron_ext.convert.lora_export import hf_module_names, peft_modules
     from megatron_ext.convert.mapping import model_mapping
     from megatron_ext.lora.layers import ADAPTER_SUFFIXES
@@ -265,9 +265,10 @@ def first_step_grads(ours: OurRun) -> dict[str, torch.Tensor]:
     a_suffix, b_suffix = ADAPTER_SUFFIXES
     grads_dir = ours.record_dir / GRADS_DIR
     table, modules = model_mapping(ours.plan.arch), hf_module_names(ours.plan.hf_config)
-    stored = stored_tensors(grads_dir, tuple({name.split(".")[0] for name in table}))
-    # read_tensors takes a layer at a time; an adapter's A and B are paired once all are read.
-    tensors = {name: t for group in by_layer(stored) for name, t in read_tensors(grads_dir, group).items()}
+    grads = SnapshotTensors(grads_dir)
+    stored = grads.stored(tuple({name.split(".")[0] for name in table}))
+    # A read takes a layer at a time; an adapter's A and B are paired once all are read.
+    tensors = {name: t for group in by_layer(stored) for name, t in grads.read(group).items()}
     out = {}
     for name, grad in tensors.items():
         if name.endswith(a_suffix):

@@ -149,3 +149,20 @@ def test_export_without_the_kept_aside_tensors_is_refused_naming_them(converted)
     assert "hf_extra.safetensors is missing" in message
     assert "vision_tower.post_layernorm.weight" in message and "vision_tower.encoder.layers.2.mlp.fc1.weight" in message
     assert not (out / "hf_no_extra").exists() and not list(out.glob(".hf_no_extra*"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_converting_back_reads_the_checkpoint_index_once_however_many_layers(converted, tmp_path, monkeypatch):
+    """The tensors are read a layer at a time; the checkpoint's metadata (every chunk of every
+    tensor: megabytes at published depths) is unpickled once, not at every read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_ext.convert import to_hf
+
+    reads, read = [], FileSystemReader.read_metadata
+    monkeypatch.setattr(FileSystemReader, "read_metadata", lambda self, *a, **k: reads.append(1) or read(self, *a, **k))
+    out, hf_dirs = converted
+    to_hf.convert(out / "megatron" / "clip" / "tp2pp2", tmp_path / "hf")
+    assert sorted(hf_tensors(tmp_path / "hf")) == sorted(hf_tensors(hf_dirs["clip"]))
+    assert len(reads) == 1
