@@ -181,15 +181,22 @@ def _flash_varlen(t: torch.Tensor) -> bool:
     return (t.is_cuda or t.is_meta) and t.dtype in (torch.float16, torch.bfloat16)
 
 
-# torch's `varlen_attn` once `_varlen_kernel` has imported it; tests and the GPU rehearsal set their own.
-varlen_attn = None
-
-
 def _varlen_kernel():
-    global varlen_attn
-    if varlen_attn is None:
-        from torch.nn.attention.varlen import varlen_attn
-    return varlen_attn
+    """torch's `varlen_attn`, imported on first use (the module's docstring says why), or what was
+    set as this module's `varlen_attn` (the GPU rehearsal's, a test's)."""
+    kernel = globals().get("varlen_attn")
+    if kernel is None:
+        from torch.nn.attention.varlen import varlen_attn as kernel
+
+        globals()["varlen_attn"] = kernel
+    return kernel
+
+
+def __getattr__(name: str):
+    # `attention.varlen_attn` read from outside: torch's, imported then.
+    if name == "varlen_attn":
+        return _varlen_kernel()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.lru_cache(maxsize=4)
