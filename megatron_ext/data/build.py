@@ -140,7 +140,7 @@ def run_energon_prepare(path: Path, shards: dict[str, list[int]], num_workers: i
     try:
         BaseWebdatasetFactory.prepare_dataset(
             EPath(path), tars, split_parts_patterns=patterns, shuffle_seed=None, workers=max(1, num_workers),
-            progress_fn=lambda tars, total=None: iter(progress(tars, total=total, desc="indexing shards", unit="shard")))
+            progress_fn=lambda items, total=None: iter(progress(items, total=total, desc="indexing shards", unit="shard")))
     except Exception as exc:  # noqa: BLE001 - whatever energon raises, said in one line
         raise UserError(f"energon prepare failed on the new shards: {type(exc).__name__}: {exc}") from exc
     (path / META_DIR / "dataset.yaml").write_text(yaml.safe_dump(dataset_yaml, sort_keys=False))
