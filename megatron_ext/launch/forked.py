@@ -8,14 +8,14 @@ or 1 after an uncaught exception, non-daemon threads joined, atexit handlers run
 
 Only a process without CUDA forks (`can_fork`): CUDA does not survive a fork, and megatron-core is
 imported as a CPU process imports it (`lean_import`). The tests' prestarted server
-(tests/support/prestarted.py) preloads and runs its jobs with the same two functions.
+(tests/support/prestarted.py) preloads and runs its jobs with the same functions.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import IO
+from typing import IO, NoReturn
 
 # What the commands import first; a fork finds them imported.
 PRELOAD = ("torch", "megatron.core.models.multimodal.llava_model", "megatron.core.optimizer",
@@ -49,19 +49,26 @@ def call(args: list[str], env: dict[str, str], output: IO) -> int:
         stream.flush()  # else what they buffer would be written twice, by the child too
     pid = os.fork()
     if pid == 0:
-        code = 1
-        try:
-            stdin = os.open(os.devnull, os.O_RDONLY)
-            for target, source in ((0, stdin), (1, output.fileno()), (2, output.fileno())):
-                os.dup2(source, target)
-            os.close(stdin)
-            os.environ.clear()
-            os.environ.update(env)
-            code = run_main(args)
-        finally:
-            os._exit(code)
+        run_as_child(args, env, output.fileno(), output.fileno())
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
+
+
+def run_as_child(args: list[str], env: dict[str, str], stdout: int, stderr: int) -> NoReturn:
+    """In a forked child: stdin from /dev/null, stdout and stderr onto the descriptors given (closed
+    then), `env` as the environment, then `python ARGS` (`run_main`); exits with its status."""
+    code = 1
+    try:
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        for target, source in ((0, stdin), (1, stdout), (2, stderr)):
+            os.dup2(source, target)
+        for descriptor in {stdin, stdout, stderr} - {0, 1, 2}:
+            os.close(descriptor)
+        os.environ.clear()
+        os.environ.update(env)
+        code = run_main(args)
+    finally:
+        os._exit(code)
 
 
 def run_main(args: list[str]) -> int:

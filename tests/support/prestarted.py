@@ -121,22 +121,14 @@ def serve(fd: int) -> None:
 
 def _job(sock: socket.socket, request: dict, fds: list[int], leading: int) -> None:
     """In the forked child: become the job, run it, exit with its status. Never returns."""
-    code = 1
     try:
         sock.close()
         os.setsid()
         os.close(leading)
-        stdin = os.open(os.devnull, os.O_RDONLY)
-        for target, source in ((0, stdin), (1, fds[0]), (2, fds[1])):
-            os.dup2(source, target)
-        for descriptor in (stdin, *fds):
-            os.close(descriptor)
         os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        code = forked.run_main(request["argv"][1:])
+        forked.run_as_child(request["argv"][1:], request["env"], *fds)
     finally:
-        os._exit(code)
+        os._exit(1)  # reached only where becoming the job failed
 
 
 # ---- the client -------------------------------------------------------------------------------
