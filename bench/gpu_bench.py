@@ -75,8 +75,8 @@ SWEEP = {
     "sdpa, packed": [],
     "sdpa, packed, logits at every position": ["--no-logits-where-loss"],
     "sdpa, packed, vision tower per micro batch": ["--vision-per-micro-batch"],
-    # Each transformer layer under torch.compile (its compilation falls in the warm-up steps).
-    "sdpa, packed, compiled layers": ["--compile-layers"],
+    # The layers as megatron-core runs them (the default compiles them on a GPU).
+    "sdpa, packed, eager layers": ["--no-compile-layers"],
     # The same samples in fewer micro batches: fewer kernel launches and main-grad additions per token.
     "sdpa, packed 8192": ["--seq-length", "8192"],
     "sdpa, packed 16384": ["--seq-length", "16384"],
@@ -283,7 +283,7 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
     from megatron_ext.train.trainer import BATCH_STATS, batch_stats
 
     preset = with_seq_length(PRESETS[preset_name], seq_length)
-    plan = make_plan(preset, options, warmup + iters)
+    plan = make_plan(preset, options, warmup + 2 * iters)
     init_parallel(1, 1, seed=1234)
     trained = build_training_model(plan)
     inputs = ModelInputs.for_model(plan.arch, trained.model, device())
@@ -294,19 +294,23 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
     forward_step = make_forward_step(inputs)
     rng = np.random.default_rng(0)
     steps = [synthetic_micro_batches(plan, preset, packing, rng) for _ in range(warmup + iters)]
-    timed = dict(zip(BATCH_STATS, sum(batch_stats(step, inputs, plan.arch) for step in steps[warmup:]).tolist()))
     losses, tower_calls = [], []
     # On the tower's first part (its patch embedding): the tower's own call is shadowed where its output
     # was computed once per step, and hooks would count that call too.
     next(trained.model.vision_model.children()).register_forward_hook(lambda *_: tower_calls.append(1))
-    for step, micro_batches in enumerate(steps):
-        if step == warmup:
-            _synchronize()
-            start = time.perf_counter()
-            tower_calls.clear()
+
+    def run(micro_batches):
         losses.append(train_step(trained, forward_step, micro_batches, plan.seq_length, micro_batch_size=1).loss)
+
+    warm_up(run, steps, warmup, plan.execution.model.compile_layers)
+    _synchronize()
+    start = time.perf_counter()
+    tower_calls.clear()
+    for micro_batches in steps[warmup:]:
+        run(micro_batches)
     _synchronize()
     seconds = time.perf_counter() - start
+    timed = dict(zip(BATCH_STATS, sum(batch_stats(step, inputs, plan.arch) for step in steps[warmup:]).tolist()))
     flops = iteration_flops(plan.arch, positions=timed["positions"], squared_lengths=timed["squared_lengths"],
                             images=timed["images"], lm_trained=True, vit_trained=False,
                             logit_positions=timed["logit_positions"])
@@ -326,6 +330,13 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
         "step_time_s": seconds / iters, "tokens_per_s": timed["positions"] / seconds, "tflops_per_gpu": tflops,
         "mfu": tflops / peak_tflops, "peak_mem_gib": _peak_memory_gib(),
     }
+
+
+def warm_up(run, steps: list, warmup: int, compiled: bool) -> None:
+    """`run` the first `warmup` steps untimed; with compiled layers every later step once too: torch.compile makes
+    a graph for each new range of lengths (and with and without grad) at whichever step first brings it."""
+    for micro_batches in steps[:warmup] + (steps[warmup:] if compiled else []):
+        run(micro_batches)
 
 
 def _uncompiled(plan) -> list[str]:
@@ -400,8 +411,8 @@ def sweep(argv: list[str]) -> dict:
 @click.option("--hf-micro-batch-size", type=int, default=4, show_default=True)
 @click.option("--host-reads", is_flag=True, help="The step before it stopped reading the device back: megatron-core's "
               "LLaVA preprocessing and per-tensor gradient norm (for an A/B).")
-@click.option("--compile-layers", is_flag=True, help="Compile each transformer layer with torch.compile (the "
-              "trainer's --compile-layers); give warm-up steps for the compilation.")
+@click.option("--compile-layers/--no-compile-layers", default=None, help="Each transformer layer compiled with "
+              "torch.compile or eager (default: the trainer's: compiled on a GPU at TP 1 without TE).")
 @click.option("--vision-per-micro-batch", is_flag=True, help="Run the frozen vision tower per micro batch, as "
               "before it ran once per step over all the step's images (for an A/B).")
 def main(preset, attention_backend, packing, recompute_granularity, seq_length, fp8, iters, warmup, peak_tflops, run_sweep,

@@ -256,7 +256,7 @@ def profile_step(preset_name: str, options: dict, warmup: int, gaps: int, find_s
     from megatron_ext.train.step import train_step
 
     preset = gpu_bench.PRESETS[preset_name]
-    plan = gpu_bench.make_plan(preset, options, warmup + 1)
+    plan = gpu_bench.make_plan(preset, options, warmup + 2)
     init_parallel(1, 1, seed=1234)
     trained = build_training_model(plan)
     from megatron_ext.distributed import device
@@ -265,8 +265,8 @@ def profile_step(preset_name: str, options: dict, warmup: int, gaps: int, find_s
     forward_step = make_forward_step(inputs)
     rng = np.random.default_rng(0)
     steps = [gpu_bench.synthetic_micro_batches(plan, preset, True, rng) for _ in range(warmup + 1)]
-    for micro_batches in steps[:-1]:
-        train_step(trained, forward_step, micro_batches, plan.seq_length, micro_batch_size=1)
+    gpu_bench.warm_up(lambda batches: train_step(trained, forward_step, batches, plan.seq_length, micro_batch_size=1),
+                      steps, warmup, plan.execution.model.compile_layers)
     on_gpu = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
     if find_syncs:
@@ -399,19 +399,21 @@ def render(result: dict) -> str:
 @click.option("--attention-backend", type=click.Choice(["auto", "te", "sdpa", "local"]), default="sdpa",
               show_default=True)
 @click.option("--warmup", type=int, default=1, show_default=True, help="Unprofiled steps first.")
+@click.option("--compile-layers/--no-compile-layers", default=None, help="Each transformer layer compiled with "
+              "torch.compile or eager (default: the trainer's: compiled on a GPU at TP 1 without TE).")
 @click.option("--gaps", type=int, default=8, show_default=True, help="How many of the longest idle gaps to list.")
 @click.option("--find-syncs", is_flag=True, help="Instead of profiling, run the step under CUDA's sync debug mode "
               "and list where the host waited for the device (GPU only).")
 @click.option("--host-functions", type=int, default=0, help="Instead of profiling the device, list the N Python "
               "functions where the host spends the most of one step (cProfile's own time).")
-def main(preset, attention_backend, warmup, gaps, find_syncs, host_functions):
+def main(preset, attention_backend, warmup, compile_layers, gaps, find_syncs, host_functions):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     if find_syncs and not torch.cuda.is_available():
         raise click.UsageError("--find-syncs needs a CUDA GPU (it uses CUDA's sync debug mode)")
     options = {"attention_backend": attention_backend, "recompute_granularity": "auto", "fp8": False,
-               "packing_seq_length": gpu_bench.PRESETS[preset].seq_length}
+               "packing_seq_length": gpu_bench.PRESETS[preset].seq_length, "compile_layers": compile_layers}
     result = profile_step(preset, options, warmup, gaps, find_syncs, host_functions)
     if find_syncs:
         print("\n".join(f"x{s['count']}: {s['site']}" for s in result["sync_sites"]))

@@ -109,7 +109,7 @@ def resolve_execution(config: TrainConfig, world_size: int, te: bool, on_gpu: bo
         recompute_num_layers=config.recompute_num_layers,
         gradient_accumulation_fusion=_gradient_accumulation_fusion(backend, on_gpu),
         logits_where_loss=_logits_where_loss(config, sequence_parallel),
-        compile_layers=_compile_layers(config, backend),
+        compile_layers=_compile_layers(config, backend, on_gpu),
     )
     return Execution(
         model=model,
@@ -121,7 +121,10 @@ def resolve_execution(config: TrainConfig, world_size: int, te: bool, on_gpu: bo
     )
 
 
-def _compile_layers(config: TrainConfig, backend: str) -> bool:
+def _compile_layers(config: TrainConfig, backend: str, on_gpu: bool) -> bool:
+    if config.compile_layers is None:
+        # Measured on an H200 without TE (docs/gpu.md): the eager step waits on megatron-core's Python.
+        return on_gpu and backend != "te" and config.tp == 1
     if config.compile_layers and backend == "te":
         # Transformer Engine's layers are fused kernels already, and torch.compile does not trace them.
         raise UserError("--compile-layers compiles torch layers: use --attention-backend sdpa (or local), or drop it")

@@ -107,8 +107,7 @@ class SDPAttention(torch.nn.Module):
     def _varlen(self, query, key, value, cu_seqlens, max_seqlen: int, causal: bool, window):
         """[t, h, d] sequences delimited by `cu_seqlens` (int32, on the device), one flash call."""
         before, after = window if window is not None else (-1, -1)
-        kernel = _varlen_kernel()
-        takes = _varlen_keywords(kernel)
+        kernel, takes = _varlen_kernel(), _varlen_keywords()
         options = {}
         if self.heads != self.groups:
             if "enable_gqa" in takes:
@@ -181,32 +180,39 @@ def _flash_varlen(t: torch.Tensor) -> bool:
     return (t.is_cuda or t.is_meta) and t.dtype in (torch.float16, torch.bfloat16)
 
 
+# torch's `varlen_attn`, imported on first use (the module's docstring says why), or a stand-in set here
+# (the GPU rehearsal's, a test's). A plain global, so that a compiled layer reads it without a graph break.
+varlen_attn = None
+
+
 def _varlen_kernel():
-    """torch's `varlen_attn`, imported on first use (the module's docstring says why), or what was
-    set as this module's `varlen_attn` (the GPU rehearsal's, a test's)."""
-    kernel = globals().get("varlen_attn")
-    if kernel is None:
-        from torch.nn.attention.varlen import varlen_attn as kernel
-
-        globals()["varlen_attn"] = kernel
-    return kernel
+    global varlen_attn
+    if varlen_attn is None:
+        from torch.nn.attention.varlen import varlen_attn
+    return varlen_attn
 
 
-def __getattr__(name: str):
-    # `attention.varlen_attn` read from outside: torch's, imported then.
-    if name == "varlen_attn":
-        return _varlen_kernel()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# kernel -> the keyword arguments it takes (they grew across torch releases). A dict, not lru_cache, which
+# torch.compile would warn about and trace through.
+_KEYWORDS: dict = {}
 
 
-@functools.lru_cache(maxsize=4)
-def _varlen_keywords(kernel) -> frozenset[str]:
-    """The keyword arguments the installed `varlen_attn` takes (they grew across torch releases)."""
-    return frozenset(inspect.signature(kernel).parameters)
+def _varlen_keywords() -> frozenset[str]:
+    kernel = _varlen_kernel()
+    if kernel not in _KEYWORDS:
+        _KEYWORDS[kernel] = frozenset(inspect.signature(kernel).parameters)
+    return _KEYWORDS[kernel]
+
+
+def prepare_for_compile() -> None:
+    """Import and probe the flash kernel before torch.compile traces a layer: probed inside the first
+    graph, the probe's cache changes under it and every layer recompiles once."""
+    if torch.cuda.is_available():
+        _varlen_keywords()
 
 
 def _varlen_takes_window(window) -> bool:
-    return window is None or "window_size" in _varlen_keywords(_varlen_kernel())
+    return window is None or "window_size" in _varlen_keywords()
 
 
 def _repeat_heads(t: torch.Tensor, times: int, dim: int) -> torch.Tensor:

@@ -161,7 +161,8 @@ class LaidOutLLaVAModel(LLaVAModel):
             raise ValueError(f"the images give {features} feature rows, the image tokens take {layout.image_rows}")
         parts.append(language_embeddings.new_zeros(1, hidden))
         batch, length = layout.source.shape
-        combined = torch.cat(parts).index_select(0, layout.source.reshape(-1)).view(batch, length, hidden)
-        if self.context_parallel_lm == 1:
-            combined = combined.transpose(1, 0).contiguous()
-        return combined
+        if self.context_parallel_lm != 1:
+            return torch.cat(parts).index_select(0, layout.source.reshape(-1)).view(batch, length, hidden)
+        # Gathered sequence-first rather than transposed: [s, 1, h] keeps the strides of a contiguous tensor,
+        # where a transposed one would not (and each compiled layer would recompile for the new strides).
+        return torch.cat(parts).index_select(0, layout.source.t().reshape(-1)).view(length, batch, hidden)

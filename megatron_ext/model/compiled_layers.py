@@ -47,7 +47,13 @@ def compile_layers(model: torch.nn.Module) -> int:
     """Compile every megatron-core TransformerLayer of `model` in place; how many there are."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    from megatron_ext.model import attention
+
     _traceable_tp_group_lookup()
+    attention.prepare_for_compile()
+    # Every layer (tower and language model) shares TransformerLayer.forward's code and so its recompile limit:
+    # graphs with and without grad (a frozen tower), and per range of lengths that inductor picks kernels for.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     layers = [module for module in model.modules() if isinstance(module, TransformerLayer)]
     for layer in layers:
         layer.compile(dynamic=True)

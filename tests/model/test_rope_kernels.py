@@ -84,6 +84,7 @@ def test_a_compiled_caller_computes_each_micro_batchs_rotation_without_recompili
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    counters.clear()  # reset() keeps them: graphs compiled earlier in this process would count
     compiled = torch.compile(rotary_thd, dynamic=True, backend="eager")  # dynamo guards alone decide recompiling
     freqs, gen = _freqs(6), torch.Generator().manual_seed(0)
     for cu in (CU, torch.tensor([0, 2, 7, 11], dtype=torch.int32), torch.tensor([0, 5, 9, 11], dtype=torch.int32)):
