@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Verify the GPU path on a machine with a GPU, in about 14 minutes: the GPU tests (packed attention
+# Verify the GPU path on a machine with a GPU, in about 20 minutes (an estimate: 14 measured before layers
+# compiled by default; each benchmark variant now compiles first, ~35 s on an H200): the GPU tests (packed attention
 # against the reference, TE against SDPA, bf16/FP8 training steps), the parity check against
 # transformers in bf16 and fp32 (docs/training.md), one profiled step (where the device and host time go),
 # then the throughput rows of BENCHMARKS.md as one table. Run it from a checkout, in an environment with this package
