@@ -210,6 +210,29 @@ def test_compiled_packed_flash_attention_is_one_graph(monkeypatch, device, windo
 
 
 @pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=needs_cuda)])
+def test_compiled_flash_attention_compiles_once_for_micro_batches_of_any_length(monkeypatch, device):
+    """As `compile_layers` prepares it (the kernel probed before tracing): one graph for packs of 16 and 23
+    positions; probed inside the first graph, the probe's cache would change under it and recompile."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from megatron_ext.model import attention as backend
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(backend, "varlen_attn", None)
+    monkeypatch.setattr(backend, "_KEYWORDS", {})
+    with monkeypatch.context() as cuda:
+        cuda.setattr(torch.cuda, "is_available", lambda: True)  # where prepare_for_compile probes (meta stands in)
+        backend.prepare_for_compile()
+    compiled = torch.compile(_attention("causal", heads=4, groups=2), fullgraph=True, backend="eager", dynamic=True)
+    for bounds in ([0, 5, 14, 16], [0, 9, 20, 23]):
+        q, k, v = (torch.randn(bounds[-1], n, 8, dtype=torch.bfloat16, device=device) for n in (4, 2, 2))
+        compiled(q, k, v, None, packed_seq_params=_packed_params(bounds, device))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=needs_cuda)])
 def test_a_sliding_window_row_is_one_flash_call_and_a_covering_window_plain_causal(monkeypatch, device):
     calls = _counting(monkeypatch)
     attention = _attention("causal", window_size=(3, 0))
