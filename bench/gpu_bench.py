@@ -387,6 +387,13 @@ def sweep(argv: list[str]) -> dict:
     return {"device": _device_name(), "variants": results}
 
 
+# Also bench/gpu_profile.py's.
+compile_layers_option = click.option(
+    "--compile-layers/--no-compile-layers", default=None,
+    help="Each transformer layer compiled with torch.compile or eager (default: the trainer's: compiled on a GPU at "
+         "TP 1 without TE).")
+
+
 @click.command()
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="1b", show_default=True)
 @click.option("--attention-backend", type=click.Choice(["auto", "te", "sdpa", "local"]), default="sdpa",
@@ -411,8 +418,7 @@ def sweep(argv: list[str]) -> dict:
 @click.option("--hf-micro-batch-size", type=int, default=4, show_default=True)
 @click.option("--host-reads", is_flag=True, help="The step before it stopped reading the device back: megatron-core's "
               "LLaVA preprocessing and per-tensor gradient norm (for an A/B).")
-@click.option("--compile-layers/--no-compile-layers", default=None, help="Each transformer layer compiled with "
-              "torch.compile or eager (default: the trainer's: compiled on a GPU at TP 1 without TE).")
+@compile_layers_option
 @click.option("--vision-per-micro-batch", is_flag=True, help="Run the frozen vision tower per micro batch, as "
               "before it ran once per step over all the step's images (for an A/B).")
 def main(preset, attention_backend, packing, recompute_granularity, seq_length, fp8, iters, warmup, peak_tflops, run_sweep,

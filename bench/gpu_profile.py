@@ -399,8 +399,7 @@ def render(result: dict) -> str:
 @click.option("--attention-backend", type=click.Choice(["auto", "te", "sdpa", "local"]), default="sdpa",
               show_default=True)
 @click.option("--warmup", type=int, default=1, show_default=True, help="Unprofiled steps first.")
-@click.option("--compile-layers/--no-compile-layers", default=None, help="Each transformer layer compiled with "
-              "torch.compile or eager (default: the trainer's: compiled on a GPU at TP 1 without TE).")
+@gpu_bench.compile_layers_option
 @click.option("--gaps", type=int, default=8, show_default=True, help="How many of the longest idle gaps to list.")
 @click.option("--find-syncs", is_flag=True, help="Instead of profiling, run the step under CUDA's sync debug mode "
               "and list where the host waited for the device (GPU only).")

@@ -160,9 +160,7 @@ class LaidOutLLaVAModel(LLaVAModel):
         if features != layout.image_rows:
             raise ValueError(f"the images give {features} feature rows, the image tokens take {layout.image_rows}")
         parts.append(language_embeddings.new_zeros(1, hidden))
-        batch, length = layout.source.shape
-        if self.context_parallel_lm != 1:
-            return torch.cat(parts).index_select(0, layout.source.reshape(-1)).view(batch, length, hidden)
-        # Gathered sequence-first rather than transposed: [s, 1, h] keeps the strides of a contiguous tensor,
-        # where a transposed one would not (and each compiled layer would recompile for the new strides).
-        return torch.cat(parts).index_select(0, layout.source.t().reshape(-1)).view(length, batch, hidden)
+        # Gathered in the model's order rather than transposed after: a transposed [s, 1, h] lacks a contiguous
+        # tensor's strides, and each compiled layer would recompile for them.
+        order = layout.source if self.context_parallel_lm != 1 else layout.source.t()
+        return torch.cat(parts).index_select(0, order.reshape(-1)).view(*order.shape, hidden)
