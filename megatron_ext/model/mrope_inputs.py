@@ -17,9 +17,12 @@ import torch
 
 from megatron_ext.errors import UserError
 from megatron_ext.model.inputs import ModelInputs
+from megatron_ext.model.mrope_vlm import feature_order, media_rows
 
-# Per media kind: pixel rows, grids, and (a preference pair's batch) which of them each use shows.
-_MEDIA = (("pixel_values", "image_grid_thw", "image_uses"), ("pixel_values_videos", "video_grid_thw", "video_uses"))
+# Per media kind: pixel rows, grids, (a preference pair's batch) which of them each use shows, and the
+# model's arguments for where its tokens lie and which encoder rows they show.
+_MEDIA = (("pixel_values", "image_grid_thw", "image_uses", "image_rows", "image_order"),
+          ("pixel_values_videos", "video_grid_thw", "video_uses", "video_rows", "video_order"))
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,9 @@ class MRopeInputs:
     dtype: torch.dtype  # compute dtype: pixel rows are cast to it
     device: torch.device
     backend: str  # resolved: te | sdpa | local
+    video_token_index: int = -1
+    # The encoder's patches per merged row side; None off the first pipeline stage, which places no media.
+    merge_size: int | None = None
     img_seq_len: int = 1  # a media token is one position
     # What the trainer and `step_vision` ask of LLaVA's inputs: no host layout, hence no step-wide tower run.
     logits_where_loss: bool = False
@@ -42,7 +48,10 @@ class MRopeInputs:
     def for_model(cls, model, device: torch.device) -> "MRopeInputs":
         from megatron.core import parallel_state
 
+        encoder = model.vision_model
         return cls(model.image_token_id, model.config.params_dtype, device, model.attention_backend,
+                   video_token_index=model.video_token_id,
+                   merge_size=encoder.spatial_merge_size if encoder is not None else None,
                    seq_length=model.language_model.max_sequence_length,
                    pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size() > 1)
 
@@ -52,19 +61,22 @@ class MRopeInputs:
     @staticmethod
     def media_count(batch: dict) -> int:
         """Images and videos the micro batch holds."""
-        return sum(batch[grid].shape[0] for _, grid, _ in _MEDIA)
+        return sum(batch[grid].shape[0] for _, grid, *_ in _MEDIA)
 
     def __call__(self, batch: dict) -> dict:
         if self.pipeline_parallel:
             batch = self._padded(batch)
         kwargs = {name: self.to_device(batch[name]) for name in ("input_ids", "position_ids", "labels", "loss_mask")}
-        for pixels, grid, uses in _MEDIA:
+        input_ids, segment_ids = batch["input_ids"], batch["segment_ids"]
+        for (pixels, grid, uses, rows, order), token in zip(_MEDIA, (self.image_token_index, self.video_token_index)):
             held = batch[grid].shape[0] > 0
             kwargs[pixels] = self.to_device(batch[pixels], self.dtype) if held else None
             kwargs[grid] = self.to_device(batch[grid]) if held else None
-            if uses in batch:
-                kwargs[uses] = self.to_device(batch[uses]) if held else None
-        input_ids, segment_ids = batch["input_ids"], batch["segment_ids"]
+            if held and self.merge_size is not None:
+                # Found on the host, from the batch it holds: on a GPU, finding them there would stop the host.
+                kwargs[rows] = self.to_device(media_rows(input_ids == token))
+                if uses in batch:
+                    kwargs[order] = self.to_device(feature_order(batch[grid], batch[uses], self.merge_size))
         if int(segment_ids.max()) > 1:
             if input_ids.shape[0] != 1 or self.backend == "local":
                 # The causal mask of the bshd path would let a pack's samples attend to each other.

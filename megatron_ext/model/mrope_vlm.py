@@ -104,30 +104,34 @@ class MRopeVisionLanguageModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                 pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, labels=None,
-                loss_mask=None, packed_seq_params=None, image_uses=None, video_uses=None,
-                runtime_gather_output: bool | None = None, inference_context=None):
+                loss_mask=None, packed_seq_params=None, image_rows=None, video_rows=None, image_order=None,
+                video_order=None, runtime_gather_output: bool | None = None, inference_context=None):
         """Logits [B, S, V]; with `labels` and `loss_mask`, (loss [B, S], loss_mask) as megatron-core's
         LLaVAModel returns them. `input_ids` [B, S] with every image and video expanded to one token
         per merged patch, `position_ids` [3, B, S]; `packed_seq_params`: a one-row batch of packed
-        samples (THD), its positions restarting at each sample. `image_uses` / `video_uses`: long
-        [uses], the image (video) each run of media tokens shows, in reading order, where one serves
-        several sequences (a preference pair's); None: each is shown once, in order.
+        samples (THD), its positions restarting at each sample. `image_rows` / `video_rows`: long
+        [tokens], where the image (video) tokens lie in the [S * B] order of hidden states, sample by
+        sample (`media_rows`; `mrope_inputs` finds them on the host, so the device never waits); None:
+        found here. `image_order` / `video_order`: long [tokens], the encoder's output row each of those
+        tokens shows (`feature_order`), where one image serves several sequences (a preference pair's);
+        None: each is shown once, in order.
         `runtime_gather_output`: GPTModel's (this call's logits gathered over TP, the model built with
         parallel output). `inference_context`: GPTModel's KV cache (`eval/mrope_generator.py`)."""
         embeddings = None
         self._deepstack = []
         if self.language_model.pre_process:
             embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)
-            for token, pixels, grid, uses in ((self.image_token_id, pixel_values, image_grid_thw, image_uses),
-                                              (self.video_token_id, pixel_values_videos, video_grid_thw, video_uses)):
+            for token, pixels, grid, rows, order in (
+                    (self.image_token_id, pixel_values, image_grid_thw, image_rows, image_order),
+                    (self.video_token_id, pixel_values_videos, video_grid_thw, video_rows, video_order)):
                 if pixels is not None:
-                    where, encoded = input_ids == token, self.vision_model(pixels, grid_thw=grid)
+                    rows = media_rows(input_ids == token) if rows is None else rows
+                    encoded = self.vision_model(pixels, grid_thw=grid)
                     features, deepstack = encoded.pooler_output, getattr(encoded, "deepstack_features", None) or []
-                    if uses is not None:
-                        rows = self._rows_of_uses(grid, uses)
-                        features, deepstack = features[rows], [feature[rows] for feature in deepstack]
-                    embeddings = self._placed(embeddings, where, features)
-                    self._keep_deepstack(where, deepstack)
+                    if order is not None:
+                        features, deepstack = features[order], [feature[order] for feature in deepstack]
+                    embeddings = self._placed(embeddings, rows, features)
+                    self._keep_deepstack(rows, deepstack)
         try:
             output = self.language_model(input_ids, position_ids, attention_mask, decoder_input=embeddings,
                                          labels=labels, packed_seq_params=packed_seq_params,
@@ -136,16 +140,14 @@ class MRopeVisionLanguageModel(torch.nn.Module):
             self._deepstack = []  # the features are this forward's only
         return output if loss_mask is None else (output, loss_mask)
 
-    def _keep_deepstack(self, where: torch.Tensor, features: list) -> None:
+    def _keep_deepstack(self, rows: torch.Tensor, features: list) -> None:
         layers = len(self.language_model.decoder.layers)
         if len(features) > layers:
             raise ValueError(f"the vision encoder gives {len(features)} DeepStack features but this first pipeline "
                              f"stage holds {layers} decoder layers; use a smaller pipeline-parallel size")
         self._deepstack += [[] for _ in range(len(features) - len(self._deepstack))]
-        # The rows found here, outside the layers: a boolean index inside a layer has a data-dependent
-        # shape, where a layer compiled by --compile-layers would break its graph.
-        batch, position = where.nonzero(as_tuple=True)  # sample by sample, as the features come
-        rows = position * where.shape[0] + batch
+        # Rows, not a boolean index inside a layer: its data-dependent shape would break the graph of a
+        # layer compiled by --compile-layers.
         for index, feature in enumerate(features):
             self._deepstack[index].append((rows, feature))
 
@@ -160,29 +162,37 @@ class MRopeVisionLanguageModel(torch.nn.Module):
 
         return add_features
 
-    def _rows_of_uses(self, grid: torch.Tensor, uses: torch.Tensor) -> torch.Tensor:
-        """The encoder's output rows of each use in turn: the merged patches of the image it shows."""
-        counts = grid.prod(-1) // self.vision_model.spatial_merge_size**2
-        starts, taken = counts.cumsum(0) - counts, counts[uses]
-        # Each use's first row, repeated over its rows, plus the row's place within it.
-        return torch.repeat_interleave(starts[uses] - (taken.cumsum(0) - taken), taken) + torch.arange(
-            int(taken.sum()), device=grid.device)
-
     @staticmethod
-    def _placed(embeddings: torch.Tensor, where: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """[S, B, H] embeddings with the rows at `where` ([B, S], filled sample by sample, as the
-        features come) replaced by the encoder's `features` [tokens, H]."""
-        if int(where.sum()) != features.shape[0]:
-            raise ValueError(f"{int(where.sum())} media tokens but {features.shape[0]} features: expand each "
+    def _placed(embeddings: torch.Tensor, rows: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """[S, B, H] embeddings with `rows` of their [S * B] flattening replaced by the encoder's
+        `features` [tokens, H]."""
+        if rows.shape[0] != features.shape[0]:
+            raise ValueError(f"{rows.shape[0]} media tokens but {features.shape[0]} features: expand each "
                              "placeholder to its merged patch count (native_resolution.expand_placeholders)")
-        by_sample = embeddings.transpose(0, 1).clone()
-        by_sample[where] = features.to(by_sample.dtype)
-        return by_sample.transpose(0, 1).contiguous()
+        return embeddings.flatten(0, 1).index_copy(0, rows, features.to(embeddings.dtype)).view_as(embeddings)
 
     @staticmethod
     def _added(hidden: torch.Tensor, rows: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """[S, B, H] hidden states with `features` added at `rows` of their [S * B] flattening."""
         return hidden.flatten(0, 1).index_add(0, rows, features.to(hidden.dtype)).view_as(hidden)
+
+
+def media_rows(where: torch.Tensor) -> torch.Tensor:
+    """The rows of a [B, S] mask's set positions in the [S * B] order of hidden states, sample by
+    sample (the order the encoder's features come in)."""
+    batch, position = where.nonzero(as_tuple=True)
+    return position * where.shape[0] + batch
+
+
+def feature_order(grid: torch.Tensor, uses: torch.Tensor, merge_size: int) -> torch.Tensor:
+    """The encoder's output rows each use of an image shows, use by use: `grid` [images, 3] (T, H, W
+    in patches), `uses` [uses] the image each run of media tokens shows; an image gives one row per
+    `merge_size` x `merge_size` patches."""
+    counts = grid.prod(-1) // merge_size**2
+    starts, taken = counts.cumsum(0) - counts, counts[uses]
+    # Each use's first row, repeated over its rows, plus the row's place within it.
+    return torch.repeat_interleave(starts[uses] - (taken.cumsum(0) - taken), taken) + torch.arange(
+        int(taken.sum()), device=grid.device)
 
 
 def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], projections: tuple[str, ...], image_token_id: int,

@@ -187,10 +187,8 @@ class DeviceLedger(TorchFunctionMode):
         inputs = list(_tensors(args)) + list(_tensors(kwargs))
         if func is torch.Tensor.numpy and place(args[0]) == DEVICE:
             raise DeviceMixError("can't convert cuda:0 device type tensor to numpy (rehearsal): .cpu() it first")
-        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and place(args[0]) == HOST \
-                and any(place(t) == DEVICE for t in _tensors(args[1])):
-            raise DeviceMixError("indices should be either on cpu or on the same device as the indexed tensor (cpu) "
-                                 "(rehearsal: a host tensor indexed with device indices)")
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+            _check_indices(args[0], _tensors(args[1]))
         if func not in _CROSSING:
             self._check(func, inputs)
         _in_python_call[0] += 1  # the aten ops below are this call's: _BackwardKernels leaves them alone
@@ -234,6 +232,13 @@ class DeviceLedger(TorchFunctionMode):
                 f"(rehearsal: {name} got host tensor {_describe(hosts[0])} and device tensor {_describe(devices[0])})")
 
 
+def _check_indices(indexed: torch.Tensor, indices) -> None:
+    """CUDA's rule for indexing: indices on the host or beside the indexed tensor."""
+    if place(indexed) == HOST and any(place(t) == DEVICE for t in indices):
+        raise DeviceMixError("indices should be either on cpu or on the same device as the indexed tensor (cpu) "
+                             "(rehearsal: a host tensor indexed with device indices)")
+
+
 _in_python_call = [0]  # > 0 while DeviceLedger runs a call of torch's Python API
 _aten = torch.ops.aten
 # The aten ops of autograd's C++ backward functions that read a device tensor back (CUDA needs the
@@ -242,8 +247,9 @@ _ATEN_READS = {_aten._local_scalar_dense.default, _aten.nonzero.default, _aten.m
                _aten.masked_scatter_backward.default,  # its masked_select, one op at the dispatcher
                _aten.is_nonzero.default, _aten.equal.default, _aten._unique2.default, _aten.unique_dim.default,
                _aten.repeat_interleave.Tensor}
-_ATEN_BOOL_INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
-                       _aten._index_put_impl_.default}
+# Indexing: its indices (boolean ones are read back) may be host tensors into a device tensor.
+_ATEN_INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
+                  _aten._index_put_impl_.default}
 _ATEN_NO_SCALARS = {_aten.cat.default, _aten.stack.default, _aten.index_select.default, _aten.gather.default,
                     _aten.scatter.src, _aten.scatter_add.default, _aten.where.self}
 
@@ -269,12 +275,14 @@ class _BackwardKernels(TorchDispatchMode):
                 mark(t, DEVICE)
         node = torch._C._current_autograd_node()
         where_from = node.name() if node is not None else "autograd's engine"
+        indices = [t for t in args[1] if t is not None] if func in _ATEN_INDEXING else []
         try:
-            DeviceLedger._check(func, inputs, _ATEN_NO_SCALARS)
+            _check_indices(args[0], indices)
+            # CUDA's index and index_put take host indices into a device tensor (IndexBackward0's).
+            DeviceLedger._check(func, [t for t in inputs if not any(t is i for i in indices)], _ATEN_NO_SCALARS)
         except DeviceMixError as error:
             raise DeviceMixError(f"{error} in backward, {where_from}") from None
-        bool_index = func in _ATEN_BOOL_INDEXING and any(
-            t is not None and t.dtype == torch.bool and place(t) == DEVICE for t in args[1])
+        bool_index = any(t.dtype == torch.bool and place(t) == DEVICE for t in indices)
         if (func in _ATEN_READS or bool_index) and any(place(t) == DEVICE for t in inputs):
             site = f"autograd ({where_from})"
             self.ledger.reads[site] = self.ledger.reads.get(site, 0) + 1

@@ -196,6 +196,53 @@ def test_the_sync_ledger_allows_named_reads_and_none_per_layer(tmp_path, megatro
     assert all(by_site[site] == budget[site] for site in budget if site.startswith("megatron_ext/")), by_site
 
 
+# Qwen-VL: transformers' tower held whole on the first stage (its gradients averaged over TP), packed
+# native-resolution images as THD, mRoPE; Qwen2.5-VL's window attention, Qwen3-VL's DeepStack hooks.
+QWEN_VL_LAYOUTS = {"qwen2_5_vl": dict(tp=2), "qwen3_vl": dict(pp=2)}
+
+
+@pytest.fixture(scope="module", params=list(QWEN_VL_LAYOUTS))
+def qwen_vl_megatron(request, tmp_path_factory):
+    """(family, its tiny model converted to a Megatron checkpoint)."""
+    import importlib
+
+    from megatron_ext.convert.to_megatron import convert
+
+    root = tmp_path_factory.mktemp(request.param)
+    hf = importlib.import_module(f"tests.support.{request.param}").write_tiny_model(root / "hf")
+    return request.param, convert(hf, root / "ckpt", tp=1, pp=1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(500)
+def test_qwen_vl_trainer_iterations_mix_nothing_and_our_code_reads_nothing_per_micro_batch(tmp_path, qwen_vl_megatron,
+                                                                                          train_data):
+    """Before this test, the rehearsal took CUDA's host indices into a device tensor, in the backward of
+    the Qwen2.5-VL tower's window reordering, for a mix. Our reads: the media tokens' rows and the
+    feature check found on the device (4 per micro batch with their backward), found on the host now
+    (`mrope_inputs`). transformers' towers still read the grid back (patch positions, attention
+    boundaries): their own code."""
+    family, checkpoint = qwen_vl_megatron
+    # No checkpoint: saving reads every tensor back, as it must. Our per-step reads count the steps.
+    args = trainer_args(checkpoint, train_data, tmp_path / "run", global_batch_size=4, train_iters=2, seq_length=256,
+                        packing_seq_length=256, dtype="bfloat16", attention_backend="sdpa", micro_batch_size=1,
+                        eval_interval=2, eval_iters=1, save=False, **QWEN_VL_LAYOUTS[family])
+    _, counts = rehearse(tmp_path, "scripts/train/pretrain_llava.py", *args, nproc=2)
+    by_site = collections.Counter()
+    for entry, count in counts["reads"].items():
+        by_site[_site(entry)] += count
+    budget = _read_budget(steps=2, micro_batches=4)
+    ours = collections.Counter({site: count for site, count in by_site.items() if site.startswith("megatron_ext/")})
+    # The evaluation: its batch count agreed over data-parallel ranks, its loss.
+    evaluation = {"megatron_ext/train/batches.py (_most_over_data_parallel)": 1,
+                  "megatron_ext/model/forward_step.py (reduce_sums)": 1}
+    per_step = {site: budget[site] for site in budget if site.startswith("megatron_ext/")}
+    assert ours == collections.Counter(per_step) + collections.Counter(evaluation), by_site
+    towers = [site for site in by_site if "transformers/models/" in site or "transformers/vision_utils" in site]
+    assert all(by_site[site] <= budget.get(site, 0) for site in by_site if site not in towers and site not in ours), \
+        by_site
+
+
 def test_the_sync_ledger_records_each_kind_of_read_with_its_caller():
     gpu, host = mark(torch.arange(4.0), DEVICE), mark(torch.arange(4.0), HOST)
     with DeviceLedger() as ledger:
@@ -347,5 +394,25 @@ def test_autograds_own_backward_kernels_are_watched(monkeypatch):
         saved = mark(torch.ones(3, 3), DEVICE)
         product = (weight @ saved).sum()
         mark(saved, HOST)
+        with pytest.raises(DeviceMixError, match="cuda:0 and cpu"):
+            product.backward()
+
+
+def test_host_indices_into_a_device_tensor_pass_backward_as_on_cuda(monkeypatch):
+    """CUDA's index and index_put take host indices into a device tensor, so IndexBackward0 of a
+    device tensor indexed by host indices (transformers' Qwen2.5-VL tower reorders its patches so)
+    runs; a device tensor saved for it that turned into a host one still fails."""
+    from tests.train.gpu_rehearsal import _watch_backward
+
+    _restore_backward(monkeypatch)
+    with DeviceLedger() as ledger:
+        _watch_backward(ledger)
+        x = mark(torch.arange(4.0, requires_grad=True), DEVICE)
+        (x[mark(torch.tensor([3, 1]), HOST)] * mark(torch.tensor([1.0, 2.0]), DEVICE)).sum().backward()
+        assert ledger.reads == {} and place(x.grad) == DEVICE
+        assert x.grad.tolist() == [0.0, 2.0, 0.0, 1.0]
+        weight = mark(torch.ones(2), DEVICE)
+        product = (x[mark(torch.tensor([3, 1]), HOST)] * weight).sum()
+        mark(weight, HOST)
         with pytest.raises(DeviceMixError, match="cuda:0 and cpu"):
             product.backward()
