@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import torch
 
@@ -83,9 +84,11 @@ def split_over_data_parallel(items: list, answer) -> list:
 
 def shutdown() -> None:
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
-    if parallel_state.model_parallel_is_initialized():
+    # Only a process that set megatron-core's parallel state up has it to undo: a command that stopped at
+    # a bad flag returns at once, instead of importing megatron-core (seconds) to find nothing to undo.
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -50,3 +50,18 @@ print(before, [name for name in ("torch._dynamo", "torch._inductor", "wandb") if
 def test_cpu_processes_import_megatron_core_lean_through_init_parallel():
     out = run([sys.executable, "-c", _FIRST_IMPORT], timeout=180).stdout.split("\n")[-2]
     assert out == "False []"
+
+
+_SHUTDOWN_BEFORE_SETUP = """
+import sys
+from megatron_ext.distributed import shutdown
+shutdown()  # what a command's `finally` runs after a bad flag stopped it before any rank was set up
+print("megatron.core" in sys.modules)
+"""
+
+
+def test_shutting_down_before_any_setup_imports_no_megatron_core():
+    """A command stopped by a bad flag answers in seconds: its shutdown imported megatron-core whole
+    (W&B included), 9 of evaluate.py's 14 s to say `--fast-n 0` is wrong."""
+    out = run([sys.executable, "-c", _SHUTDOWN_BEFORE_SETUP], timeout=180).stdout.split("\n")[-2]
+    assert out == "False"
