@@ -4,9 +4,11 @@ Conversion is I/O-bound and exactness is easiest to reason about on CPU, so the 
 GPU (`CUDA_VISIBLE_DEVICES=""`, which makes `init_parallel` apply `cpu_support`). Processes are
 forked from a `forkserver` that has imported torch and megatron-core once (worker_preload.py),
 which every worker would otherwise pay again, N at a time on a few cores; the server is a clean
-single-threaded process, so forking it is safe. Each worker then takes the caller's environment
-as it is at the call, as a spawned one would. The entry script must still guard its `main()` with
-`if __name__ == "__main__":`.
+single-threaded process, so forking it is safe. A command that is itself a fork of such a process
+(`launch.forked`: the demo's steps, the tests' jobs) and still runs one thread forks the workers
+directly instead, sparing the server's own fresh interpreter (about 6 s of CPU). Each worker then
+takes the caller's environment as it is at the call, as a spawned one would. The entry script must
+still guard its `main()` with `if __name__ == "__main__":`.
 
 A rank that fails records why (megatron_ext/rank_failures.py, as the trainer's ranks do for run.py),
 and the caller gets the first rank's own failure, never a peer's lost connection to it.
@@ -35,12 +37,26 @@ def cpu_only_env(**extra: str):
         yield
 
 
+def forks_directly() -> bool:
+    """Whether this process forks the workers itself: it was forked from a preloaded process
+    (`launch.forked.preload`), so it holds what they import and no CUDA, and it runs no other thread
+    (a fork takes only the calling one)."""
+    import threading
+
+    from megatron_ext.launch import forked
+
+    return forked.preloaded and threading.active_count() == 1
+
+
 def start_fork_server(entry_module: str) -> None:
-    """Start the fork server now, if it is not running, preloading what workers running a function of
-    `entry_module` import: its imports take seconds, and overlap with whatever the caller does next."""
+    """Start the fork server now, if it is not running and this process does not fork the workers itself,
+    preloading what workers running a function of `entry_module` import: its imports take seconds, and
+    overlap with whatever the caller does next."""
     import multiprocessing
     from multiprocessing import forkserver
 
+    if forks_directly():
+        return
     multiprocessing.set_forkserver_preload(["megatron_ext.convert.worker_preload", entry_module])
     with cpu_only_env():
         forkserver.ensure_running()
@@ -81,12 +97,13 @@ def run_on_cpu_ranks(fn: Callable, world_size: int, *args) -> Any:
 
     from megatron_ext.distributed import local_store
 
+    start_method = "fork" if forks_directly() else "forkserver"
     start_fork_server(fn.__module__)
     store = local_store()
     with tempfile.TemporaryDirectory(prefix="megatron_ext-ranks-") as workdir, cpu_only_env():
         try:
             mp.start_processes(_rank_main, args=(world_size, store.port, workdir, dict(os.environ), fn, args),
-                               nprocs=world_size, join=True, start_method="forkserver")
+                               nprocs=world_size, join=True, start_method=start_method)
         except ProcessException as exc:
             first = rank_failures.first_failure(Path(workdir))
             if first is None or (first.peer_loss and getattr(exc, "signal_name", None)):

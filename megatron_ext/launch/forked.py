@@ -31,15 +31,21 @@ def can_fork() -> bool:
     return not torch.cuda.is_available()
 
 
+# Whether this process, or the one it was forked from, ran `preload`: it holds PRELOAD, and CUDA is absent.
+preloaded = False
+
+
 def preload() -> None:
     """Import PRELOAD, megatron-core as a CPU process does; the caller checks `can_fork` first."""
     import importlib
 
     from megatron_ext.compat.lean_import import import_lean
 
+    global preloaded
     import_lean()
     for name in PRELOAD:
         importlib.import_module(name)
+    preloaded = True
 
 
 def call(args: list[str], env: dict[str, str], output: IO) -> int:
