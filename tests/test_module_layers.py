@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_ext"
 # Lowest first. A part is a sub-package or a module at the package's top level.
 LAYERS = [
     ("foundation", {"errors", "rank_failures", "shared_failure", "environ", "fsutil", "logs", "progress", "lifetime",
-                    "stop_signals", "compat", "distributed", "container", "hf_loading"}),
+                    "stop_signals", "compat", "distributed", "container", "hf_loading", "preloaded"}),
     ("model", {"model"}),
     ("families", {"families"}),
     ("checkpoint", {"checkpoint"}),

@@ -5,7 +5,7 @@ GPU (`CUDA_VISIBLE_DEVICES=""`, which makes `init_parallel` apply `cpu_support`)
 forked from a `forkserver` that has imported torch and megatron-core once (worker_preload.py),
 which every worker would otherwise pay again, N at a time on a few cores; the server is a clean
 single-threaded process, so forking it is safe. A command that is itself a fork of such a process
-(`launch.forked`: the demo's steps, the tests' jobs) and still runs one thread forks the workers
+(`megatron_ext/preloaded.py`: the demo's steps, the tests' jobs) and still runs one thread forks the workers
 directly instead, sparing the server's own fresh interpreter (about 6 s of CPU). Each worker then
 takes the caller's environment as it is at the call, as a spawned one would. The entry script must
 still guard its `main()` with `if __name__ == "__main__":`.
@@ -39,13 +39,13 @@ def cpu_only_env(**extra: str):
 
 def forks_directly() -> bool:
     """Whether this process forks the workers itself: it was forked from a preloaded process
-    (`launch.forked.preload`), so it holds what they import and no CUDA, and it runs no other thread
+    (`preloaded.preload`), so it holds what they import and no CUDA, and it runs no other thread
     (a fork takes only the calling one)."""
     import threading
 
-    from megatron_ext.launch import forked
+    from megatron_ext import preloaded
 
-    return forked.preloaded and threading.active_count() == 1
+    return preloaded.loaded and threading.active_count() == 1
 
 
 def start_fork_server(entry_module: str) -> None:

@@ -60,12 +60,12 @@ STEP_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 def _forking() -> bool:
     """Whether the steps will be forked from this process (a CPU machine's: `launch.forked`), which
     then imports their libraries once, in the steps' environment."""
-    from megatron_ext.launch import forked
+    from megatron_ext import preloaded
 
-    if not forked.can_fork():
+    if not preloaded.can_fork():
         return False
     os.environ.update(STEP_ENV)
-    forked.preload()
+    preloaded.preload()
     return True
 
 

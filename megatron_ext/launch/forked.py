@@ -2,13 +2,11 @@
 
 A fresh `python -m megatron_ext.commands...` first imports torch, megatron-core, transformers and
 energon, 5-10 s of CPU before it does anything, and a pipeline of such commands (the demo's) pays
-it at every step. A process that has imported them (`preload`) can fork each command instead: the
-child runs it as `__main__` (`run_main`) and exits as the interpreter would, with sys.exit's status
-or 1 after an uncaught exception, non-daemon threads joined, atexit handlers run, streams flushed.
-
-Only a process without CUDA forks (`can_fork`): CUDA does not survive a fork, and megatron-core is
-imported as a CPU process imports it (`lean_import`). The tests' prestarted server
-(tests/support/prestarted.py) preloads and runs its jobs with the same functions.
+it at every step. A process that has imported them (`megatron_ext/preloaded.py`) can fork each
+command instead: the child runs it as `__main__` (`run_main`) and exits as the interpreter would,
+with sys.exit's status or 1 after an uncaught exception, non-daemon threads joined, atexit handlers
+run, streams flushed. The tests' prestarted server (tests/support/prestarted.py) preloads and runs
+its jobs with the same functions.
 """
 
 from __future__ import annotations
@@ -16,36 +14,6 @@ from __future__ import annotations
 import os
 import sys
 from typing import IO, NoReturn
-
-# What the commands import first; a fork finds them imported.
-PRELOAD = ("torch", "megatron.core.models.multimodal.llava_model", "megatron.core.optimizer",
-           "megatron.core.distributed", "megatron.core.dist_checkpointing", "megatron.energon",
-           "transformers", "transformers.image_processing_utils", "transformers.tokenization_utils_fast",
-           "safetensors.torch", "tokenizers", "PIL.Image", "numpy")
-
-
-def can_fork() -> bool:
-    """No CUDA here (asking initialises CUDA where there is one; this process then never forks)."""
-    import torch
-
-    return not torch.cuda.is_available()
-
-
-# Whether this process, or the one it was forked from, ran `preload`: it holds PRELOAD, and CUDA is absent.
-preloaded = False
-
-
-def preload() -> None:
-    """Import PRELOAD, megatron-core as a CPU process does; the caller checks `can_fork` first."""
-    import importlib
-
-    from megatron_ext.compat.lean_import import import_lean
-
-    global preloaded
-    import_lean()
-    for name in PRELOAD:
-        importlib.import_module(name)
-    preloaded = True
 
 
 def call(args: list[str], env: dict[str, str], output: IO) -> int:

@@ -41,8 +41,8 @@ def test_a_user_error_on_any_rank_is_raised_in_the_caller_with_its_message():
 _FORKED_COMMAND = """
 import sys
 from multiprocessing import forkserver
-from megatron_ext.launch import forked
-forked.preload()  # as the demo's server and the tests' prestarted one do before forking their commands
+from megatron_ext import preloaded
+preloaded.preload()  # as the demo's server and the tests' prestarted one do before forking their commands
 from megatron_ext.convert.cpu_ranks import run_on_cpu_ranks
 from tests.convert.test_cpu_ranks import _rank_env, _refuse_on_rank_1
 tag, env = run_on_cpu_ranks(_rank_env, 2, "hello")

@@ -168,6 +168,8 @@ def test_lmms_eval_answers_the_same_through_hf_and_megatron(hf_dirs, converted, 
 @pytest.mark.timeout(300)
 def test_chat_about_an_anyres_image(converted, references, media):
     """Two turns about an image cut into tiles, from the TP2 checkpoint run in one process."""
+    import pexpect
+
     from tests.support.chat_terminal import Terminal, same_text
 
     reference = references["next"]
@@ -182,8 +184,11 @@ def test_chat_about_an_anyres_image(converted, references, media):
         expected_second = reference.text(reference.greedy(second, image, MAX_NEW_TOKENS))
         assert expected_second and same_text(term.answer("And then?"), expected_second)
         term.child.sendline("/exit")
+        # Ended by itself before the close below, which on a loaded machine could give up killing it.
+        term.child.expect_exact(pexpect.EOF)
     finally:
         term.child.close(force=True)
+    assert term.child.exitstatus == 0
 
 
 @pytest.mark.multiprocess

@@ -3,7 +3,7 @@
 Every rank of a test job, and most scripts a test runs, first imports torch, megatron-core,
 transformers and energon: about 7.5 s of CPU per process on the 2-core CI machine, more than most
 of these tiny jobs then compute, and most of the suite's time. So each pytest worker keeps one
-server that has imported them (`megatron_ext.launch.forked.preload`, which the demo's steps are forked
+server that has imported them (`megatron_ext.preloaded.preload`, which the demo's steps are forked
 after too); a job's process is a fork of it, with the job's argv, environment, working directory and
 output files, in a session of its own. It runs the script as `python SCRIPT ARGS` (or `python -m
 MODULE ARGS`) would, as `__main__`, and exits as Python does (`forked.run_main`). The product forks
@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 
+from megatron_ext import preloaded
 from megatron_ext.launch import forked
 from tests.support.helpers import DISTRIBUTED_VARS, REPO_ROOT, child_env
 
@@ -73,12 +74,12 @@ def _receive(sock: socket.socket) -> tuple[dict, list[int]] | None:
 # ---- the server -------------------------------------------------------------------------------
 
 def serve(fd: int) -> None:
-    """Import what the jobs import (`forked.preload`), say {"ready"}, then start jobs until the client
+    """Import what the jobs import (`preloaded.preload`), say {"ready"}, then start jobs until the client
     closes its end."""
     import threading
 
     sock = socket.socket(fileno=fd)
-    forked.preload()
+    preloaded.preload()
     # A fork copies one thread: one the imports left running would be missing in every job.
     assert threading.active_count() == 1, threading.enumerate()
     assert "datasets" not in sys.modules, "the preloaded imports read DATASETS_VARS: serves() must compare them"
