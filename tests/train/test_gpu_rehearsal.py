@@ -157,6 +157,14 @@ def _site(entry: str) -> str:
     return f"{path} {rest.partition(' ')[2]}" if colon else entry
 
 
+def _reads_by_site(reads: dict[str, int]) -> collections.Counter:
+    """The ledger's reads summed by "file (function)"."""
+    by_site = collections.Counter()
+    for entry, count in reads.items():
+        by_site[_site(entry)] += count
+    return by_site
+
+
 @pytest.fixture(scope="module")
 def megatron_clip_4_layers(tmp_path_factory, tiny_hf) -> str:
     """llava_clip's shape with 4 language-model layers instead of 2, as a Megatron checkpoint."""
@@ -187,9 +195,7 @@ def test_the_sync_ledger_allows_named_reads_and_none_per_layer(tmp_path, megatro
     # RoPE over packed rows, attention, tiles: nothing per layer (megatron-core's unfused THD RoPE read
     # cu_seqlens back twice in every layer).
     assert reads[2] == reads[4]
-    by_site = collections.Counter()
-    for entry, count in reads[2].items():
-        by_site[_site(entry)] += count
+    by_site = _reads_by_site(reads[2])
     budget = _read_budget(steps=2, micro_batches=4)
     assert all(by_site[site] <= budget.get(site, 0) for site in by_site), json.dumps(reads[2], indent=1)
     # Ours exactly once a step (megatron-core's releases read at different sites).
@@ -228,9 +234,7 @@ def test_qwen_vl_trainer_iterations_mix_nothing_and_our_code_reads_nothing_per_m
                         packing_seq_length=256, dtype="bfloat16", attention_backend="sdpa", micro_batch_size=1,
                         eval_interval=2, eval_iters=1, save=False, **QWEN_VL_LAYOUTS[family])
     _, counts = rehearse(tmp_path, "scripts/train/pretrain_llava.py", *args, nproc=2)
-    by_site = collections.Counter()
-    for entry, count in counts["reads"].items():
-        by_site[_site(entry)] += count
+    by_site = _reads_by_site(counts["reads"])
     budget = _read_budget(steps=2, micro_batches=4)
     ours = collections.Counter({site: count for site, count in by_site.items() if site.startswith("megatron_ext/")})
     # The evaluation: its batch count agreed over data-parallel ranks, its loss.
