@@ -26,6 +26,7 @@ tied and not), in the same launch, on a prompt of one image (`tests.shapes.qwen_
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -93,21 +94,25 @@ def test_every_rank_of_every_layout_the_heads_allow_converts_at_the_published_wi
 
 
 @pytest.fixture(scope="module")
-def numeric(tmp_path_factory):
+def numeric(request, tmp_path_factory):
     """OUT of shapes_worker.py over every model of NUMERIC and QWEN_NUMERIC, and the HF directories."""
+    failed_before = request.session.testsfailed
     work = tmp_path_factory.mktemp("shapes_numeric")
     hf_dirs = {name: build(config, work / "built" / name) for name, config in NUMERIC.items()}
     hf_dirs.update({name: build_qwen_vl(config, work / "built" / name) for name, config in QWEN_NUMERIC.items()})
-    request = {name: {"hf_dir": str(hf_dirs[name]), "layouts": [NUMERIC_LAYOUT], "export": [NUMERIC_LAYOUT]}
-               for name in hf_dirs}
-    (work / "in.json").write_text(json.dumps(request))
+    job = {name: {"hf_dir": str(hf_dirs[name]), "layouts": [NUMERIC_LAYOUT], "export": [NUMERIC_LAYOUT]}
+           for name in hf_dirs}
+    (work / "in.json").write_text(json.dumps(job))
     out = work / "out"
     (out / "inputs").mkdir(parents=True)
     for name, config in QWEN_NUMERIC.items():
         torch.save(qwen_vl_sample(config, QWEN_IMAGE), out / "inputs" / f"{name}.pt")
     tp, pp = NUMERIC_LAYOUT
     run_ranks(tp * pp, "tests/convert/shapes_worker.py", out, work / "in.json", timeout=600)
-    return out, hf_dirs
+    yield out, hf_dirs
+    # About 6 GB at the published widths: kept, as the suite keeps a tmp_path, only when a test failed.
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(work)
 
 
 @pytest.mark.multiprocess
