@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from megatron_ext.errors import UserError
 from megatron_ext.families.hf_config import as_dict, get
@@ -108,6 +108,8 @@ class QwenVLFamily:
     # The tower's modules that project into the decoder's width: they train with the projector.
     projections: tuple[str, ...] = ("merger",)
     tiled: bool = False  # as a LLaVA kind says it: its images keep their sizes, no tiles
+    # (tower, grid [images, 3]) -> what the tower computes from its grid, by keyword (`model/tower_inputs.py`).
+    tower_inputs: Callable[[Any, Any], dict] | None = None
 
     def complete(self, cfg: Any) -> dict:
         """The config as a dict with every field transformers reads (what checkpoints store)."""
@@ -165,7 +167,7 @@ class QwenVLFamily:
                             parallel_state.get_pipeline_model_parallel_world_size())
         return mrope_vlm.build(arch.text, self.text, lambda: self.tower(arch, DTYPES[opts.dtype]), self.projections,
                                arch.image_token_id, arch.video_token_id, opts, vp_stage,
-                               interleaved_mrope=self.text.interleaved_mrope, meta=meta)
+                               interleaved_mrope=self.text.interleaved_mrope, meta=meta, tower_inputs=self.tower_inputs)
 
     def option_problems(self, opts, arch: QwenVLArch) -> list[str]:
         """What this family's model cannot run with yet (each one line)."""

@@ -11,18 +11,22 @@ task encoder), so the sequence the model computes is the batch's rows as they ar
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from megatron_ext.errors import UserError
 from megatron_ext.model.inputs import ModelInputs
 from megatron_ext.model.mrope_vlm import feature_order, media_rows
+from megatron_ext.model.tower_inputs import takes_precomputed, tower_kwargs
 
 # Per media kind: pixel rows, grids, (a preference pair's batch) which of them each use shows, and the
-# model's arguments for where its tokens lie and which encoder rows they show.
-_MEDIA = (("pixel_values", "image_grid_thw", "image_uses", "image_rows", "image_order"),
-          ("pixel_values_videos", "video_grid_thw", "video_uses", "video_rows", "video_order"))
+# model's arguments for where its tokens lie, which encoder rows they show and what the encoder
+# computes from its grid.
+_MEDIA = (("pixel_values", "image_grid_thw", "image_uses", "image_rows", "image_order", "image_tower_inputs"),
+          ("pixel_values_videos", "video_grid_thw", "video_uses", "video_rows", "video_order", "video_tower_inputs"))
 
 
 @dataclass(frozen=True)
@@ -43,17 +47,21 @@ class MRopeInputs:
     # activations of one fixed shape.
     seq_length: int = 0
     pipeline_parallel: bool = False
+    # grid -> what the encoder computes from it (`tower_inputs`); None: the encoder computes it.
+    tower_inputs: Callable[[torch.Tensor], dict] | None = None
 
     @classmethod
     def for_model(cls, model, device: torch.device) -> "MRopeInputs":
         from megatron.core import parallel_state
 
-        encoder = model.vision_model
+        encoder, compute = model.vision_model, model.tower_inputs
+        precompute = encoder is not None and compute is not None and takes_precomputed(encoder)
         return cls(model.image_token_id, model.config.params_dtype, device, model.attention_backend,
                    video_token_index=model.video_token_id,
                    merge_size=encoder.spatial_merge_size if encoder is not None else None,
                    seq_length=model.language_model.max_sequence_length,
-                   pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size() > 1)
+                   pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size() > 1,
+                   tower_inputs=functools.partial(compute, encoder) if precompute else None)
 
     def combined_length(self, input_ids: torch.Tensor) -> int:
         return self.seq_length if self.pipeline_parallel else input_ids.shape[1]
@@ -68,7 +76,8 @@ class MRopeInputs:
             batch = self._padded(batch)
         kwargs = {name: self.to_device(batch[name]) for name in ("input_ids", "position_ids", "labels", "loss_mask")}
         input_ids, segment_ids = batch["input_ids"], batch["segment_ids"]
-        for (pixels, grid, uses, rows, order), token in zip(_MEDIA, (self.image_token_index, self.video_token_index)):
+        for (pixels, grid, uses, rows, order, tower), token in zip(_MEDIA, (self.image_token_index,
+                                                                           self.video_token_index)):
             held = batch[grid].shape[0] > 0
             kwargs[pixels] = self.to_device(batch[pixels], self.dtype) if held else None
             kwargs[grid] = self.to_device(batch[grid]) if held else None
@@ -77,6 +86,8 @@ class MRopeInputs:
                 kwargs[rows] = self.to_device(media_rows(input_ids == token))
                 if uses in batch:
                     kwargs[order] = self.to_device(feature_order(batch[grid], batch[uses], self.merge_size))
+            if held and self.tower_inputs is not None:
+                kwargs[tower] = tower_kwargs(self.tower_inputs, batch[grid], self.to_device)
         if int(segment_ids.max()) > 1:
             if input_ids.shape[0] != 1 or self.backend == "local":
                 # The causal mask of the bshd path would let a pack's samples attend to each other.

@@ -105,7 +105,8 @@ class MRopeVisionLanguageModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
                 pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None, labels=None,
                 loss_mask=None, packed_seq_params=None, image_rows=None, video_rows=None, image_order=None,
-                video_order=None, runtime_gather_output: bool | None = None, inference_context=None):
+                video_order=None, image_tower_inputs=None, video_tower_inputs=None,
+                runtime_gather_output: bool | None = None, inference_context=None):
         """Logits [B, S, V]; with `labels` and `loss_mask`, (loss [B, S], loss_mask) as megatron-core's
         LLaVAModel returns them. `input_ids` [B, S] with every image and video expanded to one token
         per merged patch, `position_ids` [3, B, S]; `packed_seq_params`: a one-row batch of packed
@@ -114,19 +115,21 @@ class MRopeVisionLanguageModel(torch.nn.Module):
         sample (`media_rows`; `mrope_inputs` finds them on the host, so the device never waits); None:
         found here. `image_order` / `video_order`: long [tokens], the encoder's output row each of those
         tokens shows (`feature_order`), where one image serves several sequences (a preference pair's);
-        None: each is shown once, in order.
+        None: each is shown once, in order. `image_tower_inputs` / `video_tower_inputs`: what the encoder
+        computes from its grid, computed on the host (`tower_inputs.py`); None: the encoder computes them.
         `runtime_gather_output`: GPTModel's (this call's logits gathered over TP, the model built with
         parallel output). `inference_context`: GPTModel's KV cache (`eval/mrope_generator.py`)."""
         embeddings = None
         self._deepstack = []
         if self.language_model.pre_process:
             embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)
-            for token, pixels, grid, rows, order in (
-                    (self.image_token_id, pixel_values, image_grid_thw, image_rows, image_order),
-                    (self.video_token_id, pixel_values_videos, video_grid_thw, video_rows, video_order)):
+            for token, pixels, grid, rows, order, precomputed in (
+                    (self.image_token_id, pixel_values, image_grid_thw, image_rows, image_order, image_tower_inputs),
+                    (self.video_token_id, pixel_values_videos, video_grid_thw, video_rows, video_order,
+                     video_tower_inputs)):
                 if pixels is not None:
                     rows = media_rows(input_ids == token) if rows is None else rows
-                    encoded = self.vision_model(pixels, grid_thw=grid)
+                    encoded = self.vision_model(pixels, grid_thw=grid, **(precomputed or {}))
                     features, deepstack = encoded.pooler_output, getattr(encoded, "deepstack_features", None) or []
                     if order is not None:
                         features, deepstack = features[order], [feature[order] for feature in deepstack]
@@ -197,12 +200,14 @@ def feature_order(grid: torch.Tensor, uses: torch.Tensor, merge_size: int) -> to
 
 def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], projections: tuple[str, ...], image_token_id: int,
           video_token_id: int, opts, vp_stage: int | None = None,
-          interleaved_mrope: bool = False, meta: bool = False) -> MRopeVisionLanguageModel:
+          interleaved_mrope: bool = False, meta: bool = False,
+          tower_inputs: Callable[[Any, torch.Tensor], dict] | None = None) -> MRopeVisionLanguageModel:
     """This rank's model under the current megatron parallel state: `family`'s language config
     must give `mrope_section`; `vision()` makes the encoder (called on the first stage only), whose
     modules `projections` map its features into the decoder's width; `interleaved_mrope`: the sections
     interleave over the channels (Qwen3-VL) instead of chunking; `meta`: every tensor on PyTorch's
-    meta device (shapes only: `memory/meta_ranks.py`)."""
+    meta device (shapes only: `memory/meta_ranks.py`); `tower_inputs(encoder, grid)`: what the encoder
+    computes from its grid, by keyword (`tower_inputs.py`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -246,6 +251,7 @@ def build(t: TextArch, family: TextHooks, vision: Callable[[], Any], projections
         model = MRopeVisionLanguageModel(language, _replicated(vision(), projections) if first else None, projections,
                                          image_token_id, video_token_id)
     model.attention_backend = backend  # how batches must express packing to it (`mrope_inputs`)
+    model.tower_inputs = tower_inputs  # what `mrope_inputs` may compute on the host for the encoder
     if not opts.init_weights:
         mark_tensor_parallel_weights(model)
     return model if meta else model.to(device())

@@ -465,18 +465,22 @@ def _keep_marks_in_parameters() -> None:
     torch.nn.Parameter.__new__ = staticmethod(new)
 
 
-def _host_batches(train_data_cls) -> None:
-    """What the data loader hands the trainer is in host memory, as on a GPU machine."""
-    original = train_data_cls.next_micro_batches
+def _host_batches(train_data_cls, val_data_cls) -> None:
+    """What the data loader hands the trainer, training and evaluation batches alike, is in host
+    memory, as on a GPU machine."""
+    train_data_cls.next_micro_batches = _marked_host(train_data_cls.next_micro_batches)
+    val_data_cls.global_batches = _marked_host(val_data_cls.global_batches)
 
-    def next_micro_batches(self, count):
-        batches = original(self, count)
-        for batch in batches:
-            for t in _tensors(batch):
-                mark(t, HOST)
-        return batches
 
-    train_data_cls.next_micro_batches = next_micro_batches
+def _marked_host(original):
+    @functools.wraps(original)
+    def batches(*args, **kwargs):
+        made = original(*args, **kwargs)
+        for t in _tensors(made):
+            mark(t, HOST)
+        return made
+
+    return batches
 
 
 ATTENTION_KERNELS = ("scaled_dot_product_attention", "varlen_attn")
@@ -560,7 +564,7 @@ class _WatchedEngine:
 def start() -> DeviceLedger:
     """Rehearse in this process: megatron-core on the CPU naming cuda:0, the ledger watching."""
     from megatron_ext.compat import cpu_support
-    from megatron_ext.train.batches import TrainData
+    from megatron_ext.train.batches import TrainData, ValData
 
     cpu_support.apply()
     # The device a real run's code names; cpu_support lands its tensors on the CPU.
@@ -570,7 +574,7 @@ def start() -> DeviceLedger:
     from megatron_ext.model import attention
 
     attention.varlen_attn = rehearsed_varlen_attn
-    _host_batches(TrainData)
+    _host_batches(TrainData, ValData)
     ledger = DeviceLedger()
     if os.environ.get("REHEARSAL_REPORT") and os.environ.get("RANK", "0") == "0":  # one writer
         counts = _Counts()

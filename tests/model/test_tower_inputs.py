@@ -1,0 +1,74 @@
+"""model/tower_inputs.py: each Qwen-VL family computes on the host what transformers' tower computes
+from its grid, by the keywords the tower takes. Given them, the tower's features are the same to the
+bit, and each one is used (changed, it changes the features), so the tower computes none of them
+itself: on a GPU, nothing read back from its grid. The trainer under the GPU rehearsal shows that
+(tests/train/test_gpu_rehearsal.py)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from megatron_ext.model.tower_inputs import BOUNDARIES, takes_precomputed, tower_kwargs
+
+FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
+# (T, H, W) in patches: two images of odd shapes (several windows across one) and a 2-frame video.
+GRIDS = [[1, 6, 10], [1, 4, 2], [2, 8, 6]]
+
+
+def _tower_and_inputs(name: str):
+    family = importlib.import_module(f"megatron_ext.families.{name}").FAMILY
+    config = importlib.import_module(f"tests.support.{name}").tiny_config()
+    torch.manual_seed(0)
+    tower = family.tower(family.read(config))
+    vision = tower.config
+    grid = torch.tensor(GRIDS)
+    pixels = torch.randn(int(grid.prod(-1).sum()), vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2)
+    return tower, family.tower_inputs, grid, pixels
+
+
+def _features(tower, pixels, grid, **given) -> list[torch.Tensor]:
+    with torch.no_grad():
+        out = tower(pixels, grid_thw=grid, **given)
+    return [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+
+
+def _changed(name: str, value: torch.Tensor) -> torch.Tensor:
+    """`value` altered as a defect would: one attention boundary dropped (two images attend to each
+    other), anything else shifted by one row."""
+    return torch.cat([value[:1], value[2:]]) if name in BOUNDARIES else value.roll(1, 0)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_tower_given_its_grid_values_from_the_host_gives_the_same_features_to_the_bit(name):
+    tower, compute, grid, pixels = _tower_and_inputs(name)
+    assert takes_precomputed(tower)
+    own = _features(tower, pixels, grid)
+    given = _features(tower, pixels, grid, **tower_kwargs(lambda g: compute(tower, g), grid, lambda t: t))
+    assert len(given) == len(own) and all(torch.equal(a, b) for a, b in zip(given, own))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_tower_uses_every_value_it_is_given(name):
+    tower, compute, grid, pixels = _tower_and_inputs(name)
+    values = compute(tower, grid)
+    own = _features(tower, pixels, grid)
+    for key, value in values.items():
+        altered = _features(tower, pixels, grid, **{**values, key: _changed(key, value)})
+        assert not torch.equal(altered[0], own[0]), key
+
+
+def test_the_boundaries_stay_on_the_host_and_the_rest_go_to_the_device():
+    moved = []
+    tower, compute, grid, _ = _tower_and_inputs("qwen2_5_vl")
+    given = tower_kwargs(lambda g: compute(tower, g), grid, lambda t: moved.append(t) or t)
+    assert sorted(given) == ["cu_seqlens", "cu_window_seqlens", "position_ids", "window_index"]
+    assert {id(t) for t in moved} == {id(given["position_ids"]), id(given["window_index"])}
+
+
+def test_a_tower_with_flash_attention_computes_its_own():
+    tower, *_ = _tower_and_inputs("qwen3_vl")
+    tower.config._attn_implementation = "flash_attention_2"
+    assert not takes_precomputed(tower)
