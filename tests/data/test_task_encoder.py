@@ -13,7 +13,7 @@ from megatron.energon import VQASample
 from PIL import Image
 
 from megatron_ext.data.build import run_energon_prepare
-from megatron_ext.data.loader import restore_loader_state, save_loader_state, train_loader, val_loader
+from megatron_ext.data.loader import restore_loader_state, save_loader_state, shutdown_workers, train_loader, val_loader
 from megatron_ext.data.task_encoder import LlavaTaskEncoder
 from megatron_ext.errors import UserError
 from megatron_ext.families import read_llava
@@ -157,22 +157,26 @@ def test_train_loader_with_workers_packs_and_resumes(tmp_path, prepared, llava_c
         return train_loader(prepared, _encoder(llava_clip, packing_seq_length=200), micro_batch_size=2,
                             num_workers=workers, seed=3, packing_buffer_size=8)
 
-    first = loader(2)
-    it = iter(first)
-    packed_rows = 0
-    for _ in range(2):
-        batch = next(it)
-        assert batch.input_ids.dtype == torch.long and batch.loss_mask.dtype == torch.float32
-        assert batch.images.shape[0] == int((batch.input_ids == arch.image_token_index).sum()) == batch.num_samples
-        packed_rows += int((batch.segment_ids.max(1).values >= 2).sum())
-    assert packed_rows > 0
-    save_loader_state(first, tmp_path / "state.pt")
-    expected = [next(it).input_ids for _ in range(3)]
+    first, resumed = loader(2), loader(2)
+    try:
+        it = iter(first)
+        packed_rows = 0
+        for _ in range(2):
+            batch = next(it)
+            assert batch.input_ids.dtype == torch.long and batch.loss_mask.dtype == torch.float32
+            assert batch.images.shape[0] == int((batch.input_ids == arch.image_token_index).sum()) == batch.num_samples
+            packed_rows += int((batch.segment_ids.max(1).values >= 2).sum())
+        assert packed_rows > 0
+        save_loader_state(first, tmp_path / "state.pt")
+        expected = [next(it).input_ids for _ in range(3)]
 
-    resumed = loader(2)
-    restore_loader_state(resumed, tmp_path / "state.pt")
-    got = [b.input_ids for b, _ in zip(resumed, range(3))]
-    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+        restore_loader_state(resumed, tmp_path / "state.pt")
+        got = [b.input_ids for b, _ in zip(resumed, range(3))]
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    finally:
+        # As the trainer does: left to the garbage collector, their workers held up a later test ~40 s.
+        for made in (first, resumed):
+            shutdown_workers(made)
     with pytest.raises(UserError, match="saved with 2 data workers; resume with --num-workers 2"):
         restore_loader_state(loader(0), tmp_path / "state.pt")
 
