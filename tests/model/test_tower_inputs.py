@@ -72,3 +72,14 @@ def test_a_tower_with_flash_attention_computes_its_own():
     tower, *_ = _tower_and_inputs("qwen3_vl")
     tower.config._attn_implementation = "flash_attention_2"
     assert not takes_precomputed(tower)
+
+
+def test_a_transformers_before_5_17_computes_its_own(monkeypatch):
+    """5.10 has `vision_utils` but not the function Qwen3-VL's values come from (its tower took others)."""
+    import transformers
+
+    tower, *_ = _tower_and_inputs("qwen3_vl")
+    monkeypatch.setattr(transformers, "__version__", "5.16.2")
+    assert not takes_precomputed(tower)
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    assert takes_precomputed(tower)
