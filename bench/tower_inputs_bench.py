@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import importlib
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import click
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.inputs_bench import median_us  # noqa: E402
 
 MODELS = {"qwen2_5_vl": "Qwen--Qwen2.5-VL-7B-Instruct", "qwen3_vl": "Qwen--Qwen3-VL-8B-Instruct"}
 # (T, H, W) in patches per image or video: 1008 x 1008 px is 72 x 72 patches of 14 px (Qwen2.5-VL);
@@ -40,16 +39,6 @@ def tower_and_compute(family_name: str):
     return tower, family.tower_inputs
 
 
-def median_ms(func, repeat: int) -> float:
-    func()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        func()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
-
-
 @click.command()
 @click.option("--repeat", default=20, show_default=True)
 def main(repeat: int):
@@ -58,7 +47,7 @@ def main(repeat: int):
         tower, compute = tower_and_compute(family_name)
         for name, grids in BATCHES.items():
             grid = torch.tensor(grids)
-            results[f"{family_name}: {name}"] = median_ms(lambda: compute(tower, grid), repeat)
+            results[f"{family_name}: {name}"] = median_us(lambda: compute(tower, grid), repeat) / 1000
     print("| family: micro batch | host ms |\n|---|---:|")
     for name, ms in results.items():
         print(f"| {name} | {ms:.2f} |")
