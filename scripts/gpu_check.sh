@@ -16,3 +16,4 @@ python=${PYTHON:-python3}
 "$python" bench/gpu_profile.py
 "$python" bench/gpu_profile.py --host-functions 25
 "$python" bench/gpu_bench.py --sweep --iters 5 --warmup 2
+"$python" bench/tower_attention_bench.py

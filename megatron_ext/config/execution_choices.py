@@ -110,6 +110,7 @@ def resolve_execution(config: TrainConfig, world_size: int, te: bool, on_gpu: bo
         gradient_accumulation_fusion=_gradient_accumulation_fusion(backend, on_gpu),
         logits_where_loss=_logits_where_loss(config, sequence_parallel),
         compile_layers=_compile_layers(config, backend, on_gpu),
+        vision_attention=config.vision_attention,
     )
     return Execution(
         model=model,

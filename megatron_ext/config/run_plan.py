@@ -365,6 +365,10 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
     if config.vision_lr is not None and not config.unfreeze_vit:
         raise UserError("--vision-lr needs --unfreeze-vit (the vision tower is frozen otherwise)")
     _check_pixel_bounds(plan)
+    if config.vision_attention != "sdpa" and isinstance(arch, LlavaArch):
+        raise UserError(f"--vision-attention {config.vision_attention}: only native-resolution models (Qwen2.5-VL, "
+                        "Qwen3-VL) choose their tower's attention; a LLaVA's tower attends as --attention-backend "
+                        "says, drop the flag")
     if config.video_frames < 1:
         raise UserError(f"--video-frames must be >= 1, got {config.video_frames}")
     if config.max_tiles_per_sequence is not None and config.max_tiles_per_sequence < 1:

@@ -158,16 +158,19 @@ class QwenVLFamily:
         `meta`: on PyTorch's meta device)."""
         from megatron.core import parallel_state
 
-        from megatron_ext.model import mrope_vlm
+        from megatron_ext.model import mrope_vlm, tower_attention
         from megatron_ext.model.provider import DTYPES
 
         if problems := self.option_problems(opts, arch):
             raise UserError("; ".join(problems))
         arch.check_parallel(parallel_state.get_tensor_model_parallel_world_size(),
                             parallel_state.get_pipeline_model_parallel_world_size())
-        return mrope_vlm.build(arch.text, self.text, lambda: self.tower(arch, DTYPES[opts.dtype]), self.projections,
-                               arch.image_token_id, arch.video_token_id, opts, vp_stage,
-                               interleaved_mrope=self.text.interleaved_mrope, meta=meta, tower_inputs=self.tower_inputs)
+
+        def tower():
+            return tower_attention.use(self.tower(arch, DTYPES[opts.dtype]), opts.execution.vision_attention)
+
+        return mrope_vlm.build(arch.text, self.text, tower, self.projections, arch.image_token_id, arch.video_token_id,
+                               opts, vp_stage, interleaved_mrope=self.text.interleaved_mrope, meta=meta, tower_inputs=self.tower_inputs)
 
     def option_problems(self, opts, arch: QwenVLArch) -> list[str]:
         """What this family's model cannot run with yet (each one line)."""

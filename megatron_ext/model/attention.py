@@ -97,7 +97,7 @@ class SDPAttention(torch.nn.Module):
         """THD: [t, h, d] holding several sequences back to back; the boundaries the rotary
         embedding used (the padded ones when given) delimit them here too."""
         cu_seqlens = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        if dropout == 0.0 and _flash_varlen(query) and _varlen_takes_window(self.window):
+        if dropout == 0.0 and varlen_serves(query) and _varlen_takes_window(self.window):
             return self._varlen(query, key, value, cu_seqlens, params.max_seqlen_q, causal, self.window)
         mask = _packed_mask(params, cu_seqlens, query.shape[0], causal)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
@@ -105,32 +105,15 @@ class SDPAttention(torch.nn.Module):
         return out[0].transpose(0, 1).reshape(query.shape[0], -1)
 
     def _varlen(self, query, key, value, cu_seqlens, max_seqlen: int, causal: bool, window):
-        """[t, h, d] sequences delimited by `cu_seqlens` (int32, on the device), one flash call."""
-        before, after = window if window is not None else (-1, -1)
-        kernel, takes = _varlen_kernel(), _varlen_keywords()
-        options = {}
-        if self.heads != self.groups:
-            if "enable_gqa" in takes:
-                options["enable_gqa"] = True
-            else:
-                key, value = (_repeat_heads(t, self.heads // self.groups, dim=1) for t in (key, value))
-        if "scale" in takes:
-            options["scale"] = self.softmax_scale
-        elif (factor := self.softmax_scale * math.sqrt(query.shape[-1])) != 1.0:
-            query = query * factor
-        if "window_size" in takes:
-            options["window_size"] = (before, 0 if causal else after)
-        else:
-            options["is_causal"] = causal
-        out = kernel(query, key, value, cu_seqlens.int(), cu_seqlens.int(), max_seqlen, max_seqlen, **options)
-        return out.reshape(query.shape[0], -1)
+        return flash_varlen(query, key, value, cu_seqlens, max_seqlen, scale=self.softmax_scale, causal=causal,
+                            window=window).reshape(query.shape[0], -1)
 
     def _attend(self, q, k, v, attention_mask, causal: bool, dropout: float):
         """[b, h, sq, d] attention; a given mask (True = attend, built here or by `_packed_mask`)
         replaces the causal rule (it already holds it)."""
         sq, sk = q.shape[-2], k.shape[-2]
         window = self._window_within(sq, sk, causal)
-        if (window is not None and attention_mask is None and sq == sk and dropout == 0.0 and _flash_varlen(q)
+        if (window is not None and attention_mask is None and sq == sk and dropout == 0.0 and varlen_serves(q)
                 and _varlen_takes_window(window)):
             # Rows of one length as THD sequences: flash applies the window itself.
             b, h, s, d = q.shape
@@ -174,10 +157,33 @@ class SDPAttention(torch.nn.Module):
         return tensor_parallel.get_cuda_rng_tracker().fork()
 
 
-def _flash_varlen(t: torch.Tensor) -> bool:
+def varlen_serves(t: torch.Tensor) -> bool:
     """varlen_attn's flash kernel serves CUDA tensors in half precision (no CPU kernel, no fp32).
     `meta` stands in for CUDA in the CPU tests, which check its shapes and call counts."""
     return (t.is_cuda or t.is_meta) and t.dtype in (torch.float16, torch.bfloat16)
+
+
+def flash_varlen(query, key, value, cu_seqlens, max_seqlen: int, *, scale: float, causal: bool, window=None):
+    """[t, heads, d] sequences delimited by `cu_seqlens` (on the device), one flash call, with the keywords
+    the installed `varlen_attn` takes: `key`/`value` may hold fewer (grouped) heads; `window`: (keys
+    before, keys after) each query sees. Returns [t, heads, d]."""
+    before, after = window if window is not None else (-1, -1)
+    kernel, takes = _varlen_kernel(), _varlen_keywords()
+    options = {}
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in takes:
+            options["enable_gqa"] = True
+        else:
+            key, value = (_repeat_heads(t, query.shape[1] // key.shape[1], dim=1) for t in (key, value))
+    if "scale" in takes:
+        options["scale"] = scale
+    elif (factor := scale * math.sqrt(query.shape[-1])) != 1.0:
+        query = query * factor
+    if "window_size" in takes:
+        options["window_size"] = (before, 0 if causal else after)
+    else:
+        options["is_causal"] = causal
+    return kernel(query, key, value, cu_seqlens.int(), cu_seqlens.int(), max_seqlen, max_seqlen, **options)
 
 
 # torch's `varlen_attn`, imported on first use (the module's docstring says why), or a stand-in set here
@@ -225,11 +231,17 @@ def _packed_mask(params, cu_seqlens: torch.Tensor, tokens: int, causal: bool) ->
     micro batch: kept on its PackedSeqParams, which every layer of the micro batch receives."""
     masks = vars(params).setdefault("_sdpa_masks", {})
     if causal not in masks:
-        positions = torch.arange(tokens, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
-        sample = torch.searchsorted(cu_seqlens[1:], positions, right=True)
-        mask = sample[:, None] == sample[None, :]
-        masks[causal] = mask.tril() if causal else mask
+        masks[causal] = sample_mask(cu_seqlens, tokens, causal)
     return masks[causal]
+
+
+def sample_mask(cu_seqlens: torch.Tensor, tokens: int, causal: bool) -> torch.Tensor:
+    """[t, t] (True = attend): each token sees the tokens of its own sequence (`cu_seqlens` delimits them),
+    built on their device without reading them back."""
+    positions = torch.arange(tokens, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    sample = torch.searchsorted(cu_seqlens[1:], positions, right=True)
+    mask = sample[:, None] == sample[None, :]
+    return mask.tril() if causal else mask
 
 
 @functools.lru_cache(maxsize=4)

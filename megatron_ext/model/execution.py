@@ -20,4 +20,5 @@ class ModelExecution:
     gradient_accumulation_fusion: bool = False  # weight gradients accumulated in place (training on GPU)
     logits_where_loss: bool = False  # training: output layer and cross entropy only where a loss is taken
     compile_layers: bool = False  # each transformer layer compiled by torch.compile (`compiled_layers`)
+    vision_attention: str = "sdpa"  # a native-resolution tower's attention (`tower_attention.CHOICES`)
 

@@ -20,7 +20,7 @@ import torch
 from megatron_ext.errors import UserError
 from megatron_ext.model.inputs import ModelInputs
 from megatron_ext.model.mrope_vlm import feature_order, media_rows
-from megatron_ext.model.tower_inputs import takes_precomputed, tower_kwargs
+from megatron_ext.model.tower_inputs import attends_through_flash, takes_precomputed, tower_kwargs
 
 # Per media kind: pixel rows, grids, (a preference pair's batch) which of them each use shows, and the
 # model's arguments for where its tokens lie, which encoder rows they show and what the encoder
@@ -49,19 +49,21 @@ class MRopeInputs:
     pipeline_parallel: bool = False
     # grid -> what the encoder computes from it (`tower_inputs`); None: the encoder computes it.
     tower_inputs: Callable[[torch.Tensor], dict] | None = None
+    tower_flash: bool = False  # the encoder attends through a flash attention (`tower_inputs.attends_through_flash`)
 
     @classmethod
     def for_model(cls, model, device: torch.device) -> "MRopeInputs":
         from megatron.core import parallel_state
 
         encoder, compute = model.vision_model, model.tower_inputs
-        precompute = encoder is not None and compute is not None and takes_precomputed(encoder)
+        precompute = encoder is not None and compute is not None and takes_precomputed()
         return cls(model.image_token_id, model.config.params_dtype, device, model.attention_backend,
                    video_token_index=model.video_token_id,
                    merge_size=encoder.spatial_merge_size if encoder is not None else None,
                    seq_length=model.language_model.max_sequence_length,
                    pipeline_parallel=parallel_state.get_pipeline_model_parallel_world_size() > 1,
-                   tower_inputs=functools.partial(compute, encoder) if precompute else None)
+                   tower_inputs=functools.partial(compute, encoder) if precompute else None,
+                   tower_flash=precompute and attends_through_flash(encoder))
 
     def combined_length(self, input_ids: torch.Tensor) -> int:
         return self.seq_length if self.pipeline_parallel else input_ids.shape[1]
@@ -87,7 +89,7 @@ class MRopeInputs:
                 if uses in batch:
                     kwargs[order] = self.to_device(feature_order(batch[grid], batch[uses], self.merge_size))
             if held and self.tower_inputs is not None:
-                kwargs[tower] = tower_kwargs(self.tower_inputs, batch[grid], self.to_device)
+                kwargs[tower] = tower_kwargs(self.tower_inputs, batch[grid], self.to_device, self.tower_flash)
         if int(segment_ids.max()) > 1:
             if input_ids.shape[0] != 1 or self.backend == "local":
                 # The causal mask of the bshd path would let a pack's samples attend to each other.

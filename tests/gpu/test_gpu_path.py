@@ -144,6 +144,28 @@ def _counting(monkeypatch) -> dict:
     return calls
 
 
+@needs_cuda
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_varlen_qwen_vl_tower_is_one_flash_call_per_layer_with_the_sdpa_towers_features(monkeypatch, name):
+    """--vision-attention varlen on the GPU (tests/model/test_tower_attention.py on the CPU): bf16, the
+    tower's inputs from the host as the trainer gives them."""
+    from megatron_ext.model import tower_attention
+    from megatron_ext.model.tower_inputs import tower_kwargs
+    from tests.model.test_tower_attention import _tower
+    from tests.model.test_tower_inputs import features
+
+    tower, compute, grid, pixels = _tower(name, torch.bfloat16)
+    tower, pixels = tower.cuda(), pixels.cuda()
+    calls = _counting(monkeypatch)
+    theirs = features(tower, pixels, grid.cuda())
+    assert calls == {"varlen_attn": 0, "sdpa": calls["sdpa"]} and calls["sdpa"] > len(tower.blocks)
+    calls.update(varlen_attn=0, sdpa=0)
+    tower_attention.use(tower, "varlen")
+    ours = features(tower, pixels, grid.cuda(), **tower_kwargs(compute, grid, lambda t: t.cuda(), flash=True))
+    assert calls == {"varlen_attn": len(tower.blocks), "sdpa": 0}
+    assert all((a.float() - b.float()).norm() <= 0.02 * b.float().norm() for a, b in zip(ours, theirs, strict=True))
+
+
 def _packed_params(bounds: list[int], device: str):
     from megatron.core.packed_seq_params import PackedSeqParams
 

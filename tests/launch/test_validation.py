@@ -86,6 +86,8 @@ CASES = {
     "pixel bounds of a LLaVA": (["--", "--max-pixels", "200704"], 0, "--max-pixels: only native-resolution models "
                                 "(Qwen2.5-VL, Qwen3-VL) resize images within pixel bounds; a LLaVA's images take its "
                                 "vision tower's fixed size, drop the flag"),
+    "tower attention of a LLaVA": (["--", "--vision-attention", "varlen"], 0, "--vision-attention varlen: only "
+                                   "native-resolution models (Qwen2.5-VL, Qwen3-VL) choose their tower's attention"),
     "no tiles": (["--", "--max-tiles-per-sequence", "0"], 0, "--max-tiles-per-sequence must be >= 1, got 0"),
     "answers without evaluations": (["--", "--eval-generate-samples", "4"], 0,
                                     "--eval-generate-samples needs --eval-interval"),

@@ -330,6 +330,8 @@ def rehearsed_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *
 
     problems = varlen_problems(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, enable_gqa, window_size)
     problems += [f"{name} is not a varlen_attn argument" for name in unsupported]
+    if not problems:
+        problems += _bounds_below_longest(("max_q", max_q, cu_seq_q), ("max_k", max_k, cu_seq_k))
     if problems:
         raise KernelError("varlen_attn (rehearsal): " + "; ".join(problems))
     tokens = torch.arange(query.shape[0]).to(cu_seq_q)  # beside cu_seqlens, wherever the rehearsal holds them
@@ -348,6 +350,17 @@ def rehearsed_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
     return out[0].transpose(0, 1).to(query.dtype)
+
+
+def _bounds_below_longest(*bounds) -> list[str]:
+    """The kernel tiles each sequence by max_q / max_k: a bound below the longest sequence leaves its end
+    unattended, silently. Checked on the values (no GPU read: the ledger does not see this)."""
+    problems = []
+    with torch._C.DisableTorchFunction():
+        for name, bound, cu in bounds:
+            if bound < (longest := int((cu[1:] - cu[:-1]).max())):
+                problems.append(f"{name} {bound} is less than the longest sequence ({longest})")
+    return problems
 
 
 # --- collectives ------------------------------------------------------------------------------

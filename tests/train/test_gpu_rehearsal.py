@@ -221,19 +221,22 @@ def qwen_vl_megatron(request, tmp_path_factory):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(500)
+@pytest.mark.parametrize("vision_attention", ["sdpa", "varlen"])
 def test_qwen_vl_trainer_iterations_mix_nothing_and_read_nothing_back_per_micro_batch(tmp_path, qwen_vl_megatron,
-                                                                                     train_data):
+                                                                                     train_data, vision_attention):
     """Before this test, the rehearsal took CUDA's host indices into a device tensor, in the backward of
     the Qwen2.5-VL tower's window reordering, for a mix. Our reads: the media tokens' rows and the
     feature check found on the device (4 per micro batch with their backward), found on the host now
     (`mrope_inputs`). transformers' towers read their grid back (patch positions, windows, and in each
     layer the attention's split by image: 12 per micro batch for Qwen2.5-VL's 3 layers); given those
-    values from the host (`tower_inputs`), they read none."""
+    values from the host (`tower_inputs`), they read none. With --vision-attention varlen each tower
+    layer is one call of the flash kernel (the rehearsal's, which checks its contract): none either."""
     family, checkpoint = qwen_vl_megatron
     # No checkpoint: saving reads every tensor back, as it must. Our per-step reads count the steps.
     args = trainer_args(checkpoint, train_data, tmp_path / "run", global_batch_size=4, train_iters=2, seq_length=256,
                         packing_seq_length=256, dtype="bfloat16", attention_backend="sdpa", micro_batch_size=1,
-                        eval_interval=2, eval_iters=1, save=False, **QWEN_VL_LAYOUTS[family])
+                        eval_interval=2, eval_iters=1, save=False, vision_attention=vision_attention,
+                        **QWEN_VL_LAYOUTS[family])
     _, counts = rehearse(tmp_path, "scripts/train/pretrain_llava.py", *args, nproc=2)
     by_site = _reads_by_site(counts["reads"])
     budget = _read_budget(steps=2, micro_batches=4)
@@ -292,7 +295,7 @@ def test_the_rehearsed_varlen_attn_checks_its_contract_and_computes_attention():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (mark(torch.randn(9, n, 8, generator=gen).bfloat16(), DEVICE) for n in (4, 2, 2))
     cu = mark(torch.tensor([0, 4, 9], dtype=torch.int32), DEVICE)
-    with DeviceLedger():
+    with DeviceLedger() as ledger:
         out = rehearsed_varlen_attn(q, k, v, cu, cu, 5, 5, window_size=(-1, 0), enable_gqa=True)
         with pytest.raises(KernelError, match="on the attention's device"):
             rehearsed_varlen_attn(q, k, v, mark(cu.clone(), HOST), cu, 5, 5, window_size=(-1, 0), enable_gqa=True)
@@ -300,6 +303,9 @@ def test_the_rehearsed_varlen_attn_checks_its_contract_and_computes_attention():
             rehearsed_varlen_attn(q, k, v, cu, cu, cu.max(), 5, window_size=(-1, 0), enable_gqa=True)
         with pytest.raises(KernelError, match="enable_gqa"):
             rehearsed_varlen_attn(q, k, v, cu, cu, 5, 5, window_size=(-1, 0))
+        with pytest.raises(KernelError, match="max_k 4 is less than the longest sequence"):
+            rehearsed_varlen_attn(q, k, v, cu, cu, 5, 4, window_size=(-1, 0), enable_gqa=True)
+    assert not ledger.reads
     sample = torch.tensor([0] * 4 + [1] * 5)
     allowed = (sample[:, None] == sample[None, :]) & torch.ones(9, 9, dtype=torch.bool).tril()
     expected = _reference(*(t.float().transpose(0, 1)[None] for t in (q, k, v)), allowed[None, None])
