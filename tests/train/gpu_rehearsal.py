@@ -213,7 +213,7 @@ class DeviceLedger(TorchFunctionMode):
         else:
             places = {place(t) for t in inputs}
             where = DEVICE if DEVICE in places else HOST if HOST in places else None
-        moved = args and result is args[0] and place(result) not in (None, where)
+        moved = args and result is args[0] and isinstance(result, torch.Tensor) and place(result) != where
         if moved and not isinstance(result, torch.nn.Parameter):
             # The CPU "moves" a tensor by returning it: the object left behind keeps its place.
             result = result.view_as(result)

@@ -343,6 +343,19 @@ def test_a_parameter_keeps_the_place_of_its_data():
         torch.nn.Parameter.__new__ = new
 
 
+def test_a_move_the_cpu_makes_by_returning_the_tensor_leaves_the_original_where_it_was():
+    """A CPU "move" returns the tensor itself: the moved one is a view in its new place, and the original
+    keeps its own, known or not (numpy's: before, it took the new place, so that host code holding a
+    batch tensor a loader made read it "back" after the batch went to the device)."""
+    import numpy as np
+
+    unknown, device = torch.from_numpy(np.arange(4.0)), mark(torch.arange(4.0), DEVICE)
+    with DeviceLedger():
+        for tensor, before in ((unknown, None), (device, DEVICE)):
+            moved = tensor.cpu()
+            assert moved is not tensor and place(moved) == HOST and place(tensor) == before
+
+
 def _restore_backward(monkeypatch):
     """What _watch_backward patches, put back after the test."""
     from megatron.core.distributed import DistributedDataParallel
