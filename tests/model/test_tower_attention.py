@@ -15,6 +15,7 @@ from megatron_ext.model.tower_inputs import tower_kwargs
 from tests.model.test_tower_inputs import FAMILIES, features, tower_and_inputs
 from tests.train.gpu_rehearsal import rehearsed_varlen_attn
 
+
 def _tower(name: str, dtype=torch.float32):
     """(a tiny tower, what it computes from a grid, the grids, pixels) of family `name`."""
     tower, family_inputs, grid, pixels = tower_and_inputs(name, dtype)
