@@ -219,17 +219,7 @@ def run_hf(preset_name: str, iters: int, warmup: int, peak_tflops: float, micro_
         if step == warmup:
             _synchronize()
             start = time.perf_counter()
-        batches = hf_micro_batches(arch, samples, micro_batch_size)
-        total = 0.0
-        for batch in batches:
-            with torch.autocast(device.type, torch.bfloat16, enabled=on_gpu):
-                loss = model(**{k: v.to(device, non_blocking=True) for k, v in batch.items()}).loss / len(batches)
-            loss.backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(trained, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(total))
+        losses.append(hf_step(model, optimizer, trained, hf_micro_batches(arch, samples, micro_batch_size), device))
     _synchronize()
     seconds = time.perf_counter() - start
     positions = [len(ids) - 1 + arch.img_seq_len for samples in steps[warmup:] for ids, *_ in samples]
@@ -244,6 +234,23 @@ def run_hf(preset_name: str, iters: int, warmup: int, peak_tflops: float, micro_
         "tokens_per_s": sum(positions) / seconds, "tflops_per_gpu": tflops, "mfu": tflops / peak_tflops,
         "peak_mem_gib": _peak_memory_gib(),
     }
+
+
+def hf_step(model, optimizer, trained: list, batches: list[dict], device) -> float:
+    """One optimizer step of a transformers model over `batches` as its Trainer with bf16=True takes one
+    on a GPU (autocast; fp32 elsewhere): gradients accumulated, clipped to norm 1; the mean loss."""
+    import torch
+
+    total = 0.0
+    for batch in batches:
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(**{k: v.to(device, non_blocking=True) for k, v in batch.items()}).loss / len(batches)
+        loss.backward()
+        total += loss.detach()
+    torch.nn.utils.clip_grad_norm_(trained, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(total)
 
 
 def _with_host_reads(inputs):

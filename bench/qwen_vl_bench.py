@@ -224,16 +224,7 @@ def run_hf(name: str, iters: int, warmup: int, peak_tflops: float, seq_length: i
         batches = hf_micro_batches(samples, arch.image_token_id, arch.video_token_id, encoder.pad_token_id,
                                    micro_batch_size)
         fed += sum(int(batch["attention_mask"].sum()) for batch in batches) if step >= warmup else 0
-        total = 0.0
-        for batch in batches:
-            with torch.autocast(device.type, torch.bfloat16, enabled=on_gpu):
-                loss = model(**{k: v.to(device, non_blocking=True) for k, v in batch.items()}).loss / len(batches)
-            loss.backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(trained, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(total))
+        losses.append(gpu_bench.hf_step(model, optimizer, trained, batches, device))
     gpu_bench._synchronize()
     seconds = time.perf_counter() - start
     timed = [s for samples in steps[warmup:] for s in samples]

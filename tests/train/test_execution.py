@@ -69,6 +69,7 @@ def test_summary_is_flat_as_checkpoints_store_it():
     assert summary == {"attention_backend": "local", "sequence_parallel": False, "cp": 1, "fp8": None,
                        "recompute_granularity": "selective", "recompute_method": "uniform", "recompute_num_layers": 1,
                        "gradient_accumulation_fusion": False, "logits_where_loss": True, "compile_layers": False,
+                       "vision_attention": "sdpa",
                        "data_parallel_size": 2,
                        "overlap_grad_reduce": True,
                        "overlap_param_gather": True, "ddp_bucket_size": None,
