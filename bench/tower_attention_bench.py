@@ -48,8 +48,7 @@ def tower(family_name: str, preset: str, device: torch.device, dtype: torch.dtyp
 
         config = family.complete(qwen_vl_shapes()[MODELS[family_name]])
     torch.manual_seed(0)
-    with device:
-        module = family.tower(family.read(config), dtype).train()
+    module = family.tower(family.read(config), dtype).to(device).train()
     return module, functools.partial(family.tower_inputs, module)
 
 
