@@ -203,6 +203,20 @@ def test_tp1_trains_as_tp2_does(tmp_path, qwen_megatron, one_batch, tp2_run):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
+def test_the_towers_varlen_attention_trains_as_transformers_sdpa_does(tmp_path, qwen_megatron, one_batch):
+    """--vision-attention varlen (one attention call per tower block: the masked SDPA one on the CPU)
+    against the default, with the tower trained too (its backward through either). The micro batch
+    holds one picture twice, so attention leaking between images shows in Qwen2.5-VL's windows only;
+    tests/model/test_tower_attention.py has different images."""
+    runs = {attention: _train(tmp_path / attention, qwen_megatron, one_batch, 1, vision_attention=attention,
+                              unfreeze_vit=True, **SGD) for attention in ("sdpa", "varlen")}
+    for i in range(1, ITERS + 1):
+        assert runs["varlen"][i]["loss"] == pytest.approx(runs["sdpa"][i]["loss"], rel=1e-5, abs=0)
+        assert runs["varlen"][i]["grad_norm"] == pytest.approx(runs["sdpa"][i]["grad_norm"], rel=1e-5, abs=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
 def test_a_resumed_tp2_run_continues_as_if_never_stopped(tmp_path, qwen_megatron, one_batch):
     # Adam: megatron-core 0.16 loads no SGD state (its optimizer has no init_state_fn for SGD).
     whole = _train(tmp_path / "whole", qwen_megatron, one_batch, 2, save_optim=True)
