@@ -73,9 +73,17 @@ def download(name: str, version: str, dest: Path) -> None:
 @click.option("--root", default="megatron-ext", show_default=True, help="The distribution whose needs are fetched.")
 @click.option("--skip", multiple=True, default=SKIPPED, show_default=True,
               help="Requirements the GPU runs never import, left behind with what only they need.")
-def main(present_file: Path, dest: Path, root: str, skip: tuple[str, ...]):
+@click.option("--pin", multiple=True, metavar="NAME==VERSION",
+              help="Fetch this version instead of the installed one (e.g. megatron-core==0.16.1, the release the "
+                   "first leases ran).")
+def main(present_file: Path, dest: Path, root: str, skip: tuple[str, ...], pin: tuple[str, ...]):
     present = {canonical(name) for name in re.split(r"[,\s]+", present_file.read_text().strip().rstrip(".")) if name}
     needed = required(root, {canonical(name) for name in skip})
+    for given in pin:
+        name, _, version = given.partition("==")
+        if canonical(name) not in needed or not version:
+            raise click.BadParameter(f"{given!r}: give NAME==VERSION of a package {root} needs", param_hint="--pin")
+        needed[canonical(name)] = version
     missing = {name: version for name, version in needed.items() if name not in present and name != root}
     dest.mkdir(parents=True, exist_ok=True)
     for name, version in sorted(missing.items()):
