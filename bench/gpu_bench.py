@@ -110,6 +110,12 @@ def llava_config(preset: Preset) -> dict:
 
 def make_plan(preset: Preset, options: dict, iters: int):
     """A RunPlan as the trainer makes one, without checkpoint, tokenizer or dataset."""
+    return plan_of(llava_config(preset), seq_length=preset.seq_length, train_iters=iters, **options)
+
+
+def plan_of(hf_config: dict, tokenizer_dir: Path = REPO, **settings):
+    """The trainer's stage-2 RunPlan for a model of `hf_config` (a LLaVA's or a vision-language family's)
+    and the trainer options `settings`, on this process's device, without checkpoint or dataset."""
     import torch
 
     from megatron_ext import families
@@ -119,13 +125,12 @@ def make_plan(preset: Preset, options: dict, iters: int):
     from megatron_ext.data.prepared import SplitCount
     from megatron_ext.model.backends import te_available
 
-    hf_config = llava_config(preset)
-    config = TrainConfig(stage=2, seq_length=preset.seq_length, train_iters=iters, **options).resolved()
+    config = TrainConfig(stage=2, **settings).resolved()
     on_gpu = torch.cuda.is_available()
     execution = resolve_execution(config, world_size=1, te=te_available(), on_gpu=on_gpu)
-    arch = families.read_llava(hf_config)
+    arch = families.read_model(hf_config)
     return RunPlan(config=config, arch=arch, families=families.of(arch), hf_config=hf_config, start=None,
-                   resume=None, tokenizer_dir=REPO, train_split=SplitCount(0), world_size=1,
+                   resume=None, tokenizer_dir=tokenizer_dir, train_split=SplitCount(0), world_size=1,
                    dtype="bfloat16" if on_gpu else "float32", execution=execution, skip_ranges=())
 
 

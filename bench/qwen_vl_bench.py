@@ -65,24 +65,9 @@ def model_config(name: str) -> dict:
 
 
 def make_plan(config: dict, tokenizer_dir: Path, options: dict, iters: int, seq_length: int):
-    """A RunPlan as the trainer makes one for stage 2, packed to `seq_length`, without checkpoint or dataset."""
-    import torch
-
-    from megatron_ext import families
-    from megatron_ext.config.execution_choices import resolve_execution
-    from megatron_ext.config.options import TrainConfig
-    from megatron_ext.config.run_plan import RunPlan
-    from megatron_ext.data.prepared import SplitCount
-    from megatron_ext.model.backends import te_available
-
-    cfg = TrainConfig(stage=2, seq_length=seq_length, packing_seq_length=seq_length, train_iters=iters,
-                      **options).resolved()
-    on_gpu = torch.cuda.is_available()
-    execution = resolve_execution(cfg, world_size=1, te=te_available(), on_gpu=on_gpu)
-    arch = families.read_model(config)
-    return RunPlan(config=cfg, arch=arch, families=families.of(arch), hf_config=config, start=None, resume=None,
-                   tokenizer_dir=tokenizer_dir, train_split=SplitCount(0), world_size=1,
-                   dtype="bfloat16" if on_gpu else "float32", execution=execution, skip_ranges=())
+    """The trainer's stage-2 plan, packed to `seq_length`, without checkpoint or dataset."""
+    return gpu_bench.plan_of(config, tokenizer_dir, seq_length=seq_length, packing_seq_length=seq_length,
+                             train_iters=iters, **options)
 
 
 def synthetic_samples(encoder, count: int, sides: tuple[int, int], rng: np.random.Generator) -> list:

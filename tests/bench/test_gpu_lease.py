@@ -3,9 +3,8 @@ not run), so a lease is not spent on a typo."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import shlex
-import sys
 
 import click
 import pytest
@@ -26,11 +25,7 @@ def _benchmark_steps() -> list[tuple[str, list[str]]]:
 
 
 def _command(script: str) -> click.Command:
-    spec = importlib.util.spec_from_file_location(f"lease_{script.replace('/', '_')[:-3]}", REPO_ROOT / script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module.main
+    return importlib.import_module(script.removesuffix(".py").replace("/", ".")).main
 
 
 def test_the_lease_runs_the_profile_the_llava_and_qwen_vl_benchmarks_and_the_tower_attention():
