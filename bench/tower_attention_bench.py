@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import importlib
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import click
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.gpu_bench import _synchronize  # noqa: E402
+from bench.inputs_bench import median_us  # noqa: E402
 from bench.tower_inputs_bench import MODELS  # noqa: E402
 
 # (T, H, W) in patches per image or video. 1008 x 1008 px is 72 x 72 patches of 14 px: 81 of Qwen2.5-VL's
@@ -52,20 +52,9 @@ def tower(family_name: str, preset: str, device: torch.device, dtype: torch.dtyp
     return module, functools.partial(family.tower_inputs, module)
 
 
-def _timed_ms(func, iters: int, device: torch.device) -> float:
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    func()
-    times = []
-    for _ in range(iters):
-        sync()
-        start = time.perf_counter()
-        func()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+def _timed_ms(func, iters: int) -> float:
+    """`func`'s median milliseconds, the device's work included (each call waits for it)."""
+    return median_us(lambda: (func(), _synchronize()), iters) / 1000
 
 
 def pixels_of(module, grid: torch.Tensor, device: torch.device, dtype) -> torch.Tensor:
@@ -90,12 +79,12 @@ def measure(module, compute, grid: torch.Tensor, pixels: torch.Tensor, attention
         forward().float().square().mean().backward()
 
     with torch.no_grad():
-        forward_ms = _timed_ms(forward, iters, device)
+        forward_ms = _timed_ms(forward, iters)
         features = forward().float()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        step_ms = _timed_ms(forward_backward, iters, device)
+        step_ms = _timed_ms(forward_backward, iters)
     except torch.OutOfMemoryError:  # the row says so; the others still run
         step_ms = None
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
