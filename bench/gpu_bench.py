@@ -77,6 +77,8 @@ SWEEP = {
     "sdpa, packed, vision tower per micro batch": ["--vision-per-micro-batch"],
     # The layers as megatron-core runs them (the default compiles them on a GPU).
     "sdpa, packed, eager layers": ["--no-compile-layers"],
+    # Weight gradients added into the fp32 buffer by their GEMMs (torch's, without Apex).
+    "sdpa, packed, gradient accumulation fusion": ["--gradient-accumulation-fusion"],
     # The same samples in fewer micro batches: fewer kernel launches and main-grad additions per token.
     "sdpa, packed 8192": ["--seq-length", "8192"],
     "sdpa, packed 16384": ["--seq-length", "16384"],
@@ -333,6 +335,7 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
         "recompute": plan.execution.model.recompute_granularity or "none", "fp8": plan.execution.model.fp8 is not None,
         "logits_where_loss": inputs.logits_where_loss,
         "compile_layers": plan.execution.model.compile_layers, "uncompiled": _uncompiled(plan),
+        "gradient_accumulation_fusion": plan.execution.model.gradient_accumulation_fusion,
         "dtype": plan.dtype, "seq_length": plan.seq_length, "iterations": iters,
         "micro_batches_per_step": round(sum(len(s) for s in steps[warmup:]) / iters, 2),
         "vision_tower_forwards_per_step": round(len(tower_calls) / iters, 2),
@@ -404,6 +407,10 @@ compile_layers_option = click.option(
     "--compile-layers/--no-compile-layers", default=None,
     help="Each transformer layer compiled with torch.compile or eager (default: the trainer's: compiled on a GPU at "
          "TP 1 without TE).")
+gradient_accumulation_fusion_option = click.option(
+    "--gradient-accumulation-fusion/--no-gradient-accumulation-fusion", default=None,
+    help="Weight gradients added into the fp32 gradient buffer within their GEMMs (default: the trainer's; not with "
+         "compiled layers).")
 
 
 @click.command()
@@ -431,10 +438,12 @@ compile_layers_option = click.option(
 @click.option("--host-reads", is_flag=True, help="The step before it stopped reading the device back: megatron-core's "
               "LLaVA preprocessing and per-tensor gradient norm (for an A/B).")
 @compile_layers_option
+@gradient_accumulation_fusion_option
 @click.option("--vision-per-micro-batch", is_flag=True, help="Run the frozen vision tower per micro batch, as "
               "before it ran once per step over all the step's images (for an A/B).")
 def main(preset, attention_backend, packing, recompute_granularity, seq_length, fp8, iters, warmup, peak_tflops, run_sweep,
-         logits_where_loss, hf, hf_micro_batch_size, host_reads, compile_layers, vision_per_micro_batch):
+         logits_where_loss, hf, hf_micro_batch_size, host_reads, compile_layers, gradient_accumulation_fusion,
+         vision_per_micro_batch):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if run_sweep:
         argv = ["--preset", preset, "--iters", str(iters), "--warmup", str(warmup), "--peak-tflops", str(peak_tflops)]
@@ -445,7 +454,8 @@ def main(preset, attention_backend, packing, recompute_granularity, seq_length, 
         return
     options = {"attention_backend": attention_backend, "recompute_granularity": recompute_granularity, "fp8": fp8,
                "packing_seq_length": with_seq_length(PRESETS[preset], seq_length).seq_length if packing else None,
-               "logits_where_loss": logits_where_loss, "compile_layers": compile_layers}
+               "logits_where_loss": logits_where_loss, "compile_layers": compile_layers,
+               "gradient_accumulation_fusion": gradient_accumulation_fusion}
     result = run_one(preset, options, packing, iters, warmup, peak_tflops, host_reads, seq_length,
                      vision_per_micro_batch)
     print(json.dumps({"device": _device_name(), **result}))

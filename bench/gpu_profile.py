@@ -400,19 +400,22 @@ def render(result: dict) -> str:
               show_default=True)
 @click.option("--warmup", type=int, default=1, show_default=True, help="Unprofiled steps first.")
 @gpu_bench.compile_layers_option
+@gpu_bench.gradient_accumulation_fusion_option
 @click.option("--gaps", type=int, default=8, show_default=True, help="How many of the longest idle gaps to list.")
 @click.option("--find-syncs", is_flag=True, help="Instead of profiling, run the step under CUDA's sync debug mode "
               "and list where the host waited for the device (GPU only).")
 @click.option("--host-functions", type=int, default=0, help="Instead of profiling the device, list the N Python "
               "functions where the host spends the most of one step (cProfile's own time).")
-def main(preset, attention_backend, warmup, compile_layers, gaps, find_syncs, host_functions):
+def main(preset, attention_backend, warmup, compile_layers, gradient_accumulation_fusion, gaps, find_syncs,
+         host_functions):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     if find_syncs and not torch.cuda.is_available():
         raise click.UsageError("--find-syncs needs a CUDA GPU (it uses CUDA's sync debug mode)")
     options = {"attention_backend": attention_backend, "recompute_granularity": "auto", "fp8": False,
-               "packing_seq_length": gpu_bench.PRESETS[preset].seq_length, "compile_layers": compile_layers}
+               "packing_seq_length": gpu_bench.PRESETS[preset].seq_length, "compile_layers": compile_layers,
+               "gradient_accumulation_fusion": gradient_accumulation_fusion}
     result = profile_step(preset, options, warmup, gaps, find_syncs, host_functions)
     if find_syncs:
         print("\n".join(f"x{s['count']}: {s['site']}" for s in result["sync_sites"]))

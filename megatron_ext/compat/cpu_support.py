@@ -18,9 +18,11 @@ Patches, each with the failure it fixes:
    named states of the CPU generator instead, and `_get/_set_cuda_rng_state` read/write the CPU
    generator. (Callers must still `torch.manual_seed(seed)`: on a CPU torch megatron never seeds
    the CPU generator.)
-4. Activation recomputation: megatron's `CheckpointFunction` re-runs the forward inside autograd's
-   backward, where the mode of patch 1 is not active -> "Torch not compiled with CUDA enabled"
-   (e.g. the causal mask of DotProductAttention). Its backward runs under the mode.
+4. Backward passes that ask for CUDA: autograd runs custom backward functions outside the mode of
+   patch 1 -> "Torch not compiled with CUDA enabled". megatron's `CheckpointFunction` (activation
+   recomputation) re-runs the forward there (e.g. the causal mask of DotProductAttention), and its
+   tensor-parallel linear allocates its placeholder weight gradient on `torch.cuda.current_device()`
+   under gradient accumulation fusion. Both backward functions run under the mode.
 
 Where megatron-core breaks for want of Transformer Engine/Apex rather than CUDA (norm defaults, the
 distributed optimizer's torch Adam), the fix is `without_te`'s, applied on GPUs too.
@@ -134,9 +136,10 @@ _MEGATRON_NAMES = {
         "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
         "_MODEL_PARALLEL_RNG_TRACKER_NAME",
         "CudaRNGStatesTracker",
-        # patch 4 (recomputation)
+        # patch 4 (backward passes)
         "CheckpointFunction.backward",
     ),
+    "megatron.core.tensor_parallel.layers": ("LinearWithGradAccumulationAndAsyncCommunication.backward",),
 }
 
 
@@ -231,16 +234,26 @@ def _patch_rng() -> None:
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
-def _patch_recomputation() -> None:
-    from megatron.core.tensor_parallel import random as mp_random
-
-    backward = mp_random.CheckpointFunction.backward
+def _backward_on_cpu(function: type[torch.autograd.Function]) -> None:
+    backward = function.backward
 
     def backward_on_cpu(ctx, *grads):
+        # Where a harness runs backward under the modes again (the GPU rehearsal), one more on top
+        # would rewrite CUDA requests before the modes beneath it see them.
+        if any(isinstance(mode, _CudaToCpuMode) for mode in torch.overrides._get_current_function_mode_stack()):
+            return backward(ctx, *grads)
         with _CudaToCpuMode():
             return backward(ctx, *grads)
 
-    mp_random.CheckpointFunction.backward = staticmethod(backward_on_cpu)
+    function.backward = staticmethod(backward_on_cpu)
+
+
+def _patch_backwards() -> None:
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.tensor_parallel import random as mp_random
+
+    _backward_on_cpu(mp_random.CheckpointFunction)
+    _backward_on_cpu(layers.LinearWithGradAccumulationAndAsyncCommunication)
 
 
 def cpu_mode_active() -> bool:
@@ -264,7 +277,7 @@ def apply() -> bool:
         torch.set_num_threads(1)
     _patch_torch_cuda()
     _patch_rng()
-    _patch_recomputation()
+    _patch_backwards()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _APPLIED = True

@@ -27,12 +27,15 @@ TE crashed building the vision tower (found on an H100). `apply()` runs before e
    host-bound without TE). `scale_as_foreach` does the same in place (`_foreach_mul_`) or as a copy
    (`_foreach_copy_`) in a few launches, with no temporary copy of all the tensors; other calls keep
    megatron-core's loop.
+5. Gradient accumulation fusion: megatron-core's linear layers refuse it without Apex's
+   `fused_weight_gradient_mlp_cuda`; `wgrad_accumulation` offers the same functions on torch's GEMMs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megatron_ext.compat import wgrad_accumulation
 from megatron_ext.compat.cpu_support import check_megatron_core
 
 _APPLIED = False
@@ -45,6 +48,7 @@ _MEGATRON_NAMES = {
     ),
     "megatron.core.transformer.torch_norm": ("WrappedTorchNorm",),
     "megatron.core.optimizer.clip_grads": ("l2_norm_impl", "multi_tensor_scale_impl"),
+    "megatron.core.tensor_parallel.layers": ("_grad_accum_fusion_available",),
     "megatron.core.utils": ("local_multi_tensor_l2_norm", "local_multi_tensor_scale"),
     "megatron.core.optimizer.optimizer": ("multi_tensor_scale_impl",),
     "megatron.core.optimizer.distrib_optimizer": (
@@ -148,4 +152,5 @@ def apply() -> None:
     _patch_distributed_optimizer_loading()
     _patch_grad_norm()
     _patch_multi_tensor_scale()
+    wgrad_accumulation.install()
     _APPLIED = True

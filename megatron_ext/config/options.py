@@ -81,6 +81,13 @@ class TrainConfig:
                                             "the first steps are slower while it compiles (default: on with a CUDA GPU "
                                             "at --tp 1 without Transformer Engine's layers, 1.6x the eager step on an "
                                             "H200; docs/gpu.md). Not with --attention-backend te or --tp > 1.")
+    gradient_accumulation_fusion: bool | None = opt(None, "Add each weight gradient into the fp32 gradient buffer "
+                                                          "within its GEMM (megatron-core's gradient accumulation "
+                                                          "fusion): no bf16 gradient and no separate add per matrix "
+                                                          "per micro batch. Default: on with a CUDA GPU where Apex or "
+                                                          "Transformer Engine provides the kernel; "
+                                                          "--gradient-accumulation-fusion uses torch's own GEMM "
+                                                          "where they are missing (not yet measured on a GPU).")
     recompute_method: str = opt("uniform", "Full recomputation: uniform (groups of --recompute-num-layers layers) or "
                                            "block (the first --recompute-num-layers layers of each pipeline stage).",
                                 choices=["uniform", "block"])

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_ext.compat import wgrad_accumulation
 from megatron_ext.config.run_plan import RunPlan
 from megatron_ext.families import build_model
 from megatron_ext.lora.layers import add_lora
@@ -106,6 +107,8 @@ def build_training_model(plan: RunPlan) -> TrainingModel:
 
     cfg = plan.config
     model = trained_model(plan)
+    if plan.execution.model.gradient_accumulation_fusion:
+        wgrad_accumulation.require_kernel()
     config = model.config
     # Token-weighted loss across micro batches and data-parallel ranks; must precede the DDP wrapper.
     config.calculate_per_token_loss = True

@@ -79,10 +79,12 @@ def test_te_equals_sdpa(tmp_path, megatron_clip):
 
 TRAINING_OPTIONS = [
     dict(attention_backend="sdpa"),
+    # Eager layers: compiled ones refuse it (megatron-core's linear backward sets its weight's attributes).
+    dict(attention_backend="sdpa", gradient_accumulation_fusion=True, compile_layers=False),
     pytest.param(dict(attention_backend="te"), marks=needs_te),
     pytest.param(dict(attention_backend="te", fp8=True), marks=needs_te),
 ]
-TRAINING_IDS = ["sdpa-bf16", "te-bf16", "te-fp8"]
+TRAINING_IDS = ["sdpa-bf16", "sdpa-bf16-wgrad-fusion", "te-bf16", "te-fp8"]
 
 
 def _three_steps_ran(save: Path) -> None:
@@ -101,6 +103,24 @@ def test_packed_bf16_training_steps(tmp_path, megatron_clip, train_data, where, 
               *trainer_args(megatron_clip, train_data, save, micro_batch_size=1, global_batch_size=2, train_iters=3,
                             packing_seq_length=128, dtype="bfloat16", **options))
     _three_steps_ran(save)
+
+
+@needs_cuda
+def test_the_weight_gradient_gemm_adds_bf16_products_into_an_fp32_buffer_in_place():
+    """`compat.wgrad_accumulation` on CUDA: one baddbmm with out_dtype, fp32 accumulation into the buffer
+    itself (on the CPU the rehearsal checks this call's contract and the CPU sums in fp32)."""
+    from megatron_ext.compat.wgrad_accumulation import accumulate_on_cuda, kernel_problem
+
+    assert kernel_problem() is None
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    grad_output_t = torch.randn(384, 4096, generator=gen, device="cuda").bfloat16()
+    total_input = torch.randn(4096, 256, generator=gen, device="cuda").bfloat16()
+    main_grad = torch.randn(384, 256, generator=gen, device="cuda")
+    exact = main_grad.double() + grad_output_t.double() @ total_input.double()
+    address = main_grad.data_ptr()
+    accumulate_on_cuda(main_grad, grad_output_t, total_input)
+    assert main_grad.data_ptr() == address and main_grad.dtype == torch.float32
+    assert (main_grad.double() - exact).abs().max().item() < 1e-3  # sums of 4096 bf16 products, in fp32
 
 
 @pytest.mark.multiprocess

@@ -352,6 +352,23 @@ def rehearsed_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *
     return out[0].transpose(0, 1).to(query.dtype)
 
 
+def rehearsed_accumulate_on_cuda(main_grad, grad_output_t, total_input) -> None:
+    """`wgrad_accumulation.accumulate_on_cuda` (CUDA's baddbmm with out_dtype, which the CPU lacks) as the
+    rehearsal runs it: the contract of torch's `_baddbmm_out_dtype_cuda` checked (one dtype for both
+    factors, bf16/fp16 into fp32; shapes that multiply into the buffer's), then the same sum in fp32."""
+    problems = []
+    if grad_output_t.dtype != total_input.dtype or grad_output_t.dtype not in (torch.bfloat16, torch.float16):
+        problems.append(f"factors of {grad_output_t.dtype} and {total_input.dtype}: one half dtype needed")
+    if main_grad.dtype != torch.float32:
+        problems.append(f"a {main_grad.dtype} buffer: out_dtype float32 needs a float32 one")
+    rows, inner = grad_output_t.shape
+    if total_input.shape[0] != inner or tuple(main_grad.shape) != (rows, total_input.shape[1]):
+        problems.append(f"{tuple(grad_output_t.shape)} @ {tuple(total_input.shape)} into {tuple(main_grad.shape)}")
+    if problems:
+        raise KernelError("baddbmm with out_dtype (rehearsal): " + "; ".join(problems))
+    main_grad.addmm_(grad_output_t.float(), total_input.float())
+
+
 def _bounds_below_longest(*bounds) -> list[str]:
     """The kernel tiles each sequence by max_q / max_k: a bound below the longest sequence leaves its end
     unattended, silently. Checked on the values (no GPU read: the ledger does not see this)."""
@@ -584,9 +601,11 @@ def start() -> DeviceLedger:
     cpu_support.NAMED_DEVICE = torch.device("cuda", 0)
     _patch_distributed()
     _keep_marks_in_parameters()
+    from megatron_ext.compat import wgrad_accumulation
     from megatron_ext.model import attention
 
     attention.varlen_attn = rehearsed_varlen_attn
+    wgrad_accumulation.accumulate_on_cuda = rehearsed_accumulate_on_cuda
     _host_batches(TrainData, ValData)
     ledger = DeviceLedger()
     if os.environ.get("REHEARSAL_REPORT") and os.environ.get("RANK", "0") == "0":  # one writer

@@ -41,8 +41,9 @@ def rehearse(tmp_path, script, *args, check=True, nproc=1):
     dict(tp=2, lora_rank=4, attention_backend="sdpa", micro_batch_size=1),
     # pipeline p2p between stages; megatron's reference kernel with the packed rows' mask
     dict(pp=2, attention_backend="local", micro_batch_size=1),
-    # two data-parallel ranks, the distributed optimizer's buckets; sdpa on packed rows: the mask built on the device
-    dict(dist_optim=True, attention_backend="sdpa", micro_batch_size=2),
+    # two data-parallel ranks, the distributed optimizer's buckets; sdpa on packed rows: the mask built on the
+    # device; weight gradients added into the buckets by torch's GEMM (its CUDA kernel's contract checked)
+    dict(dist_optim=True, attention_backend="sdpa", micro_batch_size=2, gradient_accumulation_fusion=True),
     # OneVision at TP2 on anyres images, several images and videos: tiles, grids and newlines on the
     # device (the mix has no validation split)
     dict(tp=2, attention_backend="sdpa", micro_batch_size=1, seq_length=SEQ, packing_seq_length=SEQ, video_frames=4,
@@ -310,6 +311,29 @@ def test_the_rehearsed_varlen_attn_checks_its_contract_and_computes_attention():
     allowed = (sample[:, None] == sample[None, :]) & torch.ones(9, 9, dtype=torch.bool).tril()
     expected = _reference(*(t.float().transpose(0, 1)[None] for t in (q, k, v)), allowed[None, None])
     assert (out.float() - expected[0].transpose(0, 1)).abs().max() < 2e-2
+
+
+def test_the_rehearsed_weight_gradient_gemm_checks_its_contract_and_adds_in_fp32():
+    from tests.train.gpu_rehearsal import KernelError, rehearsed_accumulate_on_cuda
+
+    gen = torch.Generator().manual_seed(0)
+    grad_output_t, total_input = torch.randn(3, 5, generator=gen).bfloat16(), torch.randn(5, 4, generator=gen).bfloat16()
+    main_grad = torch.randn(3, 4, generator=gen)
+    expected = main_grad + grad_output_t.double().matmul(total_input.double()).float()
+    with DeviceLedger() as ledger:
+        buffer = mark(main_grad.clone(), DEVICE)
+        rehearsed_accumulate_on_cuda(buffer, mark(grad_output_t, DEVICE), mark(total_input, DEVICE))
+        with pytest.raises(KernelError, match="one half dtype needed"):
+            rehearsed_accumulate_on_cuda(buffer, mark(grad_output_t.float(), DEVICE), mark(total_input, DEVICE))
+        with pytest.raises(KernelError, match="a torch.bfloat16 buffer"):
+            rehearsed_accumulate_on_cuda(mark(main_grad.bfloat16(), DEVICE), mark(grad_output_t, DEVICE),
+                                         mark(total_input, DEVICE))
+        with pytest.raises(KernelError, match=r"\(5, 3\) @ \(5, 4\)"):
+            rehearsed_accumulate_on_cuda(buffer, mark(grad_output_t.t(), DEVICE), mark(total_input, DEVICE))
+        with pytest.raises(DeviceMixError):
+            rehearsed_accumulate_on_cuda(buffer, mark(grad_output_t, HOST), mark(total_input, DEVICE))
+    assert not ledger.reads
+    assert torch.allclose(buffer, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_indexing_and_zero_dim_tensors_follow_cudas_rules():
