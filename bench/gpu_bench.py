@@ -78,7 +78,8 @@ SWEEP = {
     # The layers as megatron-core runs them (the default compiles them on a GPU).
     "sdpa, packed, eager layers": ["--no-compile-layers"],
     # Weight gradients added into the fp32 buffer by their GEMMs (torch's, without Apex).
-    "sdpa, packed, gradient accumulation fusion": ["--gradient-accumulation-fusion"],
+    "sdpa, packed, eager, gradient accumulation fusion": ["--no-compile-layers", "--gradient-accumulation-fusion"],
+    "sdpa, packed, fused AdamW": ["--fused-adam"],
     # The same samples in fewer micro batches: fewer kernel launches and main-grad additions per token.
     "sdpa, packed 8192": ["--seq-length", "8192"],
     "sdpa, packed 16384": ["--seq-length", "16384"],
@@ -336,6 +337,7 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
         "logits_where_loss": inputs.logits_where_loss,
         "compile_layers": plan.execution.model.compile_layers, "uncompiled": _uncompiled(plan),
         "gradient_accumulation_fusion": plan.execution.model.gradient_accumulation_fusion,
+        "fused_adam": plan.config.fused_adam,
         "dtype": plan.dtype, "seq_length": plan.seq_length, "iterations": iters,
         "micro_batches_per_step": round(sum(len(s) for s in steps[warmup:]) / iters, 2),
         "vision_tower_forwards_per_step": round(len(tower_calls) / iters, 2),
@@ -439,11 +441,13 @@ gradient_accumulation_fusion_option = click.option(
               "LLaVA preprocessing and per-tensor gradient norm (for an A/B).")
 @compile_layers_option
 @gradient_accumulation_fusion_option
+@click.option("--fused-adam", is_flag=True, help="torch's fused AdamW instead of its foreach one (the trainer's "
+              "--fused-adam).")
 @click.option("--vision-per-micro-batch", is_flag=True, help="Run the frozen vision tower per micro batch, as "
               "before it ran once per step over all the step's images (for an A/B).")
 def main(preset, attention_backend, packing, recompute_granularity, seq_length, fp8, iters, warmup, peak_tflops, run_sweep,
          logits_where_loss, hf, hf_micro_batch_size, host_reads, compile_layers, gradient_accumulation_fusion,
-         vision_per_micro_batch):
+         fused_adam, vision_per_micro_batch):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if run_sweep:
         argv = ["--preset", preset, "--iters", str(iters), "--warmup", str(warmup), "--peak-tflops", str(peak_tflops)]
@@ -455,7 +459,7 @@ def main(preset, attention_backend, packing, recompute_granularity, seq_length, 
     options = {"attention_backend": attention_backend, "recompute_granularity": recompute_granularity, "fp8": fp8,
                "packing_seq_length": with_seq_length(PRESETS[preset], seq_length).seq_length if packing else None,
                "logits_where_loss": logits_where_loss, "compile_layers": compile_layers,
-               "gradient_accumulation_fusion": gradient_accumulation_fusion}
+               "gradient_accumulation_fusion": gradient_accumulation_fusion, "fused_adam": fused_adam}
     result = run_one(preset, options, packing, iters, warmup, peak_tflops, host_reads, seq_length,
                      vision_per_micro_batch)
     print(json.dumps({"device": _device_name(), **result}))

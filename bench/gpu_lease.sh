@@ -2,8 +2,8 @@
 # A lent GPU's measurements in one call, most wanted first, within LEASE_SECONDS (default 540): the
 # profile of the default step, the step with and without compiled layers, transformers on the same
 # samples, Qwen2.5-VL-3B ours and transformers', the Qwen-VL towers' attention side by side, the
-# eager step with weight gradients added within their GEMMs, a 16k pack, then the GPU tests in what
-# is left.
+# eager step with weight gradients added within their GEMMs (then also with fused AdamW), a 16k pack,
+# then the GPU tests in what is left.
 # Each step runs under its own limit, cut to the time left; its output goes to OUT/NAME.txt (OUT:
 # the device tool's folder, else bench/results/lease) and its last lines to the screen.
 #   OUT=/some/dir bash bench/gpu_lease.sh            # python3 must import megatron-ext's needs
@@ -36,5 +36,6 @@ step qwen 120 "$python" bench/qwen_vl_bench.py --iters 3 --warmup 2
 step qwen-hf 90 "$python" bench/qwen_vl_bench.py --hf --iters 3 --warmup 2
 step tower-attention 90 "$python" bench/tower_attention_bench.py --iters 3
 step bench-eager-wgrad 70 "$python" bench/gpu_bench.py --no-compile-layers --gradient-accumulation-fusion --iters 3 --warmup 2
+step bench-eager-wgrad-adam 70 "$python" bench/gpu_bench.py --no-compile-layers --gradient-accumulation-fusion --fused-adam --iters 3 --warmup 2
 step bench-16k 100 "$python" bench/gpu_bench.py --seq-length 16384 --iters 3 --warmup 4
 step gpu-tests 300 "$python" -m pytest -q -m gpu tests/gpu -k "not rehearsal" -n 4 -p no:cacheprovider

@@ -103,6 +103,10 @@ class TrainConfig:
     lr_decay_style: str = opt("cosine", "Learning-rate decay.", choices=["cosine", "linear", "constant"])
     optimizer: str = opt("adam", "adam (AdamW: decoupled weight decay) or sgd (torch.optim.SGD: weight decay added "
                                  "to the gradient, --sgd-momentum).", choices=["adam", "sgd"])
+    fused_adam: bool = opt(False, "AdamW as torch's fused kernel (one pass per parameter group) instead of its "
+                                  "default foreach kernels, where megatron-core builds torch's AdamW (without "
+                                  "Transformer Engine or Apex, whose FusedAdam it uses otherwise). Not yet measured "
+                                  "on a GPU.")
     weight_decay: float = opt(0.0, "Weight decay (not on biases and norms).")
     clip_grad: float = opt(1.0, "Gradient clipping by global norm (0 disables).")
     adam_beta1: float = opt(0.9, "Adam beta1.")

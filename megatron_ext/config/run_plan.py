@@ -304,6 +304,8 @@ def make_plan(config: TrainConfig, world_size: int, on_gpu: bool, te: bool | Non
     if config.global_batch_size % per_step:
         raise UserError(f"--global-batch-size {config.global_batch_size} must be a multiple of --micro-batch-size "
                         f"{config.micro_batch_size} x data-parallel size {dp} = {per_step}")
+    if config.fused_adam and config.optimizer != "adam":
+        raise UserError(f"--fused-adam fuses AdamW's update; it does nothing for --optimizer {config.optimizer}: drop it")
     if config.eval_generate_samples and not config.eval_interval:
         raise UserError("--eval-generate-samples needs --eval-interval (evaluations are when answers are generated)")
     if config.eval_on_start and not config.eval_interval:

@@ -15,6 +15,7 @@ from megatron_ext.families import build_model
 from megatron_ext.lora.layers import add_lora
 from megatron_ext.lora.settings import lora_settings
 from megatron_ext.model.provider import DTYPES, ModelOptions
+from megatron_ext.train import fused_adam
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ def build_training_model(plan: RunPlan) -> TrainingModel:
         use_distributed_optimizer=cfg.dist_optim, overlap_param_gather=plan.execution.overlap_param_gather,
     )
     optimizer = get_megatron_optimizer(optimizer_config, [ddp], config_overrides=lr_overrides(optimizer_config, plan))
+    fused_adam.use(optimizer, cfg.fused_adam)
     config.grad_scale_func = optimizer.scale_loss
     warmup = warmup_steps(plan)
     scheduler = OptimizerParamScheduler(

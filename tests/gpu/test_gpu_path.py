@@ -79,12 +79,12 @@ def test_te_equals_sdpa(tmp_path, megatron_clip):
 
 TRAINING_OPTIONS = [
     dict(attention_backend="sdpa"),
-    # Eager layers: compiled ones refuse it (megatron-core's linear backward sets its weight's attributes).
-    dict(attention_backend="sdpa", gradient_accumulation_fusion=True, compile_layers=False),
+    # Eager layers: compiled ones refuse the fusion (megatron-core's linear backward sets its weight's attributes).
+    dict(attention_backend="sdpa", gradient_accumulation_fusion=True, compile_layers=False, fused_adam=True),
     pytest.param(dict(attention_backend="te"), marks=needs_te),
     pytest.param(dict(attention_backend="te", fp8=True), marks=needs_te),
 ]
-TRAINING_IDS = ["sdpa-bf16", "sdpa-bf16-wgrad-fusion", "te-bf16", "te-fp8"]
+TRAINING_IDS = ["sdpa-bf16", "sdpa-bf16-wgrad-fusion-fused-adam", "te-bf16", "te-fp8"]
 
 
 def _three_steps_ran(save: Path) -> None:

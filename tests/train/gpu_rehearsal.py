@@ -65,10 +65,11 @@ class DeviceMixError(RuntimeError):
     pass
 
 
-# Ops in which CUDA refuses a 0-dim host tensor beside device ones (elementwise ops take it as a scalar).
+# Ops in which CUDA refuses a 0-dim host tensor beside device ones (elementwise ops take it as a scalar;
+# the fused optimizers' kernels read their `step` tensors on the device).
 _NO_SCALARS = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack, torch.vstack,
                torch.index_select, torch.Tensor.index_select, torch.gather, torch.Tensor.gather, torch.scatter,
-               torch.Tensor.scatter, torch.Tensor.scatter_, torch.where}
+               torch.Tensor.scatter, torch.Tensor.scatter_, torch.where, torch._fused_adam_, torch._fused_adamw_}
 
 
 # Reads of a device tensor's values on the host: each waits for the GPU to finish all queued work.

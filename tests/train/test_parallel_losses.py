@@ -93,3 +93,18 @@ def test_weight_gradients_added_within_their_gemms_train_like_one_process(tmp_pa
         assert got["tokens"] == expected["tokens"]
         assert got["loss"] == pytest.approx(expected["loss"], rel=rel, abs=rel)
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=rel, abs=rel)
+
+
+@pytest.mark.parametrize("nproc,layout", [(1, {"micro_batch_size": 2}), (2, {"micro_batch_size": 1, "dist_optim": True})],
+                         ids=["tp1", "dp2-dist-optim"])
+def test_fused_adam_trains_like_torchs_default_adam(tmp_path, megatron_clip, train_data, reference, nproc, layout):
+    """--fused-adam: at TP1 in the reference's layout its losses and gradient norms (fp32; the third
+    step's loss follows two updates); on two data-parallel ranks with the distributed optimizer's
+    shards, within the tolerance of every other layout."""
+    steps = _steps(tmp_path, megatron_clip, train_data, nproc, {**layout, "fused_adam": True})
+    rel = 1e-6 if nproc == 1 else 1e-5
+    assert len(steps) == len(reference) == 3
+    for got, expected in zip(steps, reference):
+        assert got["tokens"] == expected["tokens"]
+        assert got["loss"] == pytest.approx(expected["loss"], rel=rel, abs=rel)
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=rel, abs=rel)
