@@ -78,7 +78,7 @@ SWEEP = {
     # The layers as megatron-core runs them (the default compiles them on a GPU).
     "sdpa, packed, eager layers": ["--no-compile-layers"],
     # Weight gradients added into the fp32 buffer by their GEMMs (torch's, without Apex).
-    "sdpa, packed, eager, gradient accumulation fusion": ["--no-compile-layers", "--gradient-accumulation-fusion"],
+    "sdpa, packed, gradient accumulation fusion": ["--gradient-accumulation-fusion"],
     "sdpa, packed, fused AdamW": ["--fused-adam"],
     # The same samples in fewer micro batches: fewer kernel launches and main-grad additions per token.
     "sdpa, packed 8192": ["--seq-length", "8192"],
@@ -411,8 +411,7 @@ compile_layers_option = click.option(
          "TP 1 without TE).")
 gradient_accumulation_fusion_option = click.option(
     "--gradient-accumulation-fusion/--no-gradient-accumulation-fusion", default=None,
-    help="Weight gradients added into the fp32 gradient buffer within their GEMMs (default: the trainer's; not with "
-         "compiled layers).")
+    help="Weight gradients added into the fp32 gradient buffer within their GEMMs (default: the trainer's).")
 
 
 @click.command()

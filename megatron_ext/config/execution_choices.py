@@ -43,18 +43,13 @@ def _needs_te(what: str, requested: str, backend: str) -> None:
     raise UserError(f"{what} needs {TE_MISSING}")
 
 
-def _gradient_accumulation_fusion(config: TrainConfig, backend: str, on_gpu: bool, compiled: bool) -> bool:
+def _gradient_accumulation_fusion(config: TrainConfig, backend: str, on_gpu: bool) -> bool:
     """Weight gradients accumulated straight into the fp32 gradient buffer. By default where a fused
     kernel is known to do it: TE layers themselves, megatron-core's local layers with Apex's
     fused_weight_gradient_mlp_cuda. Asked for, torch's GEMM stands in for Apex's
-    (`compat.wgrad_accumulation`), on any device. Never with compiled layers: megatron-core's linear
-    backward then sets attributes of its weight, at which torch.compile breaks every layer's graph."""
-    if config.gradient_accumulation_fusion and compiled:
-        raise UserError("--gradient-accumulation-fusion cannot run in compiled layers (--compile-layers, the default "
-                        "with a CUDA GPU at --tp 1): add --no-compile-layers, or drop --gradient-accumulation-fusion")
+    (`compat.wgrad_accumulation`), on any device; compiled layers take it too (`model.compiled_linear`)."""
     if config.gradient_accumulation_fusion is None:
-        kernel = backend == "te" or importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
-        return on_gpu and kernel and not compiled
+        return on_gpu and (backend == "te" or importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None)
     return config.gradient_accumulation_fusion
 
 
@@ -108,7 +103,6 @@ def resolve_execution(config: TrainConfig, world_size: int, te: bool, on_gpu: bo
     if config.seq_length is not None and config.seq_length % alignment.total:
         raise UserError(f"--seq-length {config.seq_length} must be a multiple of {alignment.total} for "
                         f"{_alignment_reason(config, sequence_parallel)}; use {round_up(config.seq_length, alignment.total)}")
-    compiled = _compile_layers(config, backend, on_gpu)
     model = ModelExecution(
         attention_backend=backend,
         sequence_parallel=sequence_parallel,
@@ -117,9 +111,9 @@ def resolve_execution(config: TrainConfig, world_size: int, te: bool, on_gpu: bo
         recompute_granularity=None if recompute == "none" else recompute,
         recompute_method=config.recompute_method,
         recompute_num_layers=config.recompute_num_layers,
-        gradient_accumulation_fusion=_gradient_accumulation_fusion(config, backend, on_gpu, compiled),
+        gradient_accumulation_fusion=_gradient_accumulation_fusion(config, backend, on_gpu),
         logits_where_loss=_logits_where_loss(config, sequence_parallel),
-        compile_layers=compiled,
+        compile_layers=_compile_layers(config, backend, on_gpu),
         vision_attention=config.vision_attention,
     )
     return Execution(

@@ -148,7 +148,7 @@ def build_model(arch, opts, vp_stage: int | None = None, meta: bool = False):
     model = (build_llava(arch, of(arch), opts, vp_stage, meta=meta) if isinstance(arch, LlavaArch)
              else of(arch).build(arch, opts, vp_stage, meta=meta))
     if opts.execution.compile_layers:
-        compile_layers(model)
+        compile_layers(model, opts.execution.gradient_accumulation_fusion)
     return model
 
 

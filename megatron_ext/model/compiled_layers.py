@@ -43,13 +43,16 @@ def _traceable_tp_group_lookup() -> None:
     _TRACEABLE = True
 
 
-def compile_layers(model: torch.nn.Module) -> int:
-    """Compile every megatron-core TransformerLayer of `model` in place; how many there are."""
+def compile_layers(model: torch.nn.Module, gradient_accumulation_fusion: bool = False) -> int:
+    """Compile every megatron-core TransformerLayer of `model` in place; how many there are. With
+    `gradient_accumulation_fusion`, its linear layers run `compiled_linear`'s traceable form of it."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from megatron_ext.model import attention
+    from megatron_ext.model import attention, compiled_linear
 
     _traceable_tp_group_lookup()
+    if gradient_accumulation_fusion:
+        compiled_linear.use()
     attention.prepare_for_compile()
     # Every layer (tower and language model) shares TransformerLayer.forward's code and so its recompile limit:
     # graphs with and without grad (a frozen tower), and per range of lengths that inductor picks kernels for.

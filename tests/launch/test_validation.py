@@ -94,8 +94,6 @@ CASES = {
     "evaluation on start without evaluations": (["--", "--eval-on-start"], 0, "--eval-on-start needs --eval-interval"),
     "fused adam for sgd": (["--", "--fused-adam", "--optimizer", "sgd"], 0,
                            "--fused-adam fuses AdamW's update; it does nothing for --optimizer sgd: drop it"),
-    "weight gradients fused in compiled layers": (["--", "--compile-layers", "--gradient-accumulation-fusion"], 0,
-                                                  "--gradient-accumulation-fusion cannot run in compiled layers"),
 }
 
 

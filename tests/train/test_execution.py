@@ -59,10 +59,9 @@ def test_gradient_accumulation_fusion_on_gpu_where_a_kernel_exists(monkeypatch, 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if apex and name == "fused_weight_gradient_mlp_cuda" else None)
     assert _resolve(te=True, on_gpu=True).model.gradient_accumulation_fusion
     assert not _resolve(te=True, on_gpu=False).model.gradient_accumulation_fusion
-    # Local layers (sdpa, local) fuse only with Apex's kernel, and only where they run eagerly.
+    # Local layers (sdpa, local) fuse only with Apex's kernel, compiled or not.
+    assert _resolve(on_gpu=True).model.gradient_accumulation_fusion == apex
     assert _resolve(on_gpu=True, compile_layers=False).model.gradient_accumulation_fusion == apex
-    assert _resolve(world=2, on_gpu=True, tp=2).model.gradient_accumulation_fusion == apex
-    assert not _resolve(on_gpu=True).model.gradient_accumulation_fusion  # compiled by default
     assert not _resolve(on_gpu=False).model.gradient_accumulation_fusion
     # Asked for, torch's GEMM stands in for Apex's, on any device; refused, never on.
     assert _resolve(on_gpu=False, gradient_accumulation_fusion=True).model.gradient_accumulation_fusion
@@ -96,9 +95,6 @@ REFUSED = {
                            "--compile-layers compiles torch layers: use --attention-backend sdpa (or local), or drop it"),
     "compiled layers at tp 2": (dict(world=2, tp=2, compile_layers=True),
                                 "--compile-layers runs at --tp 1 so far: megatron-core's tensor-parallel layers"),
-    "gradient accumulation fusion in compiled layers": (
-        dict(compile_layers=True, gradient_accumulation_fusion=True),
-        "--gradient-accumulation-fusion cannot run in compiled layers (--compile-layers, the default"),
     "fp8 without TE": (dict(fp8=True), "--fp8 needs Transformer Engine with CUDA, which is not importable here"),
     "fp8 with sdpa": (dict(fp8=True, attention_backend="sdpa", te=True),
                       "--fp8 needs Transformer Engine layers; it cannot run with --attention-backend sdpa"),

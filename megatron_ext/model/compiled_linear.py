@@ -1,0 +1,82 @@
+"""megatron-core's linear layer with gradient accumulation fusion, in a form torch.compile traces whole.
+
+With `--gradient-accumulation-fusion`, megatron-core's linear adds each weight gradient into the
+parameter's fp32 `main_grad` inside its backward, and marks the parameter (`grad_added_to_main_grad`)
+so that DDP's hook does not add the placeholder gradient it returns. Those attribute writes in a
+backward are what torch.compile cannot trace: a compiled layer would break its graph at every linear.
+Here the same step is one autograd function whose backward calls the accumulation as a custom
+operator that mutates `main_grad` (inductor calls it in place, on the buffer itself), and the mark is
+set in forward, where torch.compile replays attribute writes after its graph. Used where megatron-core's
+own function would need no communication (TP 1, no sequence parallelism, no deferred weight gradients);
+everything else goes to megatron-core's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ORIGINAL = None
+
+
+@torch.library.custom_op("megatron_ext::wgrad_accumulate", mutates_args=("main_grad",))
+def wgrad_accumulate(main_grad: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor) -> None:
+    """main_grad += grad_output^T @ total_input, by the kernel megatron-core was given (Apex's, or
+    `compat.wgrad_accumulation`)."""
+    from megatron.core.tensor_parallel import layers
+
+    kernel = layers.fused_weight_gradient_mlp_cuda
+    accumulate = kernel.wgrad_gemm_accum_fp32 if main_grad.dtype == torch.float32 else kernel.wgrad_gemm_accum_fp16
+    accumulate(total_input, grad_output, main_grad)
+
+
+@wgrad_accumulate.register_fake
+def _(main_grad, grad_output, total_input) -> None:
+    return None
+
+
+class _IntoMainGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias, main_grad, zero_placeholder: bool):
+        ctx.save_for_backward(input, weight)
+        # Not saved for backward: every parameter's main_grad is a view of one bucket, whose version
+        # counter the other parameters' accumulations advance (as megatron-core's own function does).
+        ctx.main_grad = main_grad
+        ctx.use_bias, ctx.zero_placeholder = bias is not None, zero_placeholder
+        output = torch.matmul(input, weight.t())
+        return output + bias if bias is not None else output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        main_grad = ctx.main_grad
+        grad_input = grad_output.matmul(weight)
+        grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        wgrad_accumulate(main_grad, grad_output_2d, input.reshape(-1, input.shape[-1]))
+        # What autograd hands DDP's hook, which skips it: zeros where the weight is shared with a layer
+        # whose gradient is a real one (megatron-core's tied output layer, `zero_out_wgrad`).
+        placeholder = torch.zeros_like(weight) if ctx.zero_placeholder else torch.empty_like(weight)
+        grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
+        return grad_input, placeholder, grad_bias, None, None
+
+
+def linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+           grad_output_buffer=None, wgrad_deferral_limit=0, *args, **kwargs):
+    """megatron-core's `linear_with_grad_accumulation_and_async_allreduce`, this module's function where it
+    would communicate nothing."""
+    local = (gradient_accumulation_fusion and not allreduce_dgrad and not sequence_parallel
+             and grad_output_buffer is None and hasattr(weight, "main_grad"))
+    if not local:
+        return _ORIGINAL(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                         grad_output_buffer, wgrad_deferral_limit, *args, **kwargs)
+    weight.grad_added_to_main_grad = True
+    return _IntoMainGrad.apply(input, weight, bias, weight.main_grad, getattr(weight, "zero_out_wgrad", False))
+
+
+def use() -> None:
+    """megatron-core's linear layers call `linear` from now on (idempotent)."""
+    global _ORIGINAL
+    from megatron.core.tensor_parallel import layers
+
+    if _ORIGINAL is None:
+        _ORIGINAL = layers.linear_with_grad_accumulation_and_async_allreduce
+        layers.linear_with_grad_accumulation_and_async_allreduce = linear
