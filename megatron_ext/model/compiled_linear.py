@@ -73,10 +73,16 @@ def linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, s
 
 
 def use() -> None:
-    """megatron-core's linear layers call `linear` from now on (idempotent)."""
+    """megatron-core's linear layers call `linear` from now on (idempotent); UserError, nothing changed,
+    where the installed megatron-core lacks the function replaced."""
     global _ORIGINAL
     from megatron.core.tensor_parallel import layers
 
+    from megatron_ext.compat.cpu_support import check_megatron_core
+
     if _ORIGINAL is None:
+        check_megatron_core({"megatron.core.tensor_parallel.layers": ("linear_with_grad_accumulation_and_async_allreduce",
+                                                                       "LinearWithGradAccumulationAndAsyncCommunication")},
+                            "compiled_linear")
         _ORIGINAL = layers.linear_with_grad_accumulation_and_async_allreduce
         layers.linear_with_grad_accumulation_and_async_allreduce = linear

@@ -46,7 +46,7 @@ def _keep_choice(fused: bool):
                 step = state.get("step") if state else None
                 if step is None:
                     continue  # torch creates it at the first step, where the group's choice puts it
-                where = param.device if fused or group["capturable"] else torch.device("cpu")
+                where = param.device if fused or group.get("capturable") else torch.device("cpu")
                 if step.device != where or step.dtype != torch.float32:
                     state["step"] = step.to(device=where, dtype=torch.float32)
     return before_step

@@ -124,15 +124,18 @@ def test_parameters_the_fused_kernel_cannot_take_are_refused_in_one_line():
 def test_a_fused_run_resumes_a_foreach_runs_distributed_optimizer_on_the_rehearsed_gpu(tmp_path, megatron_clip,
                                                                                       train_data):
     """Two data-parallel ranks, the distributed optimizer's shards saved by a foreach run and resumed
-    with --fused-adam: its loaded `step`s (on the host) reach the fused kernel beside their parameters."""
+    with --fused-adam: its loaded `step`s (on the host) reach the fused kernel beside their parameters;
+    its own checkpoint (counters on the device) resumed without the flag again."""
     from tests.train.test_gpu_rehearsal import rehearse
 
     save = tmp_path / "run"
     common = dict(global_batch_size=4, micro_batch_size=1, packing_seq_length=128, dtype="bfloat16",
                   attention_backend="sdpa", dist_optim=True, save_interval=2, save_optim=True, eval_interval=None)
-    for iters, fused in ((2, False), (3, True)):
+    for iters, fused in ((2, False), (4, True), (6, False)):
         rehearse(tmp_path, "scripts/train/pretrain_llava.py",
                  *trainer_args(megatron_clip, train_data, save, train_iters=iters, fused_adam=fused, **common), nproc=2)
     records = metrics(save)
-    assert sorted(records) == [1, 2, 3] and all(r["update"] and math.isfinite(r["loss"]) for r in records.values())
-    assert layout.find_snapshot(save).trainer_options["fused_adam"] is True
+    assert sorted(records) == [1, 2, 3, 4, 5, 6]
+    assert all(r["update"] and math.isfinite(r["loss"]) for r in records.values())
+    assert layout.find_snapshot(save / layout.snapshot_name(4)).trainer_options["fused_adam"] is True
+    assert layout.find_snapshot(save).trainer_options["fused_adam"] is False
