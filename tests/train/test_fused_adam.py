@@ -63,16 +63,20 @@ def test_the_fused_kernel_takes_the_foreach_kernels_steps():
     assert not torch.equal(runs[True][0], _params()[0])  # it trained
 
 
-def _loaded(fused: bool, step_place: str):
-    """A fused or foreach run on device parameters given a foreach run's checkpoint, as a GPU load leaves
-    it: the moments beside their parameters, `step` where the saved run kept it (the host)."""
-    saved_params = _params()
-    _, saved = _megatron_like(saved_params)
-    _train(saved, saved_params)
+def _foreach_checkpoint() -> dict:
+    params = _params()
+    _, saved = _megatron_like(params)
+    _train(saved, params)
+    return saved.state_dict()
+
+
+def _load(state_dict: dict, fused: bool, step_place: str):
+    """A fused or foreach run on device parameters given `state_dict` as a GPU load leaves it: the
+    moments beside their parameters, `step` where the saved run kept it."""
     params = _params(DEVICE)
     optimizer, adam = _megatron_like(params)
     fused_adam.use(optimizer, fused)
-    adam.load_state_dict(saved.state_dict())
+    adam.load_state_dict(state_dict)
     for p in params:
         state = adam.state[p]
         mark(state["exp_avg"], DEVICE), mark(state["exp_avg_sq"], DEVICE), mark(state["step"], step_place)
@@ -83,19 +87,13 @@ def test_a_loaded_checkpoint_keeps_the_runs_choice_and_its_step_beside_the_param
     """A foreach run's state loaded into a fused run: the next step runs fused, its steps moved beside
     the parameters (else the fused kernel would mix host and device tensors); loaded back into a
     foreach run, the steps return to the host."""
-    adam, params = _loaded(fused=True, step_place=HOST)
+    adam, params = _load(_foreach_checkpoint(), fused=True, step_place=HOST)
     assert adam.param_groups[0]["fused"] is None  # what the checkpoint said
     with _rehearsed_gpu():
         _train(adam, params, steps=1)
     assert adam.param_groups[0]["fused"] is True
     assert all(place(adam.state[p]["step"]) == DEVICE and float(adam.state[p]["step"]) == 4.0 for p in params)
-    back = _params(DEVICE)
-    optimizer, foreach = _megatron_like(back)
-    fused_adam.use(optimizer, False)
-    foreach.load_state_dict(adam.state_dict())
-    for p in back:
-        state = foreach.state[p]
-        mark(state["exp_avg"], DEVICE), mark(state["exp_avg_sq"], DEVICE), mark(state["step"], DEVICE)
+    foreach, back = _load(adam.state_dict(), fused=False, step_place=DEVICE)
     with _rehearsed_gpu() as ledger:
         _train(foreach, back, steps=2)
     assert foreach.param_groups[0]["fused"] is None
@@ -105,7 +103,7 @@ def test_a_loaded_checkpoint_keeps_the_runs_choice_and_its_step_beside_the_param
 
 def test_the_fused_kernel_refuses_host_steps_beside_device_parameters_in_the_rehearsal():
     """The check above has teeth: without the move, the fused kernel mixes host and device tensors."""
-    adam, params = _loaded(fused=False, step_place=HOST)
+    adam, params = _load(_foreach_checkpoint(), fused=False, step_place=HOST)
     adam.param_groups[0].update(fused=True, foreach=False)
     adam._optimizer_step_pre_hooks.clear()
     with _rehearsed_gpu(), pytest.raises(DeviceMixError):
