@@ -96,6 +96,8 @@ MEGATRON_INTERNALS = (
     "tests/model/",  # attention backends, RoPE kernels, configs
     "tests/lora/",  # adapters at TP2 x PP2 and TP2 x DP2 with the distributed optimizer
     "tests/train/test_parallel_losses.py",  # TP2 x PP2, DP2 with the distributed optimizer
+    "tests/train/test_compiled_layers.py",  # megatron-core's layers compiled, its linear function replaced
+    "tests/train/test_fused_adam.py",  # torch's AdamW inside megatron-core's optimizer, its checkpoints
     "tests/train/test_resume.py",
     "tests/train/test_gpu_rehearsal.py",
     "tests/train/test_dpo.py",
