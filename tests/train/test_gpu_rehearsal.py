@@ -181,16 +181,17 @@ def megatron_clip_4_layers(tmp_path_factory, tiny_hf) -> str:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("levers", [False, True], ids=["defaults", "wgrad-fusion-fused-adam"])
 def test_the_sync_ledger_allows_named_reads_and_none_per_layer(tmp_path, megatron_clip, megatron_clip_4_layers,
-                                                               train_data):
+                                                               train_data, levers):
     """At TP2 (rank 0's ledger), so that megatron-core's tensor-parallel layers, vocab-parallel cross
-    entropy and their backward run under it too."""
+    entropy and their backward run under it too; also with the opt-in levers of a plain install."""
     reads = {}
     for layers, checkpoint in ((2, megatron_clip), (4, megatron_clip_4_layers)):
         # No checkpoint: saving reads every tensor back, as it must.
         args = trainer_args(checkpoint, train_data, tmp_path / f"run{layers}", global_batch_size=4, train_iters=2,
                             packing_seq_length=128, dtype="bfloat16", attention_backend="sdpa", micro_batch_size=1,
-                            log_interval=2, save=False, tp=2)
+                            log_interval=2, save=False, tp=2, gradient_accumulation_fusion=levers, fused_adam=levers)
         _, counts = rehearse(tmp_path, "scripts/train/pretrain_llava.py", *args, nproc=2)
         reads[layers] = counts["reads"]
     # RoPE over packed rows, attention, tiles: nothing per layer (megatron-core's unfused THD RoPE read
