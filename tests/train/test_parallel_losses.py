@@ -27,6 +27,15 @@ def _steps(tmp_path, megatron_clip, train_data, nproc, options) -> list[dict]:
     return _run(tmp_path, megatron_clip, train_data, nproc, options)["steps"]
 
 
+def _assert_same_steps(steps: list[dict], reference: list[dict], rel: float) -> None:
+    """The reference's three steps: its tokens, and its losses and gradient norms within `rel` (also absolute)."""
+    assert len(steps) == len(reference) == 3
+    for got, expected in zip(steps, reference):
+        assert got["tokens"] == expected["tokens"]
+        assert got["loss"] == pytest.approx(expected["loss"], rel=rel, abs=rel)
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=rel, abs=rel)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, megatron_clip, train_data) -> list[dict]:
     """One process, two micro batches of two samples per step."""
@@ -34,12 +43,7 @@ def reference(tmp_path_factory, megatron_clip, train_data) -> list[dict]:
 
 
 def test_tp2_x_pp2_trains_like_one_process(tmp_path, megatron_clip, train_data, reference):
-    steps = _steps(tmp_path, megatron_clip, train_data, 4, {"tp": 2, "pp": 2})
-    assert len(steps) == len(reference) == 3
-    for got, expected in zip(steps, reference):
-        assert got["tokens"] == expected["tokens"]
-        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-5)
-        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5, abs=1e-5)
+    _assert_same_steps(_steps(tmp_path, megatron_clip, train_data, 4, {"tp": 2, "pp": 2}), reference, rel=1e-5)
 
 
 def test_packed_anyres_samples_train_like_unpacked(tmp_path, llava_next_clip, train_data):
@@ -87,12 +91,7 @@ def test_weight_gradients_added_within_their_gemms_train_like_one_process(tmp_pa
     run = _run(tmp_path, megatron_clip, train_data, nproc, {**layout, "gradient_accumulation_fusion": True})
     assert run["execution"]["gradient_accumulation_fusion"] is True
     assert all(step["micro_batches"] > 1 for step in run["steps"])  # a sum over micro batches to get right
-    rel = 1e-6 if nproc == 1 else 1e-5
-    assert len(run["steps"]) == len(reference) == 3
-    for got, expected in zip(run["steps"], reference):
-        assert got["tokens"] == expected["tokens"]
-        assert got["loss"] == pytest.approx(expected["loss"], rel=rel, abs=rel)
-        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=rel, abs=rel)
+    _assert_same_steps(run["steps"], reference, rel=1e-6 if nproc == 1 else 1e-5)
 
 
 @pytest.mark.parametrize("nproc,layout", [(1, {"micro_batch_size": 2}), (2, {"micro_batch_size": 1, "dist_optim": True})],
@@ -102,9 +101,4 @@ def test_fused_adam_trains_like_torchs_default_adam(tmp_path, megatron_clip, tra
     step's loss follows two updates); on two data-parallel ranks with the distributed optimizer's
     shards, within the tolerance of every other layout."""
     steps = _steps(tmp_path, megatron_clip, train_data, nproc, {**layout, "fused_adam": True})
-    rel = 1e-6 if nproc == 1 else 1e-5
-    assert len(steps) == len(reference) == 3
-    for got, expected in zip(steps, reference):
-        assert got["tokens"] == expected["tokens"]
-        assert got["loss"] == pytest.approx(expected["loss"], rel=rel, abs=rel)
-        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=rel, abs=rel)
+    _assert_same_steps(steps, reference, rel=1e-6 if nproc == 1 else 1e-5)
