@@ -4,6 +4,7 @@
     python bench/gpu_bench.py --attention-backend local --no-packing --recompute-granularity full
     python bench/gpu_bench.py --sweep                  # every variant below, each in its own process
     python bench/gpu_bench.py --preset tiny            # the same code on a tiny model (CPU, CI)
+    python bench/gpu_bench.py --hf                     # transformers' model on the same packs (Liger if installed)
 
 The model is built locally from configs with random weights: `1b` has Llama-3.2-1B's shape
 (hidden 2048, 16 layers, 32 heads, 8 KV heads, FFN 8192, vocab 128256, tied embeddings) and a
@@ -87,7 +88,9 @@ SWEEP = {
     "sdpa, packed, full recompute": ["--recompute-granularity", "full"],
     # Its S x S scores need the selective recompute (its default): without, ~48 GiB at 4096.
     "local, packed, selective recompute": ["--attention-backend", "local"],
-    "transformers, sdpa, padded micro batches of 4": ["--hf"],
+    # transformers as a user would train it: padding-free packs with position ids, Liger's kernels where installed.
+    "transformers, sdpa, packed with position ids": ["--hf"],
+    "transformers, sdpa, padded micro batches of 4": ["--hf", "--no-packing", "--no-liger"],
 }
 TE_SWEEP = {
     "te, packed": ["--attention-backend", "te"],
@@ -172,10 +175,9 @@ def synthetic_micro_batches(plan, preset: Preset, packing: bool, rng: np.random.
     return [layout.batch([group]).as_dict() for group in groups]
 
 
-def hf_micro_batches(arch, samples: list[tuple], micro_batch_size: int) -> list[dict]:
-    """The same samples as transformers' LLaVA takes them: each image token repeated once per image
-    feature, labels the token itself where the token before it is trained, rows padded to the
-    micro batch's longest (what a user without packing kernels runs)."""
+def hf_rows(arch, samples: list[tuple]) -> list[tuple]:
+    """The samples as transformers' LLaVA takes them: (token ids with the image token repeated once per
+    image feature, labels: the token itself where the token before it is trained, else -100, image)."""
     import torch
 
     rows = []
@@ -185,6 +187,14 @@ def hf_micro_batches(arch, samples: list[tuple], micro_batch_size: int) -> list[
         trained = np.concatenate([answer[:image_at], np.zeros(arch.img_seq_len, bool), answer[image_at + 1:]])
         labels = np.where(np.concatenate([[False], trained[:-1]]), expanded, -100)
         rows.append((torch.from_numpy(expanded), torch.from_numpy(labels), image))
+    return rows
+
+
+def hf_micro_batches(arch, samples: list[tuple], micro_batch_size: int) -> list[dict]:
+    """Rows padded to the micro batch's longest (what a user without packing runs)."""
+    import torch
+
+    rows = hf_rows(arch, samples)
     batches = []
     for first in range(0, len(rows), micro_batch_size):
         group = rows[first:first + micro_batch_size]
@@ -199,44 +209,90 @@ def hf_micro_batches(arch, samples: list[tuple], micro_batch_size: int) -> list[
     return batches
 
 
-def run_hf(preset_name: str, iters: int, warmup: int, peak_tflops: float, micro_batch_size: int) -> dict:
+def hf_packed_micro_batches(arch, samples: list[tuple], seq_length: int) -> list[dict]:
+    """The samples packed as ours are (`packing.knapsack_bins` over the same lengths), each pack one row
+    without padding: position ids restart at every sample, from which transformers masks attention to
+    each sample's own positions (its padding-free training, as with `DataCollatorWithFlattening`), and
+    every sample's first label is -100, so no sample predicts from the one before it."""
+    import torch
+
+    from megatron_ext.data.packing import knapsack_bins
+
+    rows = hf_rows(arch, samples)
+    batches = []
+    for pack in knapsack_bins([len(ids) for ids, _, _ in rows], seq_length):
+        group = [rows[i] for i in pack]
+        batches.append({"input_ids": torch.cat([ids for ids, _, _ in group])[None],
+                        "labels": torch.cat([labels for _, labels, _ in group])[None],
+                        "position_ids": torch.cat([torch.arange(len(ids)) for ids, _, _ in group])[None],
+                        "pixel_values": torch.stack([image for _, _, image in group])})
+    return batches
+
+
+def use_liger(model, required: bool) -> bool:
+    """Liger-Kernel's Triton kernels patched into a transformers model as its Trainer's
+    `use_liger_kernel=True` patches them (fused linear cross entropy, RMSNorm, SwiGLU, RoPE, by model
+    type); unless `required`, only where liger-kernel is installed and a GPU runs its kernels (on a CPU
+    they run only under Triton's interpreter, TRITON_INTERPRET=1, and its RMSNorm not even there)."""
+    import torch
+
+    if not required and not torch.cuda.is_available():
+        return False
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        if required:
+            raise click.UsageError("--liger: liger-kernel is not installed (pip install liger-kernel)") from None
+        return False
+    _apply_liger_kernel_to_instance(model=model)
+    return True
+
+
+def run_hf(preset_name: str, iters: int, warmup: int, peak_tflops: float, micro_batch_size: int,
+           packing: bool = True, seq_length: int | None = None, liger: bool | None = None) -> dict:
     """transformers' LlavaForConditionalGeneration on the same samples, trained as its Trainer with
     bf16=True trains (fp32 weights, autocast), sdpa attention, fused AdamW on a GPU; stage 2 (the
-    tower frozen)."""
+    tower frozen). `packing`: the packs ours trains, one row each with position ids (else padded
+    micro batches of `micro_batch_size`); `liger`: Liger-Kernel's kernels (None: where installed)."""
     import torch
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     from megatron_ext import families
     from megatron_ext.train.flops import iteration_flops
 
-    preset = PRESETS[preset_name]
+    preset = with_seq_length(PRESETS[preset_name], seq_length)
     hf_config = llava_config(preset)
     arch = families.read_llava(hf_config)
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
     torch.manual_seed(1234)
     model = LlavaForConditionalGeneration._from_config(LlavaConfig(**hf_config), attn_implementation="sdpa")
+    liger = liger is not False and use_liger(model, required=liger is True)
     model.to(device).train()
     model.model.vision_tower.requires_grad_(False)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=on_gpu)
     rng = np.random.default_rng(0)
-    steps = [synthetic_samples(preset, arch, rng) for _ in range(warmup + iters)]
+    samples = [synthetic_samples(preset, arch, rng) for _ in range(warmup + iters)]
+    steps = [hf_packed_micro_batches(arch, step, preset.seq_length) if packing
+             else hf_micro_batches(arch, step, micro_batch_size) for step in samples]
     losses = []
-    for step, samples in enumerate(steps):
+    for step, batches in enumerate(steps):
         if step == warmup:
             _synchronize()
             start = time.perf_counter()
-        losses.append(hf_step(model, optimizer, trained, hf_micro_batches(arch, samples, micro_batch_size), device))
+        losses.append(hf_step(model, optimizer, trained, batches, device))
     _synchronize()
     seconds = time.perf_counter() - start
-    positions = [len(ids) - 1 + arch.img_seq_len for samples in steps[warmup:] for ids, *_ in samples]
+    positions = [len(ids) - 1 + arch.img_seq_len for step in samples[warmup:] for ids, *_ in step]
     flops = iteration_flops(arch, positions=sum(positions), squared_lengths=sum(n * n for n in positions),
                             images=len(positions), lm_trained=True, vit_trained=False)
     tflops = flops / seconds / 1e12
     return {
-        "preset": preset_name, "implementation": "transformers", "attention_backend": "sdpa", "packing": False,
-        "micro_batch_size": micro_batch_size, "dtype": "bfloat16 autocast" if on_gpu else "float32",
+        "preset": preset_name, "implementation": "transformers", "attention_backend": "sdpa", "packing": packing,
+        "liger": liger, "micro_batch_size": 1 if packing else micro_batch_size,
+        "micro_batches_per_step": round(sum(len(s) for s in steps[warmup:]) / iters, 2),
+        "dtype": "bfloat16 autocast" if on_gpu else "float32",
         "iterations": iters, "parameters": sum(p.numel() for p in model.parameters()),
         "loss_first": losses[0], "loss_last": losses[-1], "step_time_s": seconds / iters,
         "tokens_per_s": sum(positions) / seconds, "tflops_per_gpu": tflops, "mfu": tflops / peak_tflops,
@@ -252,13 +308,20 @@ def hf_step(model, optimizer, trained: list, batches: list[dict], device) -> flo
     total = 0.0
     for batch in batches:
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(**{k: v.to(device, non_blocking=True) for k, v in batch.items()}).loss / len(batches)
+            loss = hf_loss(model, batch, device) / len(batches)
         loss.backward()
         total += loss.detach()
     torch.nn.utils.clip_grad_norm_(trained, 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(total)
+
+
+def hf_loss(model, batch: dict, device):
+    """transformers' mean loss over `batch`'s trained tokens. Without a cache: with one (its config's
+    `use_cache`, on by default) transformers does not look for packs in the position ids, and packed
+    samples would attend to each other under sdpa."""
+    return model(**{k: v.to(device, non_blocking=True) for k, v in batch.items()}, use_cache=False).loss
 
 
 def _with_host_reads(inputs):
@@ -404,11 +467,14 @@ def sweep(argv: list[str]) -> dict:
     return {"device": _device_name(), "variants": results}
 
 
-# Also bench/gpu_profile.py's.
+# Also bench/gpu_profile.py's (the Liger option: bench/qwen_vl_bench.py's).
 compile_layers_option = click.option(
     "--compile-layers/--no-compile-layers", default=None,
     help="Each transformer layer compiled with torch.compile or eager (default: the trainer's: compiled on a GPU at "
          "TP 1 without TE).")
+liger_option = click.option(
+    "--liger/--no-liger", default=None, help="With --hf: Liger-Kernel's kernels patched into transformers' model, as "
+    "its Trainer's use_liger_kernel=True patches them (default: on a GPU where liger-kernel is installed).")
 gradient_accumulation_fusion_option = click.option(
     "--gradient-accumulation-fusion/--no-gradient-accumulation-fusion", default=None,
     help="Weight gradients added into the fp32 gradient buffer within their GEMMs (default: the trainer's).")
@@ -434,8 +500,10 @@ gradient_accumulation_fusion_option = click.option(
 @click.option("--logits-where-loss/--no-logits-where-loss", default=True, show_default=True,
               help="Logits and cross entropy only where a loss is taken (the trainer's default), or everywhere.")
 @click.option("--hf", is_flag=True, help="Time transformers' LlavaForConditionalGeneration on the same samples "
-              "instead (sdpa, padded micro batches of --hf-micro-batch-size, as its Trainer with bf16=True).")
+              "instead, as its Trainer with bf16=True trains (sdpa; the same packs, one row each with position ids, "
+              "or with --no-packing padded micro batches of --hf-micro-batch-size).")
 @click.option("--hf-micro-batch-size", type=int, default=4, show_default=True)
+@liger_option
 @click.option("--host-reads", is_flag=True, help="The step before it stopped reading the device back: megatron-core's "
               "LLaVA preprocessing and per-tensor gradient norm (for an A/B).")
 @compile_layers_option
@@ -445,7 +513,7 @@ gradient_accumulation_fusion_option = click.option(
 @click.option("--vision-per-micro-batch", is_flag=True, help="Run the frozen vision tower per micro batch, as "
               "before it ran once per step over all the step's images (for an A/B).")
 def main(preset, attention_backend, packing, recompute_granularity, seq_length, fp8, iters, warmup, peak_tflops, run_sweep,
-         logits_where_loss, hf, hf_micro_batch_size, host_reads, compile_layers, gradient_accumulation_fusion,
+         logits_where_loss, hf, hf_micro_batch_size, liger, host_reads, compile_layers, gradient_accumulation_fusion,
          fused_adam, vision_per_micro_batch):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if run_sweep:
@@ -453,7 +521,8 @@ def main(preset, attention_backend, packing, recompute_granularity, seq_length, 
         print(json.dumps(sweep(argv)))
         return
     if hf:
-        print(json.dumps({"device": _device_name(), **run_hf(preset, iters, warmup, peak_tflops, hf_micro_batch_size)}))
+        result = run_hf(preset, iters, warmup, peak_tflops, hf_micro_batch_size, packing, seq_length, liger)
+        print(json.dumps({"device": _device_name(), **result}))
         return
     options = {"attention_backend": attention_backend, "recompute_granularity": recompute_granularity, "fp8": fp8,
                "packing_seq_length": with_seq_length(PRESETS[preset], seq_length).seq_length if packing else None,

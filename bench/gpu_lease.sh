@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # A lent GPU's measurements in one call, most wanted first, within LEASE_SECONDS (default 540): the
 # profile of the default step, the step as it is and with the levers not yet measured (weight
-# gradients added within their GEMMs, fused AdamW), transformers on the same samples, the eager step,
-# Qwen2.5-VL-3B ours and transformers', the Qwen-VL towers' attention side by side, a 16k pack, then
-# the GPU tests in what is left.
+# gradients added within their GEMMs, fused AdamW), transformers on the same packs (position ids,
+# Liger-Kernel where carried), the eager step, Qwen2.5-VL-3B ours and transformers', the Qwen-VL
+# towers' attention side by side, a 16k pack, transformers padded as before, then the GPU tests in
+# what is left.
 # Each step runs under its own limit, cut to the time left; its output goes to OUT/NAME.txt (OUT:
 # the device tool's folder, else bench/results/lease) and its last lines to the screen.
 #   OUT=/some/dir bash bench/gpu_lease.sh            # python3 must import megatron-ext's needs
-# On a machine without an index, carry them first: bench/gpu_wheels.py.
+# On a machine without an index, carry them first: bench/gpu_wheels.py --extra liger (with
+# megatron-ext[liger] installed in the environment that fetches them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -37,4 +39,5 @@ step qwen 120 "$python" bench/qwen_vl_bench.py --iters 3 --warmup 2
 step qwen-hf 90 "$python" bench/qwen_vl_bench.py --hf --iters 3 --warmup 2
 step tower-attention 90 "$python" bench/tower_attention_bench.py --iters 3
 step bench-16k 100 "$python" bench/gpu_bench.py --seq-length 16384 --iters 3 --warmup 4
+step bench-hf-padded 60 "$python" bench/gpu_bench.py --hf --no-packing --no-liger --iters 3 --warmup 2
 step gpu-tests 300 "$python" -m pytest -q -m gpu tests/gpu -k "not rehearsal" -n 4 -p no:cacheprovider

@@ -34,13 +34,14 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def required(root: str, skipped: set[str]) -> dict[str, str]:
+def required(root: str, skipped: set[str], extras: tuple[str, ...] = ()) -> dict[str, str]:
     """{canonical name: installed version} of `root` and everything it requires here, transitively
-    (requirements whose markers hold in this environment, without extras), except `skipped` and what
-    only they require."""
-    found, queue = {}, [root]
+    (requirements whose markers hold in this environment; `root`'s `extras` too, no others), except
+    `skipped` and what only they require."""
+    found, queue = {}, [(root, ("",) + extras)]
     while queue:
-        name = canonical(queue.pop())
+        name, wanted = queue.pop()
+        name = canonical(name)
         if name in found or name in skipped:
             continue
         try:
@@ -50,8 +51,8 @@ def required(root: str, skipped: set[str]) -> dict[str, str]:
         found[name] = dist.version
         for line in dist.requires or []:
             requirement = Requirement(line)
-            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
-                queue.append(requirement.name)
+            if requirement.marker is None or any(requirement.marker.evaluate({"extra": e}) for e in wanted):
+                queue.append((requirement.name, ("",)))
     return found
 
 
@@ -73,12 +74,16 @@ def download(name: str, version: str, dest: Path) -> None:
 @click.option("--root", default="megatron-ext", show_default=True, help="The distribution whose needs are fetched.")
 @click.option("--skip", multiple=True, default=SKIPPED, show_default=True,
               help="Requirements the GPU runs never import, left behind with what only they need.")
+@click.option("--extra", "extras", multiple=True, metavar="NAME",
+              help="Also the root's optional dependencies NAME (e.g. liger: bench/gpu_bench.py --hf with Liger-Kernel); "
+                   "install them here first.")
 @click.option("--pin", multiple=True, metavar="NAME==VERSION",
               help="Fetch this version instead of the installed one (e.g. megatron-core==0.16.1, the release the "
                    "first leases ran).")
-def main(present_file: Path, dest: Path, root: str, skip: tuple[str, ...], pin: tuple[str, ...]):
+def main(present_file: Path, dest: Path, root: str, skip: tuple[str, ...], extras: tuple[str, ...],
+         pin: tuple[str, ...]):
     present = {canonical(name) for name in re.split(r"[,\s]+", present_file.read_text().strip().rstrip(".")) if name}
-    needed = required(root, {canonical(name) for name in skip})
+    needed = required(root, {canonical(name) for name in skip}, extras)
     for given in pin:
         name, _, version = given.partition("==")
         if canonical(name) not in needed or not version:

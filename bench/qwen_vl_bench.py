@@ -14,7 +14,7 @@ vision tower frozen, its merger and the decoder trained). Ours runs them as the 
 task encoder's samples knapsack-packed to `--seq-length` (THD, no padding between samples), megatron
 DDP, Adam and `train.step.train_step`. `--hf` runs transformers' model on the same samples as its
 Trainer with bf16=True would (fp32 weights, autocast, sdpa, fused AdamW on a GPU), in padded micro
-batches of `--hf-micro-batch-size`. FLOPs are the trainer's count (`train.flops.iteration_flops`: the
+batches of `--hf-micro-batch-size`, with Liger-Kernel's kernels where installed (`--liger`). FLOPs are the trainer's count (`train.flops.iteration_flops`: the
 decoder 3x, the frozen tower's blocks 1x, its mergers 3x; logits where they are computed: ours only
 where a loss is taken, transformers' at every position), so compare tokens/s: sample tokens fed per
 second, padding not counted.
@@ -172,9 +172,10 @@ def hf_micro_batches(samples: list, image_token_id: int, video_token_id: int, pa
 
 
 def run_hf(name: str, iters: int, warmup: int, peak_tflops: float, seq_length: int, samples_per_step: int,
-           sides: tuple[int, int], micro_batch_size: int) -> dict:
+           sides: tuple[int, int], micro_batch_size: int, liger: bool | None = None) -> dict:
     """transformers' model on the same samples (`run_ours`' seed), trained as its Trainer with bf16=True
-    trains: fp32 weights, autocast, sdpa, fused AdamW on a GPU; stage 2 (the tower frozen but its mergers)."""
+    trains: fp32 weights, autocast, sdpa, fused AdamW on a GPU; stage 2 (the tower frozen but its mergers);
+    `liger`: Liger-Kernel's kernels (None: where installed)."""
     import torch
     import transformers
 
@@ -195,7 +196,9 @@ def run_hf(name: str, iters: int, warmup: int, peak_tflops: float, seq_length: i
     torch.manual_seed(1234)
     model_class = getattr(transformers, family.model_class)
     model = model_class._from_config(getattr(transformers, family.config_class).from_dict(config),
-                                     attn_implementation="sdpa").to(device).train()
+                                     attn_implementation="sdpa")
+    liger = liger is not False and gpu_bench.use_liger(model, required=liger is True)
+    model.to(device).train()
     model.model.visual.requires_grad_(False)
     for projection in family.projections:
         getattr(model.model.visual, projection).requires_grad_(True)
@@ -219,7 +222,7 @@ def run_hf(name: str, iters: int, warmup: int, peak_tflops: float, seq_length: i
     flops = iteration_flops(arch, positions=lengths.sum(), squared_lengths=(lengths**2).sum(), images=len(timed),
                             lm_trained=True, vit_trained=False, tower=tower)
     return _result(name, "transformers", seconds, iters, flops, fed, peak_tflops, losses,
-                   sum(p.numel() for p in model.parameters()), attention_backend="sdpa", packing=False,
+                   sum(p.numel() for p in model.parameters()), attention_backend="sdpa", packing=False, liger=liger,
                    micro_batch_size=micro_batch_size, dtype="bfloat16 autocast" if on_gpu else "float32")
 
 
@@ -253,14 +256,16 @@ def _result(name: str, implementation: str, seconds: float, iters: int, flops: f
 @click.option("--vision-attention", type=click.Choice(["sdpa", "varlen"]), default="sdpa", show_default=True)
 @click.option("--hf", is_flag=True, help="transformers' model on the same samples instead of ours.")
 @click.option("--hf-micro-batch-size", type=int, default=4, show_default=True)
+@gpu_bench.liger_option
 def main(name, seq_length, samples_per_step, min_side, max_side, iters, warmup, peak_tflops, compile_layers,
-         vision_attention, hf, hf_micro_batch_size):
+         vision_attention, hf, hf_micro_batch_size, liger):
     tiny = MODELS[name][1] is None
     seq_length = seq_length or (512 if tiny else 4096)
     samples_per_step = samples_per_step or (8 if tiny else 32)
     sides = (min_side or (28 if tiny else 224), max_side or (112 if tiny else 896))
     if hf:
-        result = run_hf(name, iters, warmup, peak_tflops, seq_length, samples_per_step, sides, hf_micro_batch_size)
+        result = run_hf(name, iters, warmup, peak_tflops, seq_length, samples_per_step, sides, hf_micro_batch_size,
+                        liger)
     else:
         options = {"attention_backend": "sdpa", "vision_attention": vision_attention, "compile_layers": compile_layers}
         result = run_ours(name, options, iters, warmup, peak_tflops, seq_length, samples_per_step, sides)

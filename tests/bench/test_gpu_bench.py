@@ -105,6 +105,60 @@ def test_the_host_profile_lists_where_one_step_spends_its_host_time():
 def test_transformers_runs_on_the_same_samples_for_a_side_by_side_ratio():
     ours, theirs = _bench(), _bench("--hf")
     assert theirs["implementation"] == "transformers" and theirs["tokens_per_s"] > 0
+    # In the same packs: as many micro batches of one row each.
+    assert theirs["packing"] and theirs["micro_batches_per_step"] == ours["micro_batches_per_step"]
     # The same synthetic samples: the same language-model positions per step on both sides.
     assert theirs["tokens_per_s"] * theirs["step_time_s"] == pytest.approx(ours["tokens_per_s"] * ours["step_time_s"])
     assert theirs["loss_first"] == pytest.approx(ours["loss_first"], rel=0.05)  # both near ln(vocabulary)
+
+
+def _summed_token_losses(model, batches: list[dict]) -> tuple[float, int]:
+    """transformers' mean loss of each micro batch times its trained tokens, summed; the tokens."""
+    import torch
+
+    from bench import gpu_bench
+
+    total, tokens = 0.0, 0
+    for batch in batches:
+        trained = int((batch["labels"][:, 1:] != -100).sum())
+        total += float(gpu_bench.hf_loss(model, batch, torch.device("cpu"))) * trained
+        tokens += trained
+    return total, tokens
+
+
+def test_transformers_packed_rows_train_the_same_tokens_as_padded_micro_batches():
+    """--hf's packs (one row each, position ids restarting per sample, no padding) give transformers'
+    model the same per-token losses as padded rows of one sample each: attention stays within each
+    sample, and no sample is trained to predict the next one's first token (fp32, CPU)."""
+    import numpy as np
+    import torch
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    from bench import gpu_bench
+    from megatron_ext import families
+
+    preset = gpu_bench.PRESETS["tiny"]
+    hf_config = gpu_bench.llava_config(preset)
+    arch = families.read_llava(hf_config)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration._from_config(LlavaConfig(**hf_config), attn_implementation="sdpa").eval()
+    samples = gpu_bench.synthetic_samples(preset, arch, np.random.default_rng(0))
+    packed = gpu_bench.hf_packed_micro_batches(arch, samples, preset.seq_length)
+    assert 1 < len(packed) < len(samples) and all("attention_mask" not in batch for batch in packed)
+    with torch.no_grad():
+        packed_sum, packed_tokens = _summed_token_losses(model, packed)
+        padded_sum, padded_tokens = _summed_token_losses(model, gpu_bench.hf_micro_batches(arch, samples, 1))
+    assert packed_tokens == padded_tokens
+    assert packed_sum == pytest.approx(padded_sum, rel=1e-5)
+
+
+def test_liger_asked_for_but_not_installed_is_one_line(monkeypatch):
+    from click.testing import CliRunner
+
+    from bench import gpu_bench
+
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)  # its import fails, installed or not
+    result = CliRunner().invoke(gpu_bench.main, ["--preset", "tiny", "--hf", "--liger", "--iters", "1", "--warmup", "0"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == (
+        "Error: --liger: liger-kernel is not installed (pip install liger-kernel)")

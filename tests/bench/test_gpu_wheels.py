@@ -18,6 +18,14 @@ def test_megatron_ext_needs_megatron_core_and_energon_but_not_what_only_the_skip
     assert needed["megatron-core"] == everything["megatron-core"]
 
 
+def test_an_extras_needs_come_along_only_when_asked_for():
+    plain = gpu_wheels.required("megatron-ext", set())
+    with_dev = gpu_wheels.required("megatron-ext", set(), ("dev",))
+    assert {"pytest", "pexpect", "ptyprocess", "trl"} <= with_dev.keys()  # pexpect's own need comes too
+    assert not {"pytest", "pexpect", "ptyprocess", "trl"} & plain.keys()
+    assert plain.keys() < with_dev.keys()
+
+
 def test_a_pin_names_a_package_megatron_ext_needs(tmp_path):
     (tmp_path / "present.txt").write_text("torch, numpy.")
     result = CliRunner().invoke(gpu_wheels.main, ["--present", str(tmp_path / "present.txt"), "--dest",

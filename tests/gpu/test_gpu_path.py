@@ -123,6 +123,22 @@ def test_the_weight_gradient_gemm_adds_bf16_products_into_an_fp32_buffer_in_plac
     assert (main_grad.double() - exact).abs().max().item() < 1e-3  # sums of 4096 bf16 products, in fp32
 
 
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_transformers_with_liger_kernels_trains_the_losses_it_trains_without():
+    """bench/gpu_bench.py --hf's baseline with Liger-Kernel patched in (fused linear cross entropy, RMSNorm,
+    SwiGLU, RoPE) computes the same model on the same packs: its Triton kernels run on a GPU only (its
+    RMSNorm does not run under Triton's CPU interpreter)."""
+    pytest.importorskip("liger_kernel", reason="needs liger-kernel (pip install liger-kernel)")
+    from bench import gpu_bench
+
+    plain = gpu_bench.run_hf("tiny", iters=2, warmup=0, peak_tflops=1.0, micro_batch_size=4, liger=False)
+    liger = gpu_bench.run_hf("tiny", iters=2, warmup=0, peak_tflops=1.0, micro_batch_size=4, liger=True)
+    assert (plain["liger"], liger["liger"]) == (False, True)
+    for key in ("loss_first", "loss_last"):
+        assert liger[key] == pytest.approx(plain[key], rel=1e-2), key  # bf16 autocast, kernels fused otherwise
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("where", RUNS)
