@@ -13,8 +13,10 @@ as the family's processor resizes it) and 20-400 words of text, the answer train
 vision tower frozen, its merger and the decoder trained). Ours runs them as the trainer does: the
 task encoder's samples knapsack-packed to `--seq-length` (THD, no padding between samples), megatron
 DDP, Adam and `train.step.train_step`. `--hf` runs transformers' model on the same samples as its
-Trainer with bf16=True would (fp32 weights, autocast, sdpa, fused AdamW on a GPU), in padded micro
-batches of `--hf-micro-batch-size`, with Liger-Kernel's kernels where installed (`--liger`). FLOPs are the trainer's count (`train.flops.iteration_flops`: the
+Trainer with bf16=True would (fp32 weights, autocast, sdpa, fused AdamW on a GPU), in the same packs
+without padding (position ids: text positions above each sample's mRoPE ones, as transformers'
+padding-free training takes them; `--no-packing`: padded micro batches of `--hf-micro-batch-size`),
+with Liger-Kernel's kernels on a GPU where installed (`--liger`). FLOPs are the trainer's count (`train.flops.iteration_flops`: the
 decoder 3x, the frozen tower's blocks 1x, its mergers 3x; logits where they are computed: ours only
 where a loss is taken, transformers' at every position), so compare tokens/s: sample tokens fed per
 second, padding not counted.
@@ -143,13 +145,22 @@ def run_ours(name: str, options: dict, iters: int, warmup: int, peak_tflops: flo
                    padding_share=1 - timed["positions"] / timed["model_positions"])
 
 
-def hf_micro_batches(samples: list, image_token_id: int, video_token_id: int, pad_token_id: int,
-                     micro_batch_size: int) -> list[dict]:
-    """The same samples as transformers' model takes them: labels the token itself where the token
-    before it trains, rows padded to the micro batch's longest."""
+def hf_row(sample, image_token_id: int, video_token_id: int) -> tuple:
+    """A sample as transformers' model takes it: (token ids, labels: the token itself where the token
+    before it trains, else -100, media token types)."""
     import torch
 
     from megatron_ext.data.native_resolution import token_types
+
+    trained = torch.cat([torch.zeros(1, dtype=torch.bool), sample.loss_mask[:-1].bool()])
+    types = torch.from_numpy(token_types(sample.input_ids.numpy(), image_token_id, video_token_id)).int()
+    return sample.input_ids, torch.where(trained, sample.input_ids, -100), types
+
+
+def hf_micro_batches(samples: list, image_token_id: int, video_token_id: int, pad_token_id: int,
+                     micro_batch_size: int) -> list[dict]:
+    """The samples in rows padded to the micro batch's longest."""
+    import torch
 
     batches = []
     for first in range(0, len(samples), micro_batch_size):
@@ -161,21 +172,48 @@ def hf_micro_batches(samples: list, image_token_id: int, video_token_id: int, pa
         types = torch.zeros(len(group), width, dtype=torch.int)
         for row, s in enumerate(group):
             n = len(s.input_ids)
-            trained = torch.cat([torch.zeros(1, dtype=torch.bool), s.loss_mask[:-1].bool()])
-            ids[row, :n], mask[row, :n] = s.input_ids, 1
-            labels[row, :n] = torch.where(trained, s.input_ids, -100)
-            types[row, :n] = torch.from_numpy(token_types(s.input_ids.numpy(), image_token_id, video_token_id))
+            ids[row, :n], labels[row, :n], types[row, :n] = hf_row(s, image_token_id, video_token_id)
+            mask[row, :n] = 1
         batches.append({"input_ids": ids, "labels": labels, "attention_mask": mask, "mm_token_type_ids": types,
-                        "pixel_values": torch.cat([s.pixel_values for s in group]),
-                        "image_grid_thw": torch.cat([s.image_grid_thw for s in group])})
+                        **_media(group)})
     return batches
 
 
+def hf_packed_micro_batches(model, packs: list[list], image_token_id: int, video_token_id: int) -> list[dict]:
+    """The packs ours trains, each one row of transformers' model without padding, as its padding-free
+    training takes them: position ids [4, 1, n], the text positions (restarting at every sample, from
+    which transformers keeps attention within each sample) above each sample's own mRoPE positions
+    (the model's `get_rope_index`); every sample's first label is -100."""
+    import torch
+
+    batches = []
+    for pack in packs:
+        rows = [hf_row(s, image_token_id, video_token_id) for s in pack]
+        positions = []
+        for s, (ids, _, types) in zip(pack, rows):
+            mrope, _ = model.model.get_rope_index(ids[None], types[None], image_grid_thw=s.image_grid_thw)
+            positions.append(torch.cat([torch.arange(len(ids))[None, None], mrope.to(torch.long)]))
+        batches.append({"input_ids": torch.cat([ids for ids, _, _ in rows])[None],
+                        "labels": torch.cat([labels for _, labels, _ in rows])[None],
+                        "mm_token_type_ids": torch.cat([types for _, _, types in rows])[None],
+                        "position_ids": torch.cat(positions, dim=-1), **_media(pack)})
+    return batches
+
+
+def _media(samples: list) -> dict:
+    """The samples' images (the benchmark's conversations hold no videos)."""
+    import torch
+
+    return {"pixel_values": torch.cat([s.pixel_values for s in samples]),
+            "image_grid_thw": torch.cat([s.image_grid_thw for s in samples])}
+
+
 def run_hf(name: str, iters: int, warmup: int, peak_tflops: float, seq_length: int, samples_per_step: int,
-           sides: tuple[int, int], micro_batch_size: int, liger: bool | None = None) -> dict:
+           sides: tuple[int, int], micro_batch_size: int, liger: bool | None = None, packing: bool = True) -> dict:
     """transformers' model on the same samples (`run_ours`' seed), trained as its Trainer with bf16=True
     trains: fp32 weights, autocast, sdpa, fused AdamW on a GPU; stage 2 (the tower frozen but its mergers);
-    `liger`: Liger-Kernel's kernels (None: where installed)."""
+    `packing`: in the packs ours trains, one row each (else padded micro batches of `micro_batch_size`);
+    `liger`: Liger-Kernel's kernels (None: on a GPU where installed)."""
     import torch
     import transformers
 
@@ -190,6 +228,7 @@ def run_hf(name: str, iters: int, warmup: int, peak_tflops: float, seq_length: i
         encoder = task_encoder(tokenizer_dir, plan.arch, plan.config, plan.seq_length, plan.execution.alignment)
         rng = np.random.default_rng(0)
         steps = [synthetic_samples(encoder, samples_per_step, sides, rng) for _ in range(warmup + iters)]
+        packs = [encoder.select_samples_to_pack(samples) for samples in steps]
     arch, family = plan.arch, families.of(plan.arch)
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -204,14 +243,17 @@ def run_hf(name: str, iters: int, warmup: int, peak_tflops: float, seq_length: i
         getattr(model.model.visual, projection).requires_grad_(True)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=on_gpu)
-    losses, fed = [], 0  # fed: the timed steps' sample tokens, as the micro batches hold them
-    for step, samples in enumerate(steps):
+    batched = [hf_packed_micro_batches(model, step_packs, arch.image_token_id, arch.video_token_id) if packing
+               else hf_micro_batches(samples, arch.image_token_id, arch.video_token_id, encoder.pad_token_id,
+                                     micro_batch_size) for samples, step_packs in zip(steps, packs)]
+    # The timed steps' sample tokens, as the micro batches hold them (padding not counted).
+    fed = sum(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
+              for batches in batched[warmup:] for b in batches)
+    losses = []
+    for step, batches in enumerate(batched):
         if step == warmup:
             gpu_bench._synchronize()
             start = time.perf_counter()
-        batches = hf_micro_batches(samples, arch.image_token_id, arch.video_token_id, encoder.pad_token_id,
-                                   micro_batch_size)
-        fed += sum(int(batch["attention_mask"].sum()) for batch in batches) if step >= warmup else 0
         losses.append(gpu_bench.hf_step(model, optimizer, trained, batches, device))
     gpu_bench._synchronize()
     seconds = time.perf_counter() - start
@@ -222,8 +264,9 @@ def run_hf(name: str, iters: int, warmup: int, peak_tflops: float, seq_length: i
     flops = iteration_flops(arch, positions=lengths.sum(), squared_lengths=(lengths**2).sum(), images=len(timed),
                             lm_trained=True, vit_trained=False, tower=tower)
     return _result(name, "transformers", seconds, iters, flops, fed, peak_tflops, losses,
-                   sum(p.numel() for p in model.parameters()), attention_backend="sdpa", packing=False, liger=liger,
-                   micro_batch_size=micro_batch_size, dtype="bfloat16 autocast" if on_gpu else "float32")
+                   sum(p.numel() for p in model.parameters()), attention_backend="sdpa", packing=packing, liger=liger,
+                   micro_batch_size=1 if packing else micro_batch_size,
+                   micro_batches_per_step=round(sum(len(b) for b in batched[warmup:]) / iters, 2), dtype="bfloat16 autocast" if on_gpu else "float32")
 
 
 def _tiny_tokenizer(directory: str) -> None:
@@ -255,17 +298,20 @@ def _result(name: str, implementation: str, seconds: float, iters: int, flops: f
               help="Compile each decoder layer (default: the trainer's: on with a GPU).")
 @click.option("--vision-attention", type=click.Choice(["sdpa", "varlen"]), default="sdpa", show_default=True)
 @click.option("--hf", is_flag=True, help="transformers' model on the same samples instead of ours.")
+@click.option("--packing/--no-packing", default=True, show_default=True,
+              help="With --hf: the packs ours trains, one row each with position ids, or padded micro batches of "
+                   "--hf-micro-batch-size (ours always packs).")
 @click.option("--hf-micro-batch-size", type=int, default=4, show_default=True)
 @gpu_bench.liger_option
 def main(name, seq_length, samples_per_step, min_side, max_side, iters, warmup, peak_tflops, compile_layers,
-         vision_attention, hf, hf_micro_batch_size, liger):
+         vision_attention, hf, packing, hf_micro_batch_size, liger):
     tiny = MODELS[name][1] is None
     seq_length = seq_length or (512 if tiny else 4096)
     samples_per_step = samples_per_step or (8 if tiny else 32)
     sides = (min_side or (28 if tiny else 224), max_side or (112 if tiny else 896))
     if hf:
         result = run_hf(name, iters, warmup, peak_tflops, seq_length, samples_per_step, sides, hf_micro_batch_size,
-                        liger)
+                        liger, packing)
     else:
         options = {"attention_backend": "sdpa", "vision_attention": vision_attention, "compile_layers": compile_layers}
         result = run_ours(name, options, iters, warmup, peak_tflops, seq_length, samples_per_step, sides)
