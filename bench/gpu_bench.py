@@ -81,6 +81,8 @@ SWEEP = {
     # Weight gradients added into the fp32 buffer by their GEMMs (torch's, without Apex).
     "sdpa, packed, gradient accumulation fusion": ["--gradient-accumulation-fusion"],
     "sdpa, packed, fused AdamW": ["--fused-adam"],
+    # FP8 without TE: the language model's linear layers in torchao's float8 GEMMs.
+    "sdpa, packed, fp8 (torchao)": ["--fp8", "--fp8-backend", "torchao"],
     # The same samples in fewer micro batches: fewer kernel launches and main-grad additions per token.
     "sdpa, packed 8192": ["--seq-length", "8192"],
     "sdpa, packed 16384": ["--seq-length", "16384"],
@@ -396,7 +398,7 @@ def run_one(preset_name: str, options: dict, packing: bool, iters: int, warmup: 
     shutdown()
     return {
         "preset": preset_name, "attention_backend": plan.execution.model.attention_backend, "packing": packing,
-        "recompute": plan.execution.model.recompute_granularity or "none", "fp8": plan.execution.model.fp8 is not None,
+        "recompute": plan.execution.model.recompute_granularity or "none", "fp8": plan.execution.model.fp8,
         "logits_where_loss": inputs.logits_where_loss,
         "compile_layers": plan.execution.model.compile_layers, "uncompiled": _uncompiled(plan),
         "gradient_accumulation_fusion": plan.execution.model.gradient_accumulation_fusion,
@@ -491,7 +493,8 @@ gradient_accumulation_fusion_option = click.option(
               "scores would not fit, else none).")
 @click.option("--seq-length", type=int, default=None,
               help="Pack to this many positions instead of the preset's (4096 for 1b).")
-@click.option("--fp8", is_flag=True, help="FP8 through Transformer Engine (--attention-backend te).")
+@click.option("--fp8", is_flag=True, help="FP8 in the language model (--fp8-backend: te, with --attention-backend te, or torchao).")
+@click.option("--fp8-backend", type=click.Choice(["te", "torchao"]), default="te", show_default=True)
 @click.option("--iters", type=int, default=10, show_default=True, help="Timed optimizer steps.")
 @click.option("--warmup", type=int, default=3, show_default=True, help="Untimed steps first.")
 @click.option("--peak-tflops", type=float, default=H100_BF16_PEAK_TFLOPS, show_default=True,
@@ -512,7 +515,8 @@ gradient_accumulation_fusion_option = click.option(
               "--fused-adam).")
 @click.option("--vision-per-micro-batch", is_flag=True, help="Run the frozen vision tower per micro batch, as "
               "before it ran once per step over all the step's images (for an A/B).")
-def main(preset, attention_backend, packing, recompute_granularity, seq_length, fp8, iters, warmup, peak_tflops, run_sweep,
+def main(preset, attention_backend, packing, recompute_granularity, seq_length, fp8, fp8_backend, iters, warmup, peak_tflops,
+         run_sweep,
          logits_where_loss, hf, hf_micro_batch_size, liger, host_reads, compile_layers, gradient_accumulation_fusion,
          fused_adam, vision_per_micro_batch):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -525,6 +529,7 @@ def main(preset, attention_backend, packing, recompute_granularity, seq_length, 
         print(json.dumps({"device": _device_name(), **result}))
         return
     options = {"attention_backend": attention_backend, "recompute_granularity": recompute_granularity, "fp8": fp8,
+               "fp8_backend": fp8_backend,
                "packing_seq_length": with_seq_length(PRESETS[preset], seq_length).seq_length if packing else None,
                "logits_where_loss": logits_where_loss, "compile_layers": compile_layers,
                "gradient_accumulation_fusion": gradient_accumulation_fusion, "fused_adam": fused_adam}

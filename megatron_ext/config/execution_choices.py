@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from megatron_ext.config.options import TrainConfig
 from megatron_ext.errors import UserError
-from megatron_ext.model.backends import TE_MISSING, resolve_backend
+from megatron_ext.model.backends import TE_MISSING, TORCHAO_MISSING, resolve_backend
 from megatron_ext.model.execution import ModelExecution
 from megatron_ext.model.sequence_alignment import SequenceAlignment, round_up, sequence_alignment
 
@@ -43,12 +43,35 @@ def _needs_te(what: str, requested: str, backend: str) -> None:
     raise UserError(f"{what} needs {TE_MISSING}")
 
 
+def _torchao_fp8_problems(config: TrainConfig, backend: str) -> None:
+    """torchao's float8 linears (`model/float8_linears.py`) run inside megatron-core's local linear layers,
+    where they communicate nothing, and in place of their weight-gradient GEMM."""
+    if not config.fp8:
+        raise UserError("--fp8-backend torchao chooses what runs --fp8: add --fp8, or drop --fp8-backend")
+    if backend == "te":
+        raise UserError("--fp8-backend torchao runs in megatron-core's local layers, not Transformer Engine's: use "
+                        "--attention-backend sdpa (or local), or --fp8-backend te")
+    if config.tp > 1:
+        raise UserError(f"--fp8-backend torchao runs at --tp 1 so far (got --tp {config.tp}): megatron-core's "
+                        "tensor-parallel layers communicate around their GEMMs; use --tp 1 or --fp8-backend te")
+    if config.gradient_accumulation_fusion:
+        raise UserError("--fp8-backend torchao computes weight gradients in float8 GEMMs of its own, which cannot add "
+                        "into the fp32 buffer: drop --gradient-accumulation-fusion")
+    if config.freeze_lm or config.lora_rank:
+        raise UserError("--fp8 --fp8-backend torchao computes the language model's trained linear layers in float8, and "
+                        "this run trains none (stage 1, --freeze-lm or --lora-rank): drop --fp8")
+    if importlib.util.find_spec("torchao") is None:
+        raise UserError(TORCHAO_MISSING)
+
+
 def _gradient_accumulation_fusion(config: TrainConfig, backend: str, on_gpu: bool) -> bool:
     """Weight gradients accumulated straight into the fp32 gradient buffer. By default where a fused
     kernel is known to do it: TE layers themselves, megatron-core's local layers with Apex's
     fused_weight_gradient_mlp_cuda. Asked for, torch's GEMM stands in for Apex's
     (`compat.wgrad_accumulation`), on any device; compiled layers take it too (`model.compiled_linear`)."""
     if config.gradient_accumulation_fusion is None:
+        if config.fp8 and config.fp8_backend == "torchao":
+            return False
         return on_gpu and (backend == "te" or importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None)
     return config.gradient_accumulation_fusion
 
@@ -58,8 +81,10 @@ def resolve_execution(config: TrainConfig, world_size: int, te: bool, on_gpu: bo
     `on_gpu`: its ranks compute on GPUs."""
     requested = config.attention_backend
     backend = resolve_backend(requested, te)
-    if config.fp8:
+    if config.fp8 and config.fp8_backend == "te":
         _needs_te("--fp8", requested, backend)
+    if config.fp8_backend == "torchao":
+        _torchao_fp8_problems(config, backend)
     if config.sequence_parallel:
         _needs_te("--sequence-parallel", requested, backend)
     for flag, value in (("--tp", config.tp), ("--pp", config.pp), ("--cp", config.cp)):
@@ -107,7 +132,8 @@ def resolve_execution(config: TrainConfig, world_size: int, te: bool, on_gpu: bo
         attention_backend=backend,
         sequence_parallel=sequence_parallel,
         cp=config.cp,
-        fp8="hybrid" if config.fp8 else None,
+        fp8=("hybrid" if config.fp8_backend == "te" else "tensorwise") if config.fp8 else None,
+        fp8_backend=config.fp8_backend,
         recompute_granularity=None if recompute == "none" else recompute,
         recompute_method=config.recompute_method,
         recompute_num_layers=config.recompute_num_layers,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from megatron_ext.data.image_aspects import IMAGE_ASPECTS
 from megatron_ext.families.llava import DEFAULT_VIDEO_FRAMES
-from megatron_ext.model.backends import ATTENTION_BACKENDS, COMPUTE_DTYPES
+from megatron_ext.model.backends import ATTENTION_BACKENDS, COMPUTE_DTYPES, FP8_BACKENDS
 
 
 def opt(default, help: str, **extra):
@@ -180,7 +180,11 @@ class TrainConfig:
     no_add_class_token: bool = opt(False, "Do not pass the vision class token to the language model.")
     # --- precision -------------------------------------------------------------------------
     dtype: str = opt("auto", "Compute dtype (auto: bfloat16 on GPU, float32 on CPU).", choices=["auto", *COMPUTE_DTYPES])
-    fp8: bool = opt(False, "FP8 (Transformer Engine hybrid recipe).")
+    fp8: bool = opt(False, "FP8 in the language model's layers (recipe: --fp8-backend's).")
+    fp8_backend: str = opt("te", "What runs --fp8: te (Transformer Engine's layers, hybrid recipe) or torchao "
+                                 "(torchao's float8 training on the language model's trained linear layers, dynamic "
+                                 "tensorwise scales; without TE: --tp 1, megatron-core's local layers; pip install "
+                                 "'megatron-ext[fp8]').", choices=list(FP8_BACKENDS))
     # --- logging and evaluation ------------------------------------------------------------
     name: str | None = opt(None, "Run name (logs, W&B).")
     log_interval: int = opt(1, "Log every N iterations.")

@@ -142,11 +142,14 @@ def build_model(arch, opts, vp_stage: int | None = None, meta: bool = False):
     """This rank's model of `arch` (`model.provider.ModelOptions`): megatron-core's LLaVAModel, or
     a vision-language family's model; with `opts.execution.compile_layers`, its transformer layers compiled;
     `meta`: on PyTorch's meta device (`memory/meta_ranks.py`)."""
+    from megatron_ext.model import float8_linears
     from megatron_ext.model.compiled_layers import compile_layers
     from megatron_ext.model.provider import build_model as build_llava
 
     model = (build_llava(arch, of(arch), opts, vp_stage, meta=meta) if isinstance(arch, LlavaArch)
              else of(arch).build(arch, opts, vp_stage, meta=meta))
+    if opts.execution.fp8 and opts.execution.fp8_backend == "torchao":
+        float8_linears.apply(model)
     if opts.execution.compile_layers:
         compile_layers(model, opts.execution.gradient_accumulation_fusion)
     return model

@@ -96,6 +96,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--slurm-output-name", help="Also write the output to NAME-JOBID.log (NAME-JOBID-nodeR.log on several nodes)."),
     # other
     Flag("--fp8", to="fp8"),
+    Flag("--fp8-backend", to="fp8_backend"),
     Flag("--no-add-class-token", to="no_add_class_token"),
     # debug
     Flag("--debug", to="debug", help="Also sets TORCH_DISTRIBUTED_DEBUG=INFO and NCCL_DEBUG=INFO."),

@@ -13,6 +13,8 @@ from megatron_ext.errors import UserError
 
 ATTENTION_BACKENDS = ("te", "sdpa", "local")
 COMPUTE_DTYPES = ("float32", "bfloat16")  # what training and evaluation compute in
+FP8_BACKENDS = ("te", "torchao")  # what runs --fp8: Transformer Engine's layers, or torchao's float8 linears
+TORCHAO_MISSING = "--fp8-backend torchao needs torchao: pip install 'megatron-ext[fp8]'"
 STORED_DTYPES = (*COMPUTE_DTYPES, "float16")  # what a checkpoint's weights may be (HF F16 ones too)
 TE_MISSING = ("Transformer Engine with CUDA, which is not importable here; install the gpu extra "
               "(pip install 'megatron-ext[gpu]') or run inside the Singularity image (--sif-path)")

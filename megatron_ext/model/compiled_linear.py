@@ -76,13 +76,8 @@ def use() -> None:
     """megatron-core's linear layers call `linear` from now on (idempotent); UserError, nothing changed,
     where the installed megatron-core lacks the function replaced."""
     global _ORIGINAL
-    from megatron.core.tensor_parallel import layers
-
-    from megatron_ext.compat.cpu_support import check_megatron_core
+    from megatron_ext.model import linear_function
 
     if _ORIGINAL is None:
-        check_megatron_core({"megatron.core.tensor_parallel.layers": ("linear_with_grad_accumulation_and_async_allreduce",
-                                                                       "LinearWithGradAccumulationAndAsyncCommunication")},
-                            "compiled_linear")
-        _ORIGINAL = layers.linear_with_grad_accumulation_and_async_allreduce
-        layers.linear_with_grad_accumulation_and_async_allreduce = linear
+        _ORIGINAL = linear_function.take_over(linear, "compiled_linear",
+                                              also_needed=("LinearWithGradAccumulationAndAsyncCommunication",))

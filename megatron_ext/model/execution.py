@@ -13,7 +13,8 @@ class ModelExecution:
     attention_backend: str = "auto"  # te | sdpa | local; auto: te when usable, else sdpa (backends.py)
     sequence_parallel: bool = False
     cp: int = 1  # context-parallel size
-    fp8: str | None = None  # Transformer Engine FP8 format ("hybrid", "e4m3"), TE only
+    fp8: str | None = None  # FP8 recipe: Transformer Engine's format ("hybrid"), or torchao's ("tensorwise")
+    fp8_backend: str = "te"  # what runs it: te | torchao (`model/float8_linears.py`)
     recompute_granularity: str | None = None  # None | "selective" (core attention) | "full" (whole layers)
     recompute_method: str = "uniform"  # full recomputation: "uniform" or "block"
     recompute_num_layers: int = 1

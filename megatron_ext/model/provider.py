@@ -105,7 +105,7 @@ def language_transformer_config(t: TextArch, family: TextHooks, opts: ModelOptio
 
     rope_kernels.install()  # before the configs: they check that fused RoPE entry points exist
     ex = opts.execution
-    fp8 = dict(fp8=ex.fp8, fp8_recipe="delayed") if ex.fp8 else {}
+    fp8 = dict(fp8=ex.fp8, fp8_recipe="delayed") if ex.fp8 and ex.fp8_backend == "te" else {}
     return TransformerConfig(
         **_common(opts, backend, tp, t.init_std),
         **fp8,

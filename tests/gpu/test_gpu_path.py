@@ -11,6 +11,7 @@ Engine is missing. On a GPU machine: `bash scripts/gpu_check.sh`."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -30,6 +31,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 needs_te = pytest.mark.skipif(not te_available(), reason="needs Transformer Engine with CUDA "
                               "(pip install 'megatron-ext[gpu]'); it cannot be built without CUDA")
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                                   reason="needs torchao (pip install 'megatron-ext[fp8]')")
 RUNS = [pytest.param("rehearsal", id="rehearsal"), pytest.param("cuda", marks=needs_cuda, id="cuda")]
 WORKER_RUNS = RUNS + [pytest.param("cuda-tp2", marks=needs_two_gpus, id="cuda-tp2")]
 pytestmark = pytest.mark.gpu
@@ -83,8 +86,10 @@ TRAINING_OPTIONS = [
     dict(attention_backend="sdpa", gradient_accumulation_fusion=True, fused_adam=True),
     pytest.param(dict(attention_backend="te"), marks=needs_te),
     pytest.param(dict(attention_backend="te", fp8=True), marks=needs_te),
+    # FP8 without TE: torchao's float8 linears in the language model (model/float8_linears.py).
+    pytest.param(dict(attention_backend="sdpa", fp8=True, fp8_backend="torchao"), marks=needs_torchao),
 ]
-TRAINING_IDS = ["sdpa-bf16", "sdpa-bf16-wgrad-fusion-fused-adam", "te-bf16", "te-fp8"]
+TRAINING_IDS = ["sdpa-bf16", "sdpa-bf16-wgrad-fusion-fused-adam", "te-bf16", "te-fp8", "sdpa-fp8-torchao"]
 
 
 def _three_steps_ran(save: Path) -> None:

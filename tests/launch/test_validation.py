@@ -94,6 +94,20 @@ CASES = {
     "evaluation on start without evaluations": (["--", "--eval-on-start"], 0, "--eval-on-start needs --eval-interval"),
     "fused adam for sgd": (["--", "--fused-adam", "--optimizer", "sgd"], 0,
                            "--fused-adam fuses AdamW's update; it does nothing for --optimizer sgd: drop it"),
+    "torchao's fp8 backend without --fp8": (["--fp8-backend", "torchao"], 0,
+                                            "--fp8-backend torchao chooses what runs --fp8: add --fp8"),
+    "torchao's fp8 in TE's layers": (["--sif-path", "SIF", "--fp8", "--fp8-backend", "torchao", "--", "--attention-backend",
+                                      "te"], 1,
+                                     "--fp8-backend torchao runs in megatron-core's local layers, not Transformer "
+                                     "Engine's: use --attention-backend sdpa (or local), or --fp8-backend te"),
+    "torchao's fp8 at tp 2": (["-g", "2", "--tp", "2", "--fp8", "--fp8-backend", "torchao"], 0,
+                              "--fp8-backend torchao runs at --tp 1 so far (got --tp 2)"),
+    "torchao's fp8 with fused weight gradients": (["--fp8", "--fp8-backend", "torchao", "--",
+                                                   "--gradient-accumulation-fusion"], 0,
+                                                  "drop --gradient-accumulation-fusion"),
+    "torchao's fp8 with a frozen language model": (["--fp8", "--fp8-backend", "torchao", "--stage", "1"], 0,
+                                                   "this run trains none (stage 1, --freeze-lm or --lora-rank): drop "
+                                                   "--fp8"),
 }
 
 

@@ -109,7 +109,13 @@ def _is_read(func, args, kwargs) -> bool:
 
 
 def place(t: torch.Tensor) -> str | None:
-    return getattr(t, _PLACE, None)
+    where = getattr(t, _PLACE, None)
+    if where is None and isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, torch.nn.Parameter):
+        # A wrapper subclass (torchao's float8 tensors) is made with its data's `.device`, which reads cuda:0
+        # for a device tensor here: its own device says where its data is.
+        with torch._C.DisableTorchFunction():
+            return DEVICE if t.device.type == "cuda" else None
+    return where
 
 
 def mark(t: torch.Tensor, where: str | None) -> torch.Tensor:

@@ -41,6 +41,9 @@ def test_defaults_follow_the_backend_and_layout():
     fp8 = _resolve(te=True, fp8=True)
     assert (fp8.alignment.total, fp8.model.fp8) == (16, "hybrid")
     assert _resolve(te=True).model.fp8 is None
+    torchao = _resolve(fp8=True, fp8_backend="torchao").model
+    assert (torchao.fp8, torchao.fp8_backend, torchao.gradient_accumulation_fusion) == ("tensorwise", "torchao", False)
+    assert _resolve(fp8=True, fp8_backend="torchao").alignment.total == 16  # float8 GEMMs take multiples of 16 rows
 
 
 def test_layers_compile_by_default_on_a_gpu_where_torch_compile_can_take_them():
@@ -70,7 +73,7 @@ def test_gradient_accumulation_fusion_on_gpu_where_a_kernel_exists(monkeypatch, 
 
 def test_summary_is_flat_as_checkpoints_store_it():
     summary = _resolve(world=2, attention_backend="local", dist_optim=True).summary()
-    assert summary == {"attention_backend": "local", "sequence_parallel": False, "cp": 1, "fp8": None,
+    assert summary == {"attention_backend": "local", "sequence_parallel": False, "cp": 1, "fp8": None, "fp8_backend": "te",
                        "recompute_granularity": "selective", "recompute_method": "uniform", "recompute_num_layers": 1,
                        "gradient_accumulation_fusion": False, "logits_where_loss": True, "compile_layers": False,
                        "vision_attention": "sdpa",
@@ -113,12 +116,22 @@ REFUSED = {
     "generation under sp": (dict(world=2, tp=2, te=True, sequence_parallel=True, eval_interval=5, eval_generate_samples=2),
                             "--eval-generate-samples generates answers"),
     "recompute layers": (dict(recompute_num_layers=0), "--recompute-num-layers must be >= 1"),
+    "torchao's fp8 without torchao": (dict(fp8=True, fp8_backend="torchao", without="torchao"),
+                                      "--fp8-backend torchao needs torchao: pip install 'megatron-ext[fp8]'"),
+    "torchao's fp8 in TE's layers": (dict(fp8=True, fp8_backend="torchao", te=True),
+                                     "--fp8-backend torchao runs in megatron-core's local layers"),
+    "torchao's fp8 with a LoRA": (dict(fp8=True, fp8_backend="torchao", lora_rank=8),
+                                  "this run trains none (stage 1, --freeze-lm or --lora-rank): drop --fp8"),
 }
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
-def test_refused_in_one_line_naming_the_flag(name):
+def test_refused_in_one_line_naming_the_flag(monkeypatch, name):
     options, message = REFUSED[name]
+    options = dict(options)
+    if missing := options.pop("without", None):
+        find_spec = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda module: None if module == missing else find_spec(module))
     with pytest.raises(UserError) as info:
         _resolve(**options)
     assert message in str(info.value) and "\n" not in str(info.value)

@@ -8,6 +8,7 @@ the error NCCL gives)."""
 from __future__ import annotations
 
 import collections
+import importlib.util
 import json
 import math
 
@@ -181,18 +182,22 @@ def megatron_clip_4_layers(tmp_path_factory, tiny_hf) -> str:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("levers", [False, True], ids=["defaults", "wgrad-fusion-fused-adam"])
+@pytest.mark.parametrize("levers", [dict(tp=2), dict(tp=2, gradient_accumulation_fusion=True, fused_adam=True),
+                                    pytest.param(dict(tp=1, fp8=True, fp8_backend="torchao"), marks=pytest.mark.skipif(
+                                        importlib.util.find_spec("torchao") is None, reason="needs torchao"))],
+                         ids=["defaults", "wgrad-fusion-fused-adam", "fp8-torchao"])
 def test_the_sync_ledger_allows_named_reads_and_none_per_layer(tmp_path, megatron_clip, megatron_clip_4_layers,
                                                                train_data, levers):
     """At TP2 (rank 0's ledger), so that megatron-core's tensor-parallel layers, vocab-parallel cross
-    entropy and their backward run under it too; also with the opt-in levers of a plain install."""
+    entropy and their backward run under it too; also with the opt-in levers of a plain install, and
+    torchao's float8 linears (at TP1, where they run): their scales stay on the device."""
     reads = {}
     for layers, checkpoint in ((2, megatron_clip), (4, megatron_clip_4_layers)):
         # No checkpoint: saving reads every tensor back, as it must.
         args = trainer_args(checkpoint, train_data, tmp_path / f"run{layers}", global_batch_size=4, train_iters=2,
                             packing_seq_length=128, dtype="bfloat16", attention_backend="sdpa", micro_batch_size=1,
-                            log_interval=2, save=False, tp=2, gradient_accumulation_fusion=levers, fused_adam=levers)
-        _, counts = rehearse(tmp_path, "scripts/train/pretrain_llava.py", *args, nproc=2)
+                            log_interval=2, save=False, **levers)
+        _, counts = rehearse(tmp_path, "scripts/train/pretrain_llava.py", *args, nproc=levers["tp"])
         reads[layers] = counts["reads"]
     # RoPE over packed rows, attention, tiles: nothing per layer (megatron-core's unfused THD RoPE read
     # cu_seqlens back twice in every layer).
