@@ -7,10 +7,11 @@ encoder), `train/` (the trainer), `launch/` (torchrun / Singularity / SLURM comm
 `eval/` (generation, chat, evaluation).
 """
 
-from megatron_ext.compat import fallback_notice, quick_exit, releases
+from megatron_ext.compat import fallback_notice, quick_exit, releases, torchao_notes
 
 __version__ = "0.1.0"
 
 releases.quiet_import()
 quick_exit.install()
 fallback_notice.install()
+torchao_notes.install()

@@ -15,9 +15,6 @@ with Transformer Engine's recipe.
 
 from __future__ import annotations
 
-import contextlib
-import logging
-
 import torch
 
 from megatron_ext.errors import UserError
@@ -42,8 +39,7 @@ def attach(weights: list[tuple[str, torch.nn.Parameter]]) -> None:
     """Each named [out, in] weight gets its twin. UserError where torchao is missing or a weight's sizes
     are not multiples of 16 (float8 GEMMs need them)."""
     try:
-        with _quiet_import():
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         raise UserError(TORCHAO_MISSING) from None
     twins = torch.nn.ModuleList()
@@ -59,22 +55,6 @@ def attach(weights: list[tuple[str, torch.nn.Parameter]]) -> None:
     convert_to_float8_training(twins, config=Float8LinearConfig.from_recipe_name("tensorwise"))
     for (_, weight), twin in zip(weights, twins):
         setattr(weight, TWIN, twin)
-
-
-@contextlib.contextmanager
-def _quiet_import():
-    """torchao's import logs, on every rank, each of its C++ extensions it cannot load for this torch (mx
-    formats, CUTLASS kernels: float8 training uses none) and torch's deprecation notice of its enum
-    registration: noise, kept below ERROR while it imports."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
 
 
 def linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
