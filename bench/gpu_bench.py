@@ -255,7 +255,7 @@ def run_hf(preset_name: str, iters: int, warmup: int, peak_tflops: float, micro_
     """transformers' LlavaForConditionalGeneration on the same samples, trained as its Trainer with
     bf16=True trains (fp32 weights, autocast), sdpa attention, fused AdamW on a GPU; stage 2 (the
     tower frozen). `packing`: the packs ours trains, one row each with position ids (else padded
-    micro batches of `micro_batch_size`); `liger`: Liger-Kernel's kernels (None: where installed)."""
+    micro batches of `micro_batch_size`); `liger`: Liger-Kernel's kernels (None: on a GPU where installed)."""
     import torch
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
