@@ -493,7 +493,8 @@ gradient_accumulation_fusion_option = click.option(
               "scores would not fit, else none).")
 @click.option("--seq-length", type=int, default=None,
               help="Pack to this many positions instead of the preset's (4096 for 1b).")
-@click.option("--fp8", is_flag=True, help="FP8 in the language model (--fp8-backend: te, with --attention-backend te, or torchao).")
+@click.option("--fp8", is_flag=True,
+              help="FP8 in the language model (--fp8-backend: te, with --attention-backend te, or torchao).")
 @click.option("--fp8-backend", type=click.Choice(["te", "torchao"]), default="te", show_default=True)
 @click.option("--iters", type=int, default=10, show_default=True, help="Timed optimizer steps.")
 @click.option("--warmup", type=int, default=3, show_default=True, help="Untimed steps first.")
@@ -515,8 +516,8 @@ gradient_accumulation_fusion_option = click.option(
               "--fused-adam).")
 @click.option("--vision-per-micro-batch", is_flag=True, help="Run the frozen vision tower per micro batch, as "
               "before it ran once per step over all the step's images (for an A/B).")
-def main(preset, attention_backend, packing, recompute_granularity, seq_length, fp8, fp8_backend, iters, warmup, peak_tflops,
-         run_sweep,
+def main(preset, attention_backend, packing, recompute_granularity, seq_length, fp8, fp8_backend, iters, warmup,
+         peak_tflops, run_sweep,
          logits_where_loss, hf, hf_micro_batch_size, liger, host_reads, compile_layers, gradient_accumulation_fusion,
          fused_adam, vision_per_micro_batch):
     os.environ.setdefault("OMP_NUM_THREADS", "1")

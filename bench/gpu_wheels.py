@@ -75,8 +75,8 @@ def download(name: str, version: str, dest: Path) -> None:
 @click.option("--skip", multiple=True, default=SKIPPED, show_default=True,
               help="Requirements the GPU runs never import, left behind with what only they need.")
 @click.option("--extra", "extras", multiple=True, metavar="NAME",
-              help="Also the root's optional dependencies NAME (e.g. liger: bench/gpu_bench.py --hf with Liger-Kernel); "
-                   "install them here first.")
+              help="Also the root's optional dependencies NAME (e.g. liger: bench/gpu_bench.py --hf with "
+                   "Liger-Kernel); install them here first.")
 @click.option("--pin", multiple=True, metavar="NAME==VERSION",
               help="Fetch this version instead of the installed one (e.g. megatron-core==0.16.1, the release the "
                    "first leases ran).")

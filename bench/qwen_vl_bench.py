@@ -16,10 +16,10 @@ DDP, Adam and `train.step.train_step`. `--hf` runs transformers' model on the sa
 Trainer with bf16=True would (fp32 weights, autocast, sdpa, fused AdamW on a GPU), in the same packs
 without padding (position ids: text positions above each sample's mRoPE ones, as transformers'
 padding-free training takes them; `--no-packing`: padded micro batches of `--hf-micro-batch-size`),
-with Liger-Kernel's kernels on a GPU where installed (`--liger`). FLOPs are the trainer's count (`train.flops.iteration_flops`: the
-decoder 3x, the frozen tower's blocks 1x, its mergers 3x; logits where they are computed: ours only
-where a loss is taken, transformers' at every position), so compare tokens/s: sample tokens fed per
-second, padding not counted.
+with Liger-Kernel's kernels on a GPU where installed (`--liger`). FLOPs are the trainer's count
+(`train.flops.iteration_flops`: the decoder 3x, the frozen tower's blocks 1x, its mergers 3x; logits
+where they are computed: ours only where a loss is taken, transformers' at every position), so compare
+tokens/s: sample tokens fed per second, padding not counted.
 The last line printed is a JSON object.
 """
 
@@ -266,7 +266,8 @@ def run_hf(name: str, iters: int, warmup: int, peak_tflops: float, seq_length: i
     return _result(name, "transformers", seconds, iters, flops, fed, peak_tflops, losses,
                    sum(p.numel() for p in model.parameters()), attention_backend="sdpa", packing=packing, liger=liger,
                    micro_batch_size=1 if packing else micro_batch_size,
-                   micro_batches_per_step=round(sum(len(b) for b in batched[warmup:]) / iters, 2), dtype="bfloat16 autocast" if on_gpu else "float32")
+                   micro_batches_per_step=round(sum(len(b) for b in batched[warmup:]) / iters, 2),
+                   dtype="bfloat16 autocast" if on_gpu else "float32")
 
 
 def _tiny_tokenizer(directory: str) -> None:
