@@ -105,12 +105,13 @@ class LoraLinear(torch.nn.Module):
         h = self.lora_a(self.dropout(x))
         if self.kind == "column":
             # Every rank's B shard needs the whole rank-r activation; the backward sums their
-            # contributions to it (the base layer does the same for its input).
-            h = (mappings.gather_from_sequence_parallel_region(h) if self.sequence_parallel
-                 else mappings.copy_to_tensor_model_parallel_region(h))
+            # contributions to it (the base layer does the same for its input). The group is passed:
+            # looked up from None, megatron-core warns, which breaks a compiled layer's graph.
+            h = (mappings.gather_from_sequence_parallel_region(h, group=self.tp_group) if self.sequence_parallel
+                 else mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group))
         else:
-            h = (mappings.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
-                 else mappings.reduce_from_tensor_model_parallel_region(h))
+            h = (mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group) if self.sequence_parallel
+                 else mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
         return self.lora_b(h) * self.scaling
 
     def forward(self, x, *args, **kwargs):

@@ -43,6 +43,12 @@ def _traceable_tp_group_lookup() -> None:
     _TRACEABLE = True
 
 
+def _tensor_parallel() -> bool:
+    from megatron.core import parallel_state
+
+    return parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_world_size() > 1
+
+
 def compile_layers(model: torch.nn.Module, gradient_accumulation_fusion: bool = False) -> int:
     """Compile every megatron-core TransformerLayer of `model` in place; how many there are. With
     `gradient_accumulation_fusion`, its linear layers run `compiled_linear`'s traceable form of it."""
@@ -51,7 +57,7 @@ def compile_layers(model: torch.nn.Module, gradient_accumulation_fusion: bool = 
     from megatron_ext.model import attention, compiled_linear
 
     _traceable_tp_group_lookup()
-    if gradient_accumulation_fusion:
+    if gradient_accumulation_fusion or _tensor_parallel():
         compiled_linear.use()
     attention.prepare_for_compile()
     # Every layer (tower and language model) shares TransformerLayer.forward's code and so its recompile limit:

@@ -1,5 +1,6 @@
-"""model/compiled_linear.py: megatron-core's linear with gradient accumulation fusion as one traceable
-autograd function. Training with it, compiled: tests/train/test_compiled_layers.py."""
+"""model/compiled_linear.py: megatron-core's linear with gradient accumulation fusion and the input
+gradient's all-reduce as one traceable autograd function. Training with it, compiled, at TP 1 and 2:
+tests/train/test_compiled_layers.py."""
 
 from __future__ import annotations
 
@@ -77,12 +78,16 @@ def test_it_compiles_whole_with_main_grads_that_are_views_of_one_bucket():
     assert torch.allclose(second.main_grad, reference[1].grad, rtol=1e-5, atol=1e-5)
 
 
-def test_calls_that_communicate_go_to_megatron_cores_own_function(monkeypatch):
+def test_sequence_parallel_deferred_and_plain_calls_go_to_megatron_cores_own_function(monkeypatch):
+    """What this module takes: fused accumulation, and the input gradient's all-reduce at TP > 1 (trained
+    at TP 2 in tests/train/test_compiled_layers.py)."""
     calls = []
     monkeypatch.setattr(compiled_linear, "_ORIGINAL", lambda *args, **kwargs: calls.append(args) or "megatron-core's")
     weight = _weight(3, 2)
-    for allreduce_dgrad, sequence_parallel, buffer in ((True, False, None), (False, True, None), (False, False, [])):
-        assert compiled_linear.linear(torch.randn(2, 2), weight, None, True, allreduce_dgrad, sequence_parallel,
+    for fused, allreduce_dgrad, sequence_parallel, buffer in ((True, False, True, None), (True, False, False, []),
+                                                              (False, True, False, []), (False, False, False, None)):
+        assert compiled_linear.linear(torch.randn(2, 2), weight, None, fused, allreduce_dgrad, sequence_parallel,
                                       buffer) == "megatron-core's"
-    assert compiled_linear.linear(torch.randn(2, 2), weight, None, False, False, False) == "megatron-core's"
-    assert len(calls) == 4 and not weight.grad_added_to_main_grad
+    sharded = compiled_linear.linear(torch.randn(2, 2), weight, None, True, True, False, gtp_remat_size=2)
+    assert sharded == "megatron-core's"
+    assert len(calls) == 5 and not weight.grad_added_to_main_grad

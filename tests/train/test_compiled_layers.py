@@ -1,8 +1,8 @@
 """--compile-layers: every transformer layer compiled by torch.compile trains like the eager layers
 (fp32, CPU) and compiles whole: the trainer says what torch.compile left uncompiled (a graph broken, a
 frame given up after too many recompilations), and here it says nothing. With
---gradient-accumulation-fusion too (`model/compiled_linear.py`: megatron-core's own linear would break
-every layer's graph)."""
+--gradient-accumulation-fusion too, and at --tp 2 (`model/compiled_linear.py`: megatron-core's own linear
+would break every layer's graph)."""
 
 from __future__ import annotations
 
@@ -16,23 +16,26 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 FP8 = {"fp8": True, "fp8_backend": "torchao"}
 
 
-@pytest.mark.parametrize("pp,compiled_only,both,rel", [(1, {}, {}, 1e-5), (2, {}, {}, 1e-5),
-                                                       (1, {"gradient_accumulation_fusion": True}, {}, 1e-5),
-                                                       (1, {}, FP8, 1e-3)],
-                         ids=["pp1", "pp2", "pp1-wgrad-fusion", "pp1-fp8-torchao"])
-def test_compiled_layers_train_like_eager_ones_and_break_no_graph(tmp_path, megatron_clip, train_data, pp,
+@pytest.mark.parametrize("tp,pp,compiled_only,both,rel", [
+    (1, 1, {}, {}, 1e-5), (1, 2, {}, {}, 1e-5), (2, 1, {}, {}, 1e-5),
+    (1, 1, {"gradient_accumulation_fusion": True}, {}, 1e-5), (2, 1, {"gradient_accumulation_fusion": True}, {}, 1e-5),
+    (2, 1, {}, {"lora_rank": 4}, 1e-5), (1, 1, {}, FP8, 1e-3)],
+    ids=["pp1", "pp2", "tp2", "pp1-wgrad-fusion", "tp2-wgrad-fusion", "tp2-lora", "pp1-fp8-torchao"])
+def test_compiled_layers_train_like_eager_ones_and_break_no_graph(tmp_path, megatron_clip, train_data, tp, pp,
                                                                   compiled_only, both, rel):
-    """At PP 1 and 2 (--tp > 1 is refused: tensor-parallel layers all-reduce asynchronously in backward);
-    the fused weight gradients against the eager layers' plain ones; torchao's float8 linears compiled
-    and eager (their scales rounded to float8 as inductor fuses them: within 1e-3)."""
-    if both:
+    """At PP 1 and 2; at TP 2, where the column-parallel linears all-reduce their input gradients
+    (`model/compiled_linear.py`: megatron-core's asynchronous all-reduce would break every layer's graph),
+    with LoRA's adapters too (their own tensor-parallel regions); the fused weight gradients against the
+    eager layers' plain ones; torchao's float8 linears compiled and eager (their scales rounded to float8
+    as inductor fuses them: within 1e-3)."""
+    if both.get("fp8"):
         pytest.importorskip("torchao", reason="needs torchao (pip install 'megatron-ext[fp8]')")
     runs = {}
     for compiled in (False, True):
         save = tmp_path / f"compiled-{compiled}"
-        result = train(pp, *trainer_args(megatron_clip, train_data, save, pp=pp, seq_length=192, packing_seq_length=192,
-                                         log_interval=1, compile_layers=compiled, **both,
-                                         **(compiled_only if compiled else {})), timeout=800)
+        result = train(tp * pp, *trainer_args(megatron_clip, train_data, save, tp=tp, pp=pp, seq_length=192,
+                                              packing_seq_length=192, log_interval=1, compile_layers=compiled, **both,
+                                              **(compiled_only if compiled else {})), timeout=800)
         runs[compiled] = metrics(save), result.stdout + result.stderr
     (eager, _), (compiled, output) = runs[False], runs[True]
     assert "--compile-layers: torch.compile left" not in output, output[-3000:]

@@ -63,11 +63,11 @@ def _assert_steps_equal(run: dict, reference: dict) -> None:
 # Qwen3-VL only: its decoder is Qwen2.5-VL's plus the DeepStack hooks, which run inside the compiled
 # first layers (a second family's run costs 35 s and compiles the same layer code).
 # Also with the decoder's linears adding their weight gradients into the fp32 buffer in a traceable
-# form (model/compiled_linear.py).
+# form (model/compiled_linear.py), and at TP2, where the same module traces the input gradients' all-reduce.
 @pytest.mark.parametrize("tiny", ["qwen3_vl"], indirect=True)
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "wgrad-fusion"])
-def test_compiled_layers_train_like_eager_ones_and_break_no_graph(tmp_path, tiny, train_data, tp1_run, fused):
-    compiled, output = _train(tmp_path / "compiled", tiny, train_data, compile_layers=True,
+@pytest.mark.parametrize("tp, fused", [(1, False), (1, True), (2, False)], ids=["plain", "wgrad-fusion", "tp2"])
+def test_compiled_layers_train_like_eager_ones_and_break_no_graph(tmp_path, tiny, train_data, tp1_run, tp, fused):
+    compiled, output = _train(tmp_path / "compiled", tiny, train_data, tp, tp=tp, compile_layers=True,
                               gradient_accumulation_fusion=fused)
     assert "--compile-layers: torch.compile left" not in output, output[-3000:]
     _assert_steps_equal(compiled, tp1_run)
