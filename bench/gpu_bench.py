@@ -473,7 +473,7 @@ def sweep(argv: list[str]) -> dict:
 compile_layers_option = click.option(
     "--compile-layers/--no-compile-layers", default=None,
     help="Each transformer layer compiled with torch.compile or eager (default: the trainer's: compiled on a GPU at "
-         "TP 1 without TE).")
+         "TP 1 with sdpa).")
 liger_option = click.option(
     "--liger/--no-liger", default=None, help="With --hf: Liger-Kernel's kernels patched into transformers' model, as "
     "its Trainer's use_liger_kernel=True patches them (default: on a GPU where liger-kernel is installed).")

@@ -156,10 +156,14 @@ def _compile_layers(config: TrainConfig, backend: str, on_gpu: bool) -> bool:
     if config.compile_layers is None:
         # Measured on an H200 without TE (docs/gpu.md): the eager step waits on megatron-core's Python. At
         # --tp > 1 (the all-reduce traced by `compiled_linear`) not measured yet: compiled when asked for.
-        return on_gpu and backend != "te" and config.tp == 1
+        return on_gpu and backend == "sdpa" and config.tp == 1
     if config.compile_layers and backend == "te":
         # Transformer Engine's layers are fused kernels already, and torch.compile does not trace them.
-        raise UserError("--compile-layers compiles torch layers: use --attention-backend sdpa (or local), or drop it")
+        raise UserError("--compile-layers compiles torch layers: use --attention-backend sdpa, or drop it")
+    if config.compile_layers and backend == "local":
+        raise UserError("--compile-layers traces --attention-backend sdpa's layers whole; megatron-core's reference "
+                        "attention (local) switches RNG states in every layer, where torch.compile breaks the graph: "
+                        "use --attention-backend sdpa, or drop it")
     return config.compile_layers
 
 

@@ -79,9 +79,9 @@ class TrainConfig:
     compile_layers: bool | None = opt(None, "Compile each transformer layer (language model and vision tower) "
                                             "with torch.compile: fused elementwise kernels and less Python per layer; "
                                             "the first steps are slower while it compiles (default: on with a CUDA GPU "
-                                            "at --tp 1 without Transformer Engine's layers, 1.6x the eager step on an "
-                                            "H200; docs/gpu.md; at --tp > 1 only when asked for, not measured yet). Not with "
-                                            "--attention-backend te.")
+                                            "and --attention-backend sdpa at --tp 1, 1.6x the eager step on an H200; "
+                                            "docs/gpu.md; at --tp > 1 only when asked for, not measured yet). Only "
+                                            "with --attention-backend sdpa.")
     gradient_accumulation_fusion: bool | None = opt(None, "Add each weight gradient into the fp32 gradient buffer "
                                                           "within its GEMM (megatron-core's gradient accumulation "
                                                           "fusion): no bf16 gradient and no separate add per matrix "

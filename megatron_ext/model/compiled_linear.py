@@ -85,7 +85,7 @@ def linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, s
                          grad_output_buffer, wgrad_deferral_limit, *args, **kwargs)
     from megatron.core.tensor_parallel import layers
 
-    group = layers.get_tensor_model_parallel_group_if_none(kwargs.get("tp_group"))
+    group = layers.get_tensor_model_parallel_group_if_none(kwargs.get("tp_group")) if allreduce_dgrad else None
     if fused:
         weight.grad_added_to_main_grad = True
     return _TraceableLinear.apply(input, weight, bias, weight.main_grad if fused else None,
