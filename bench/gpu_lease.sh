@@ -38,7 +38,7 @@ step bench-hf 70 "$python" bench/gpu_bench.py --hf --iters 3 --warmup 2
 step bench-eager 70 "$python" bench/gpu_bench.py --no-compile-layers --iters 3 --warmup 2
 step qwen 120 "$python" bench/qwen_vl_bench.py --iters 3 --warmup 2
 step qwen-hf 90 "$python" bench/qwen_vl_bench.py --hf --iters 3 --warmup 2
-step tower-attention 90 "$python" bench/tower_attention_bench.py --iters 3
+step tower-attention 120 "$python" bench/tower_attention_bench.py --iters 3
 step bench-16k 100 "$python" bench/gpu_bench.py --seq-length 16384 --iters 3 --warmup 4
 step bench-hf-padded 60 "$python" bench/gpu_bench.py --hf --no-packing --no-liger --iters 3 --warmup 2
 step gpu-tests 300 "$python" -m pytest -q -m gpu tests/gpu -k "not rehearsal" -n 4 -p no:cacheprovider

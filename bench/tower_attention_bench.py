@@ -1,6 +1,7 @@
 """A Qwen-VL vision tower's step under each --vision-attention (`model/tower_attention.py`), side by
 side in one process: transformers' sdpa (one call per image, and per window in Qwen2.5-VL's windowed
-layers) against varlen (one call per layer).
+layers) against varlen (one call per layer), then varlen with the blocks compiled as --compile-layers
+compiles them.
 
     python bench/tower_attention_bench.py                  # the published 7B/8B towers, bf16, one GPU
     python bench/tower_attention_bench.py --preset tiny    # the tests' tiny towers on the CPU (CI)
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.gpu_bench import _synchronize  # noqa: E402
 from bench.inputs_bench import median_us  # noqa: E402
 from bench.tower_inputs_bench import MODELS  # noqa: E402
+from megatron_ext.model.tower_attention import compilable_blocks  # noqa: E402
 
 # (T, H, W) in patches per image or video. 1008 x 1008 px is 72 x 72 patches of 14 px: 81 of Qwen2.5-VL's
 # windows (112 px) each; the same counts stand for both families. Fewer than tower_inputs_bench's
@@ -34,6 +36,9 @@ BATCHES = {"4 images of 72 x 72 patches": [[1, 72, 72]] * 4,
            "a video of 16 x 32 x 32 patches": [[16, 32, 32]]}
 # The tiny preset's: tests/model/test_tower_inputs.py's grids, and many small images.
 TINY_BATCHES = {"3 odd images and a video": [[1, 6, 10], [1, 4, 2], [2, 8, 6]], "16 images of 8 x 8": [[1, 8, 8]] * 16}
+# Each row's name -> its --vision-attention; the compiled row's blocks as --compile-layers compiles them.
+COMPILED = "varlen, compiled blocks"
+ROWS = {"sdpa": "sdpa", "varlen": "varlen", COMPILED: "varlen"}
 
 
 def tower(family_name: str, preset: str, device: torch.device, dtype: torch.dtype):
@@ -103,16 +108,23 @@ def main(preset: str, iters: int):
     rows = []
     for family_name in MODELS:
         module, compute = tower(family_name, preset, device, dtype)
+        inputs = {}
         for name, grids in batches.items():
             grid = torch.tensor(grids)
-            pixels = pixels_of(module, grid, device, dtype)
-            results = {attention: measure(module, compute, grid, pixels, attention, iters)
-                       for attention in ("sdpa", "varlen")}
-            reference = results["sdpa"]["features"]
-            for attention, result in results.items():
-                difference = (result.pop("features") - reference).norm() / reference.norm()
-                rows.append({"family": family_name, "batch": name, "attention": attention,
-                             "relative_difference": float(difference), **result})
+            inputs[name] = grid, pixels_of(module, grid, device, dtype)
+        results = {}
+        for attention in ROWS:
+            if attention == COMPILED:  # as --compile-layers compiles them; in place, so the last row
+                for block in compilable_blocks(module):
+                    block.compile(dynamic=True)
+            for name, (grid, pixels) in inputs.items():
+                results[name, attention] = measure(module, compute, grid, pixels, ROWS[attention], iters)
+        references = {name: results[name, "sdpa"]["features"] for name in inputs}
+        for (name, attention), result in results.items():
+            reference = references[name]
+            difference = (result.pop("features") - reference).norm() / reference.norm()
+            rows.append({"family": family_name, "batch": name, "attention": attention,
+                         "relative_difference": float(difference), **result})
         del module
     print(f"{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), {dtype}\n")
     print("| family | micro batch | attention | forward ms | forward + backward ms | peak GiB | vs sdpa |")

@@ -166,8 +166,9 @@ class TrainConfig:
     vision_attention: str = opt("sdpa", "Native-resolution models: the vision tower's attention. sdpa: transformers' "
                                         "own, one call per image (and per window in Qwen2.5-VL's windowed layers); "
                                         "varlen: one call per layer over all of them, torch's flash kernel on a GPU in "
-                                        "bf16/fp16 (one masked SDPA call elsewhere). Equal features; the default stays "
-                                        "sdpa until a GPU measures both (BENCHMARKS.md).",
+                                        "bf16/fp16 (one masked SDPA call elsewhere), and blocks --compile-layers "
+                                        "compiles. Equal features; the default stays sdpa until a GPU measures "
+                                        "both (BENCHMARKS.md).",
                                 choices=["sdpa", "varlen"])
     num_workers: int = opt(2, "Data loader worker processes per rank.")
     lang: str = opt("en", "Main language; selects the default chat template.", choices=["en", "ja", "jp"])

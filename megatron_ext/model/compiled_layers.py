@@ -1,7 +1,8 @@
 """Each transformer layer (language model and vision tower) compiled with torch.compile
 (`--compile-layers`): without Transformer Engine a layer is some 50 small kernels in forward and 60
 in backward, each launched from megatron-core's Python, and the step waits for the host; compiled,
-its elementwise work is fused and its Python runs once per graph.
+its elementwise work is fused and its Python runs once per graph. A native-resolution tower's blocks
+(transformers' modules) are compiled where they attend through varlen (`tower_attention.compilable_blocks`).
 
 Dynamic shapes, so packed micro batches of any length reuse one graph. megatron-core's layer
 traces whole once one lookup is made traceable: its row-parallel linear asks for the default
@@ -12,10 +13,12 @@ cannot trace: a graph break in every layer); other warnings inside a layer are m
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
 
+log = logging.getLogger(__name__)
 _TRACEABLE = False
 
 
@@ -50,11 +53,12 @@ def _tensor_parallel() -> bool:
 
 
 def compile_layers(model: torch.nn.Module, gradient_accumulation_fusion: bool = False) -> int:
-    """Compile every megatron-core TransformerLayer of `model` in place; how many there are. With
-    `gradient_accumulation_fusion`, its linear layers run `compiled_linear`'s traceable form of it."""
+    """Compile every megatron-core TransformerLayer of `model` in place, and the tower blocks torch.compile
+    traces whole; how many there are. With `gradient_accumulation_fusion`, its linear layers run
+    `compiled_linear`'s traceable form of it."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from megatron_ext.model import attention, compiled_linear
+    from megatron_ext.model import attention, compiled_linear, tower_attention
 
     _traceable_tp_group_lookup()
     if gradient_accumulation_fusion or _tensor_parallel():
@@ -64,9 +68,12 @@ def compile_layers(model: torch.nn.Module, gradient_accumulation_fusion: bool = 
     # graphs with and without grad (a frozen tower), and per range of lengths that inductor picks kernels for.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     layers = [module for module in model.modules() if isinstance(module, TransformerLayer)]
-    for layer in layers:
+    blocks = tower_attention.compilable_blocks(model)
+    for layer in layers + blocks:
         layer.compile(dynamic=True)
-    return len(layers)
+    log.info("--compile-layers: %d megatron-core layers and %d blocks of a transformers vision tower", len(layers),
+             len(blocks))
+    return len(layers) + len(blocks)
 
 
 def compile_problems() -> list[str]:

@@ -48,3 +48,12 @@ def use(tower: torch.nn.Module, attention: str) -> torch.nn.Module:
     elif attention != "sdpa":
         raise ValueError(f"vision attention {attention!r} is not one of {CHOICES}")
     return tower
+
+
+def compilable_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of each tower in `model` that attends through VARLEN, which torch.compile traces whole; under
+    transformers' sdpa a block splits q, k and v by image at lengths it reads from the data, where
+    torch.compile breaks the block's graph."""
+    return [block for module in model.modules() if hasattr(module, "blocks")
+            and getattr(getattr(module, "config", None), "_attn_implementation", None) == VARLEN
+            for block in module.blocks]

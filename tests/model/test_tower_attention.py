@@ -73,3 +73,42 @@ def test_an_unknown_vision_attention_is_refused():
     with pytest.raises(ValueError, match="'flash' is not one of"):
         tower_attention.use(tower, "flash")
     assert tower_attention.use(tower, "sdpa").config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("vision", tower_attention.CHOICES)
+def test_compiled_layers_take_a_towers_blocks_where_they_attend_through_varlen(name, vision):
+    """Under sdpa a block splits by image at lengths read from the data (a graph break in each: left eager)."""
+    tower = tower_attention.use(_tower(name)[0], vision)
+    blocks = tower_attention.compilable_blocks(torch.nn.ModuleDict({"vision_model": tower}))
+    assert blocks == (list(tower.blocks) if vision == "varlen" else [])
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compiled_each_tower_block_is_one_graph_on_a_gpus_flash_path(name, monkeypatch):
+    """Each block as `compile_layers` compiles it, called with the arguments the tower gives it (its
+    boundaries and their maxima from the host), on `meta` in bf16: torch's own `varlen_attn` on the
+    GPU's path, whose contract `test_on_a_gpu_each_tower_layer...` checks."""
+    from torch._dynamo.utils import counters
+
+    tower, compute, grid, pixels = _tower(name, torch.bfloat16)
+    tower_attention.use(tower, "varlen")
+    calls = []
+    tower.blocks[0].register_forward_pre_hook(lambda _, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    monkeypatch.setattr(tower_attention, "varlen_serves", lambda t: True)
+    monkeypatch.setattr(attention, "varlen_attn", rehearsed_varlen_attn)
+    features(tower, pixels, grid, **tower_kwargs(compute, grid, lambda t: t, flash=True))
+    monkeypatch.setattr(attention, "varlen_attn", None)  # torch's own, imported as in a fresh process
+    with monkeypatch.context() as cuda:
+        cuda.setattr(torch.cuda, "is_available", lambda: True)  # where prepare_for_compile probes (meta stands in)
+        attention.prepare_for_compile()
+    meta = lambda value: value.to("meta") if isinstance(value, torch.Tensor) else value  # noqa: E731
+    args, kwargs = torch.utils._pytree.tree_map(meta, calls[0])
+    block = tower.blocks[0].to("meta")
+    torch._dynamo.reset()
+    counters.clear()
+    block.compile(dynamic=True, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        out = block(*args, **kwargs)
+    assert out.shape == args[0].shape and out.is_meta
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1

@@ -64,12 +64,18 @@ def _assert_steps_equal(run: dict, reference: dict) -> None:
 # first layers (a second family's run costs 35 s and compiles the same layer code).
 # Also with the decoder's linears adding their weight gradients into the fp32 buffer in a traceable
 # form (model/compiled_linear.py), and at TP2, where the same module traces the input gradients' all-reduce.
+# With --vision-attention varlen the tower's 3 blocks compile too (under sdpa they would break their graphs).
 @pytest.mark.parametrize("tiny", ["qwen3_vl"], indirect=True)
-@pytest.mark.parametrize("tp, fused", [(1, False), (1, True), (2, False)], ids=["plain", "wgrad-fusion", "tp2"])
-def test_compiled_layers_train_like_eager_ones_and_break_no_graph(tmp_path, tiny, train_data, tp1_run, tp, fused):
+@pytest.mark.parametrize("tp, fused, vision", [(1, False, "sdpa"), (1, True, "sdpa"), (2, False, "sdpa"),
+                                               (1, False, "varlen")],
+                         ids=["plain", "wgrad-fusion", "tp2", "varlen-tower"])
+def test_compiled_layers_train_like_eager_ones_and_break_no_graph(tmp_path, tiny, train_data, tp1_run, tp, fused,
+                                                                  vision):
     compiled, output = _train(tmp_path / "compiled", tiny, train_data, tp, tp=tp, compile_layers=True,
-                              gradient_accumulation_fusion=fused)
+                              gradient_accumulation_fusion=fused, vision_attention=vision)
     assert "--compile-layers: torch.compile left" not in output, output[-3000:]
+    blocks = 3 if vision == "varlen" else 0
+    assert f"--compile-layers: 4 megatron-core layers and {blocks} blocks of a transformers vision tower" in output
     _assert_steps_equal(compiled, tp1_run)
 
 
