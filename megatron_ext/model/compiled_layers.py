@@ -85,3 +85,12 @@ def compile_problems() -> list[str]:
     if given_up := counters["frames"]["total"] - counters["frames"]["ok"]:
         problems.append(f"{given_up} frame(s) not compiled (e.g. past torch._dynamo's recompile limit)")
     return problems
+
+
+def compile_failure(error: Exception, layers_compiled: bool) -> str:
+    """One line for a compilation that failed (a missing C compiler, a Triton that cannot build its kernels):
+    what failed, and how to train without it or see torch's whole report."""
+    inner = getattr(error, "inner_exception", error)
+    first = (str(inner).strip().splitlines() or [""])[0]
+    instead = "train with --no-compile-layers for eager layers, or " if layers_compiled else ""
+    return f"torch.compile could not compile ({type(inner).__name__}: {first}); {instead}add --debug for its whole report"

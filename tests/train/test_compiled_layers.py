@@ -43,3 +43,18 @@ def test_compiled_layers_train_like_eager_ones_and_break_no_graph(tmp_path, mega
     for iteration, expected in eager.items():
         assert compiled[iteration]["loss"] == pytest.approx(expected["loss"], rel=rel)
         assert compiled[iteration]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=rel)
+
+
+def test_layers_torch_compile_cannot_build_stop_the_run_in_one_line_naming_the_way_out(tmp_path, megatron_clip,
+                                                                                        train_data):
+    """No working C++ compiler for inductor (on a GPU, a Triton that cannot build its kernels reads the
+    same): not torch's traceback from inside the first step, and --debug for it."""
+    result = train(1, *trainer_args(megatron_clip, train_data, tmp_path / "save", seq_length=192,
+                                    packing_seq_length=192, compile_layers=True),
+                   timeout=800, check=False, env={"CXX": "/bin/false", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: torch.compile could not compile (InvalidCxxCompiler: No working C++ compiler found"), result.stderr
+    assert "train with --no-compile-layers for eager layers, or add --debug for its whole report" in result.stderr
+    assert not list((tmp_path / "save").glob("iter_*"))
