@@ -93,4 +93,5 @@ def compile_failure(error: Exception, layers_compiled: bool) -> str:
     inner = getattr(error, "inner_exception", error)
     first = (str(inner).strip().splitlines() or [""])[0]
     instead = "train with --no-compile-layers for eager layers, or " if layers_compiled else ""
-    return f"torch.compile could not compile ({type(inner).__name__}: {first}); {instead}add --debug for its whole report"
+    return (f"torch.compile could not compile ({type(inner).__name__}: {first}); {instead}add --debug for its "
+            "whole report")
