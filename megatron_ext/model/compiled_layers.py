@@ -14,6 +14,7 @@ cannot trace: a graph break in every layer); other warnings inside a layer are m
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 
 import torch
@@ -85,6 +86,13 @@ def compile_problems() -> list[str]:
     if given_up := counters["frames"]["total"] - counters["frames"]["ok"]:
         problems.append(f"{given_up} frame(s) not compiled (e.g. past torch._dynamo's recompile limit)")
     return problems
+
+
+def compile_failed(error: BaseException) -> bool:
+    """Whether `error` is torch.compile failing to build what it traced. Looked up, not imported: a CPU process
+    imports no TorchDynamo (`compat.lean_import`) unless something compiled, and only then can this fail."""
+    dynamo_errors = sys.modules.get("torch._dynamo.exc")
+    return dynamo_errors is not None and isinstance(error, dynamo_errors.BackendCompilerFailed)
 
 
 def compile_failure(error: Exception, layers_compiled: bool) -> str:

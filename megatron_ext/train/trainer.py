@@ -17,7 +17,6 @@ from dataclasses import astuple, fields
 from pathlib import Path
 
 import torch
-from torch._dynamo.exc import BackendCompilerFailed
 
 from megatron_ext import lifetime, stop_signals
 from megatron_ext.config.options import TrainConfig
@@ -26,7 +25,7 @@ from megatron_ext.distributed import device
 from megatron_ext.errors import UserError, report
 from megatron_ext.eval.evaluation import AnswerEvaluation
 from megatron_ext.fsutil import write_jsonl
-from megatron_ext.model.compiled_layers import compile_failure
+from megatron_ext.model.compiled_layers import compile_failed, compile_failure
 from megatron_ext.model.inputs import ModelInputs
 from megatron_ext.model.mrope_inputs import inputs_for
 from megatron_ext.model.packed_sequences import sample_lengths
@@ -410,8 +409,8 @@ def run(config: TrainConfig, trainer_class: type[Trainer] = Trainer) -> int:
     except (UserError, TrainingStopped) as exc:
         report(str(exc))
         return 2 if isinstance(exc, UserError) else 1
-    except BackendCompilerFailed as exc:
-        if plan.config.debug:
+    except Exception as exc:
+        if plan.config.debug or not compile_failed(exc):
             raise
         report(compile_failure(exc, plan.execution.model.compile_layers))
         return 2
