@@ -151,7 +151,7 @@ def build_model(arch, opts, vp_stage: int | None = None, meta: bool = False):
     if opts.execution.fp8 and opts.execution.fp8_backend == "torchao":
         float8_linears.apply(model)
     if opts.execution.compile_layers:
-        compile_layers(model, opts.execution.gradient_accumulation_fusion)
+        compile_layers(model)
     return model
 
 

@@ -47,23 +47,16 @@ def _traceable_tp_group_lookup() -> None:
     _TRACEABLE = True
 
 
-def _tensor_parallel() -> bool:
-    from megatron.core import parallel_state
-
-    return parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_world_size() > 1
-
-
-def compile_layers(model: torch.nn.Module, gradient_accumulation_fusion: bool = False) -> int:
+def compile_layers(model: torch.nn.Module) -> int:
     """Compile every megatron-core TransformerLayer of `model` in place, and the tower blocks torch.compile
-    traces whole; how many there are. With `gradient_accumulation_fusion`, its linear layers run
-    `compiled_linear`'s traceable form of it."""
+    traces whole; how many there are. Their linear layers call `compiled_linear.linear`, which takes the
+    calls megatron-core's own function would break the graph at (fused weight gradients, TP > 1)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from megatron_ext.model import attention, compiled_linear, tower_attention
 
     _traceable_tp_group_lookup()
-    if gradient_accumulation_fusion or _tensor_parallel():
-        compiled_linear.use()
+    compiled_linear.use()
     attention.prepare_for_compile()
     # Every layer (tower and language model) shares TransformerLayer.forward's code and so its recompile limit:
     # graphs with and without grad (a frozen tower), and per range of lengths that inductor picks kernels for.
